@@ -1,0 +1,38 @@
+// Shared by the CPU and CUDA group_norm_silu kernels: validation and the problem's shape.
+#pragma once
+#include "checks.h"
+#include "layout.h"
+
+namespace vd {
+
+constexpr const char* kGroupNormOp = "vd::group_norm_silu";
+
+struct GNShape {
+  int64_t N, C, G, S;  // S: product of the trailing (spatial) dims
+  bool channels_last;
+};
+
+inline GNShape check_group_norm(const at::Tensor& x, int64_t num_groups,
+                         const std::optional<at::Tensor>& weight,
+                         const std::optional<at::Tensor>& bias, double eps) {
+  TORCH_CHECK(x.dim() >= 3 && x.dim() <= 5, kGroupNormOp,
+              ": x must be 3-D, 4-D or 5-D (N, C, *spatial), got shape ", x.sizes());
+  check_float_dtype(x, kGroupNormOp, "x");
+  const int64_t C = x.size(1);
+  TORCH_CHECK(num_groups >= 1, kGroupNormOp, ": num_groups must be >= 1, got ", num_groups);
+  TORCH_CHECK(C % num_groups == 0, kGroupNormOp, ": num_groups (", num_groups,
+              ") must divide the number of channels x.size(1) = ", C);
+  TORCH_CHECK(eps >= 0, kGroupNormOp, ": eps must be >= 0, got ", eps);
+  check_vector(weight, C, x, kGroupNormOp, "weight");
+  check_vector(bias, C, x, kGroupNormOp, "bias");
+  GNShape s;
+  s.N = x.size(0);
+  s.C = C;
+  s.G = num_groups;
+  s.S = x.numel() / std::max<int64_t>(1, s.N * C);
+  if (s.N * C == 0) s.S = 0;
+  s.channels_last = channels_last_layout(x);
+  return s;
+}
+
+}  // namespace vd

@@ -1,0 +1,54 @@
+"""Shared test helpers: which devices have kernels, tolerances per dtype, opcheck wrappers."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.library import opcheck
+
+import vdcompile  # noqa: F401  (registers torch.ops.vd)
+from vdcompile import built_backends
+
+# Tolerances against a float64 reference, per input dtype (max abs error, relative to the
+# reference's max magnitude + 1): fp32 arithmetic and the reduced precisions' rounding.
+TOL = {
+    torch.float64: 1e-10,
+    torch.float32: 2e-5,
+    torch.float16: 4e-3,
+    torch.bfloat16: 3e-2,
+}
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+# opcheck's own default; test_aot_dispatch_dynamic also compares gradients.
+OPCHECK_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+
+
+def device_params(op: str):
+    """pytest params for the devices the installed extension has kernels for.
+
+    The CUDA case is decided by what was built (the dispatcher), and skipped with the reason when
+    the build has no CUDA kernel or no GPU is visible."""
+    cuda_built = "CUDA" in built_backends(op)
+    cuda_reason = (
+        f"vd::{op} was built without CUDA kernels" if not cuda_built
+        else "no CUDA device visible" if not torch.cuda.is_available() else ""
+    )
+    return [
+        pytest.param("cpu", id="cpu"),
+        pytest.param("cuda", id="cuda", marks=pytest.mark.skipif(bool(cuda_reason), reason=cuda_reason or "-")),
+    ]
+
+
+def assert_close_to(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, factor: float = 1.0, what: str = ""):
+    """Max abs error of ``out`` against a high-precision ``ref``, scaled by ref's magnitude."""
+    assert out.shape == ref.shape, f"{what} shape {tuple(out.shape)} != {tuple(ref.shape)}"
+    out64, ref64 = out.double(), ref.double()
+    assert torch.isfinite(out64).all() == torch.isfinite(ref64).all(), f"{what} non-finite values differ"
+    err = (out64 - ref64).abs().max().item() if out.numel() else 0.0
+    bound = factor * TOL[dtype] * (1.0 + ref64.abs().max().item() if ref.numel() else 1.0)
+    assert err <= bound, f"{what} max abs error {err:.3e} > {bound:.3e} ({dtype})"
+
+
+def run_opcheck(op, args, kwargs=None):
+    result = opcheck(op, args, kwargs or {}, test_utils=OPCHECK_UTILS)
+    assert all(v == "SUCCESS" for v in result.values()), result

@@ -1,0 +1,120 @@
+"""vd::group_norm_silu: opcheck, equivalence with the reference, gradients, bad inputs."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from tests.common import DTYPES, assert_close_to, device_params, run_opcheck
+from vdcompile.ops import group_norm_silu, reference_group_norm_silu
+
+OP = torch.ops.vd.group_norm_silu.default
+DEVICES = device_params("group_norm_silu")
+
+
+def sample_inputs(device, requires_grad):
+    def t(*shape, cl=None):
+        x = torch.randn(*shape, device=device)
+        if cl is not None:
+            x = x.to(memory_format=cl)
+        return x.requires_grad_(requires_grad)
+
+    def wb(c):
+        return (torch.randn(c, device=device).requires_grad_(requires_grad),
+                torch.randn(c, device=device).requires_grad_(requires_grad))
+
+    w8, b8 = wb(8)
+    return [
+        (t(2, 8, 5, 6), 4, w8, b8, 1e-5, True),
+        (t(2, 8, 5, 6, cl=torch.channels_last), 4, w8, b8, 1e-5, True),
+        (t(2, 8, 7), 2, None, None, 1e-6, True),                            # 3-D, no affine
+        (t(1, 8, 3, 4, 5), 8, w8, None, 1e-5, False),                      # 5-D, plain GroupNorm
+        (t(2, 8, 3, 4, 5, cl=torch.channels_last_3d), 2, w8, b8, 1e-5, True),
+        (t(2, 8, 6, 10)[:, :, :, ::2], 4, w8, b8, 1e-5, True),             # non-contiguous view
+    ]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_opcheck(device, requires_grad):
+    for args in sample_inputs(device, requires_grad):
+        run_opcheck(OP, args)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@settings(max_examples=25, deadline=None)
+@given(
+    n=st.integers(1, 3), groups=st.sampled_from([1, 2, 4, 8]), cpg=st.integers(1, 5),
+    spatial=st.lists(st.integers(1, 13), min_size=1, max_size=3),
+    dtype=st.sampled_from(DTYPES), affine=st.booleans(), channels_last=st.booleans(), seed=st.integers(0, 2**31),
+)
+def test_matches_reference(device, n, groups, cpg, spatial, dtype, affine, channels_last, seed):
+    torch.manual_seed(seed)
+    C = groups * cpg
+    x = (torch.randn(n, C, *spatial, device=device) * 3 + 1).to(dtype)
+    if channels_last and x.dim() in (4, 5):
+        x = x.to(memory_format=torch.channels_last if x.dim() == 4 else torch.channels_last_3d)
+    w = torch.randn(C, device=device, dtype=dtype) if affine else None
+    b = torch.randn(C, device=device, dtype=dtype) if affine else None
+    out = group_norm_silu(x, groups, w, b, 1e-5)
+    ref = reference_group_norm_silu(x.double(), groups, None if w is None else w.double(),
+                                    None if b is None else b.double(), 1e-5)
+    assert out.dtype == dtype
+    assert_close_to(out, ref, dtype)
+    expect_cl = channels_last and x.dim() in (4, 5) and not x.is_contiguous()
+    fmt = torch.channels_last if x.dim() == 4 else torch.channels_last_3d
+    if expect_cl:
+        assert out.is_contiguous(memory_format=fmt)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape,cl", [((2, 6, 3, 4), False), ((2, 6, 3, 4), True), ((1, 4, 5), False), ((1, 4, 2, 3, 2), False)])
+@pytest.mark.parametrize("silu", [True, False])
+def test_gradcheck(device, shape, cl, silu):
+    x = torch.randn(*shape, device=device, dtype=torch.float64)
+    if cl:
+        x = x.to(memory_format=torch.channels_last)
+    x.requires_grad_()
+    C = shape[1]
+    w = torch.randn(C, device=device, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(C, device=device, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x, w, b: group_norm_silu(x, 2, w, b, 1e-5, silu), (x, w, b))
+    assert torch.autograd.gradcheck(lambda x: group_norm_silu(x, 2, None, None, 1e-5, silu), (x,))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gradients_match_reference_low_precision(device):
+    for dtype in DTYPES:
+        x = torch.randn(2, 8, 6, 5, device=device, dtype=dtype, requires_grad=True)
+        w = torch.randn(8, device=device, dtype=dtype, requires_grad=True)
+        b = torch.randn(8, device=device, dtype=dtype, requires_grad=True)
+        g = torch.randn(2, 8, 6, 5, device=device, dtype=dtype)
+        grads = torch.autograd.grad(group_norm_silu(x, 4, w, b), (x, w, b), g)
+        xr, wr, br = (t.detach().double().requires_grad_() for t in (x, w, b))
+        ref = torch.autograd.grad(reference_group_norm_silu(xr, 4, wr, br), (xr, wr, br), g.double())
+        for got, want, name in zip(grads, ref, "xwb"):
+            assert got.dtype == dtype
+            assert_close_to(got, want, dtype, factor=4 if name != "x" else 1, what=f"grad {name}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_inputs(device):
+    x = torch.randn(2, 6, 4, 4, device=device)
+    with pytest.raises(RuntimeError, match="num_groups \\(4\\) must divide"):
+        group_norm_silu(x, 4)
+    with pytest.raises(RuntimeError, match="x must be 3-D, 4-D or 5-D"):
+        group_norm_silu(torch.randn(2, 6, device=device), 2)
+    with pytest.raises(RuntimeError, match="weight must have shape \\(6,\\)"):
+        group_norm_silu(x, 2, torch.randn(5, device=device))
+    with pytest.raises(TypeError, match="x must be float32, float16, bfloat16 or float64"):
+        group_norm_silu(x.to(torch.int32), 2)
+    with pytest.raises(RuntimeError, match="num_groups must be >= 1"):
+        group_norm_silu(x, 0)
+    if device == "cpu" and torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="bias is on"):
+            group_norm_silu(x, 2, None, torch.randn(6, device="cuda"))
+
+
+def test_empty_batch():
+    x = torch.randn(0, 4, 3, 3)
+    assert group_norm_silu(x, 2).shape == (0, 4, 3, 3)

@@ -1,0 +1,12 @@
+"""Typed Python entry points of the vd ops, plus their fake kernels and autograd formulas.
+
+Every op is also reachable as ``torch.ops.vd.<name>`` once :mod:`vdcompile` is imported.
+Each family lives in its own module (the C++ schemas name it with set_python_module).
+"""
+from vdcompile.ops import attention, conv, norm, scheduler  # noqa: F401
+from vdcompile.ops.norm import group_norm_silu, reference_group_norm_silu
+
+__all__ = [
+    "group_norm_silu",
+    "reference_group_norm_silu",
+]

@@ -1,0 +1,1 @@
+"""vd ops of the attention family (being written)."""

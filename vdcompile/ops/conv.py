@@ -1,0 +1,1 @@
+"""vd ops of the conv family (being written)."""

@@ -1,0 +1,1 @@
+"""vd ops of the scheduler family (being written)."""
