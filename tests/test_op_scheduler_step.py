@@ -6,6 +6,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from tests.common import DTYPES, assert_close_to, device_params, run_opcheck
+from vdcompile import has_cuda_kernels
 from vdcompile.ops import reference_scheduler_step, scheduler_step
 
 OP = torch.ops.vd.scheduler_step.default
@@ -204,9 +205,19 @@ def test_bad_inputs(device):
         scheduler_step(x, x, c, clip_x0=float("nan"))
     with pytest.raises(RuntimeError, match="sample must have at least 1 dim"):
         scheduler_step(torch.randn((), device=device), torch.randn((), device=device), c)
-    if device == "cpu" and torch.cuda.is_available():
-        with pytest.raises(RuntimeError, match="coeffs is on"):
-            scheduler_step(x, x, c.cuda())
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and has_cuda_kernels("scheduler_step")),
+                    reason="needs a CUDA device and the CUDA kernel (the dispatcher picks it for mixed devices)")
+def test_device_mismatch():
+    x = torch.randn(2, 3, 4, device="cuda")
+    c = torch.randn(6, device="cuda")
+    with pytest.raises(RuntimeError, match="coeffs is on cpu but sample is on cuda"):
+        scheduler_step(x, x, c.cpu())
+    with pytest.raises(RuntimeError, match="model_output is on cpu but sample is on cuda"):
+        scheduler_step(x.cpu(), x, c)
+    with pytest.raises(RuntimeError, match="blend_weight is on cpu"):
+        scheduler_step(x, x, c, None, x, torch.tensor(0.5))
 
 
 def test_bad_inputs_fake():
@@ -221,6 +232,8 @@ def test_bad_inputs_fake():
             OP(torch.randn(2, 3, 5), x, torch.randn(6))
         with pytest.raises(RuntimeError, match="prev_frame and blend_weight must be given together"):
             OP(x, x, torch.randn(6), None, x)
+        with pytest.raises(RuntimeError, match="coeffs is on meta but sample is on cpu"):
+            OP(x, x, torch.randn(6, device="meta"))
 
 
 def test_empty_batch():

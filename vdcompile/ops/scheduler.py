@@ -76,6 +76,11 @@ def _check_args(model_output, sample, coeffs, prev_x0, prev_frame, blend_weight,
         if t is not None:
             torch._check(t.dtype in FLOAT_DTYPES,
                          lambda: f"{_OP}: {name} must be float32, float16, bfloat16 or float64, got {t.dtype}")
+    for name, t in (("model_output", model_output), ("coeffs", coeffs), ("prev_x0", prev_x0),
+                    ("prev_frame", prev_frame), ("blend_weight", blend_weight)):
+        if t is not None:
+            torch._check(t.device == sample.device,
+                         lambda: f"{_OP}: {name} is on {t.device} but sample is on {sample.device}")
     torch._check(sample.dim() >= 1, lambda: f"{_OP}: sample must have at least 1 dim (N, ...), got a 0-D tensor")
     for name, t in (("model_output", model_output), ("prev_x0", prev_x0), ("prev_frame", prev_frame)):
         if t is not None:
