@@ -12,12 +12,10 @@
 #include <cmath>
 #include <vector>
 
-#include "../conv.h"
+#include "../conv_gemm.h"
 
 namespace vd {
 namespace {
-
-constexpr const char* kOp = kConvBnSiluOp;
 
 template <typename T>
 inline T silu_fn(T z) {
@@ -28,44 +26,6 @@ template <typename T>
 inline T silu_grad(T z) {
   T sg = T(1) / (T(1) + std::exp(-z));
   return sg * (T(1) + z * (T(1) - sg));
-}
-
-at::MemoryFormat conv_format(const ConvShape& s) {
-  return s.channels_last ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous;
-}
-
-// Per-channel math runs in float (double for float64 inputs).
-at::ScalarType acc_dtype(const at::Tensor& x) {
-  return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-}
-
-struct Folded {
-  at::Tensor inv_std;  // 1 / sqrt(bn_var + eps), acc dtype
-  at::Tensor scale;    // s = bn_weight * inv_std, acc dtype
-  at::Tensor shift;    // b' = (b - bn_mean) * s + bn_bias, acc dtype
-  at::Tensor weight;   // w' = w * s, x's dtype and layout
-};
-
-Folded fold_bn(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-               const at::Tensor& bn_weight, const at::Tensor& bn_bias, const at::Tensor& bn_mean,
-               const at::Tensor& bn_var, double eps, at::MemoryFormat fmt) {
-  const auto acc = acc_dtype(x);
-  Folded f;
-  f.inv_std = (bn_var.to(acc) + eps).rsqrt();
-  f.scale = bn_weight.to(acc) * f.inv_std;
-  at::Tensor b_minus_mean = bias.has_value() ? bias->to(acc) - bn_mean.to(acc) : -bn_mean.to(acc);
-  f.shift = (b_minus_mean * f.scale + bn_bias.to(acc)).contiguous();
-  f.weight = (weight.to(acc) * f.scale.view({-1, 1, 1, 1})).to(x.scalar_type()).contiguous(fmt);
-  return f;
-}
-
-at::Tensor folded_conv(const at::Tensor& x, const Folded& f, const ConvShape& s) {
-  const std::array<int64_t, 2> no_output_padding{0, 0};
-  at::Tensor y = at::convolution(x, f.weight, std::nullopt, s.stride, s.padding, s.dilation,
-                                 /*transposed=*/false, no_output_padding, s.groups);
-  // ATen follows x's layout already; the op's output layout is part of its contract regardless.
-  const auto fmt = conv_format(s);
-  return y.is_contiguous(fmt) ? y : y.contiguous(fmt);
 }
 
 // Calls fn(chunk, offset, count, channel) for every run of elements of one channel: whole (n, c)
@@ -153,70 +113,23 @@ at::Tensor grad_z_(at::Tensor& y, const at::Tensor& g, const at::Tensor& shift, 
   return sums;
 }
 
-at::Tensor conv_bn_silu_cpu(const at::Tensor& x_in, const at::Tensor& weight,
+at::Tensor conv_bn_silu_cpu(const at::Tensor& x, const at::Tensor& weight,
                             const std::optional<at::Tensor>& bias, const at::Tensor& bn_weight,
                             const at::Tensor& bn_bias, const at::Tensor& bn_mean,
                             const at::Tensor& bn_var, double eps, at::IntArrayRef stride,
                             at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups,
                             bool silu) {
-  ConvShape s = check_conv_bn_silu(x_in, weight, bias, bn_weight, bn_bias, bn_mean, bn_var, eps,
-                                   stride, padding, dilation, groups);
-  const auto fmt = conv_format(s);
-  if (s.N == 0)
-    return at::empty({0, s.C_out, s.H_out, s.W_out}, x_in.options().memory_format(fmt));
-  at::Tensor x = x_in.contiguous(fmt);
-  Folded f = fold_bn(x, weight, bias, bn_weight, bn_bias, bn_mean, bn_var, eps, fmt);
-  at::Tensor y = folded_conv(x, f, s);
-  bias_act_(y, f.shift, silu, s);
-  return y;
+  return conv_bn_silu_forward(x, weight, bias, bn_weight, bn_bias, bn_mean, bn_var, eps, stride,
+                              padding, dilation, groups, silu, bias_act_);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> conv_bn_silu_backward_cpu(
-    const at::Tensor& grad_out, const at::Tensor& x_in, const at::Tensor& weight,
+    const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight,
     const std::optional<at::Tensor>& bias, const at::Tensor& bn_weight, const at::Tensor& bn_bias,
     const at::Tensor& bn_mean, const at::Tensor& bn_var, double eps, at::IntArrayRef stride,
     at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups, bool silu) {
-  ConvShape s = check_conv_bn_silu(x_in, weight, bias, bn_weight, bn_bias, bn_mean, bn_var, eps,
-                                   stride, padding, dilation, groups);
-  check_same_device(x_in, grad_out, kOp, "x", "grad_out");
-  check_same_dtype(x_in, grad_out, kOp, "x", "grad_out");
-  const std::vector<int64_t> out_shape{s.N, s.C_out, s.H_out, s.W_out};
-  TORCH_CHECK(grad_out.sizes() == at::IntArrayRef(out_shape), kOp,
-              "_backward: grad_out must have the output's shape ", at::IntArrayRef(out_shape),
-              ", got ", grad_out.sizes());
-  const auto fmt = conv_format(s);
-  const auto acc = acc_dtype(x_in);
-  at::Tensor x = x_in.contiguous(fmt);
-  at::Tensor g = grad_out.contiguous(fmt);
-  Folded f = fold_bn(x, weight, bias, bn_weight, bn_bias, bn_mean, bn_var, eps, fmt);
-
-  at::Tensor dx, dw_raw, sum_dz;
-  if (s.N == 0) {
-    dx = at::empty_like(x);
-    dw_raw = at::zeros(weight.sizes(), weight.options().dtype(acc));
-    sum_dz = at::zeros({s.C_out}, weight.options().dtype(acc));
-  } else {
-    // silu=False: z is never needed, dz is grad_out itself.
-    at::Tensor dz = silu ? folded_conv(x, f, s) : g;
-    sum_dz = grad_z_(dz, g, f.shift, silu, s).to(acc);
-    const std::array<int64_t, 2> no_output_padding{0, 0};
-    auto grads = at::convolution_backward(dz, x, f.weight, std::nullopt, s.stride, s.padding,
-                                          s.dilation, /*transposed=*/false, no_output_padding,
-                                          s.groups, {true, true, false});
-    dx = std::get<0>(grads).contiguous(fmt);
-    dw_raw = std::get<1>(grads).to(acc);
-  }
-  // dW_raw is the gradient of the folded weight w' = w * s.
-  at::Tensor dweight = (dw_raw * f.scale.view({-1, 1, 1, 1})).to(weight.scalar_type()).contiguous();
-  at::Tensor dbias = (sum_dz * f.scale).to(bias.has_value() ? bias->scalar_type() : x.scalar_type());
-  at::Tensor dbn_bias = sum_dz.to(bn_bias.scalar_type());
-  // dz/dbn_weight = inv_std * (conv(x, w) + b - mean); summing dz * conv(x, w) over the output
-  // equals sum(w * dW_raw) over each filter.
-  at::Tensor b_minus_mean = bias.has_value() ? bias->to(acc) - bn_mean.to(acc) : -bn_mean.to(acc);
-  at::Tensor dbn_weight =
-      (f.inv_std * ((weight.to(acc) * dw_raw).sum({1, 2, 3}) + b_minus_mean * sum_dz))
-          .to(bn_weight.scalar_type());
-  return {dx, dweight, dbias, dbn_weight, dbn_bias};
+  return conv_bn_silu_backward(grad_out, x, weight, bias, bn_weight, bn_bias, bn_mean, bn_var, eps,
+                               stride, padding, dilation, groups, silu, grad_z_);
 }
 
 }  // namespace
