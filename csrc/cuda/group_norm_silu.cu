@@ -5,10 +5,12 @@
 //                         work is split into chunks handled by one warp each ("rows" kernels).
 //   N*C  (channels_last): each spatial position holds C contiguous channels; a block walks a range
 //                         of positions with its threads laid over the channels ("cols" kernels).
-// Statistics are Welford states (float, double for fp64) merged with Chan's formula, so a group of
-// millions of elements keeps its variance even when the mean dwarfs the spread. Partial states are
-// written per chunk and merged in a fixed order: results are deterministic (no atomics), and so are
-// the backward's per-channel sums and grad_weight / grad_bias.
+// Statistics: each lane runs Welford states over a few vectors in float (double for fp64); those
+// states are merged with Chan's formula in double, so a group of millions of elements keeps its
+// variance even when the mean dwarfs the spread. The mean is handed on as a float pair (hi, lo) and
+// x - mean is taken as (x - hi) - lo, which keeps it exact to float rounding where x is close to the
+// mean. Partial states are written per chunk and merged in a fixed order: results are deterministic
+// (no atomics), and so are the backward's per-channel sums and grad_weight / grad_bias.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
@@ -114,7 +116,9 @@ struct LaneWelford {
       m2[j] += d * (v[j] - mean[j]);
     }
   }
-  __device__ __forceinline__ Welford<T> get(int j) const { return {mean[j], m2[j], T(n)}; }
+  __device__ __forceinline__ Welford<double> get(int j) const {
+    return {static_cast<double>(mean[j]), static_cast<double>(m2[j]), static_cast<double>(n)};
+  }
 };
 
 template <int VEC, typename scalar_t, typename acc_t>
@@ -149,20 +153,27 @@ __device__ __forceinline__ void warp_visit(int64_t lo, int64_t hi, int lane, FV&
   for (int64_t i = a1 + lane; i < hi; i += 32) fs(i);
 }
 
-// Per (n, c) parameters of z = (x - mean) * (rstd * gamma) + beta.
+// Per (n, c) parameters of z = (x - mean) * (rstd * gamma) + beta; the mean is mean + mean_lo.
 template <typename scalar_t, typename acc_t>
 struct ChannelParams {
-  acc_t mean, rstd, gamma, beta;
-  __device__ __forceinline__ ChannelParams(const acc_t* means, const acc_t* rstds, const scalar_t* w,
-                                           const scalar_t* b, int64_t n, int64_t c, int64_t G,
-                                           int64_t cpg) {
-    const int64_t ng = n * G + c / cpg;
-    mean = means[ng];
-    rstd = rstds[ng];
+  acc_t mean, mean_lo, rstd, gamma, beta;
+  template <typename A>
+  __device__ __forceinline__ ChannelParams(const A& a, int64_t n, int64_t c) {
+    const int64_t ng = n * a.G + c / a.cpg;
+    const scalar_t* w = a.w;
+    const scalar_t* b = a.b;
+    mean = a.mean[ng];
+    mean_lo = a.mean_lo[ng];
+    rstd = a.rstd[ng];
     gamma = w ? static_cast<acc_t>(w[c]) : acc_t(1);
     beta = b ? static_cast<acc_t>(b[c]) : acc_t(0);
   }
 };
+
+template <typename acc_t>
+__device__ __forceinline__ acc_t centered(acc_t x, acc_t mean, acc_t mean_lo) {
+  return (x - mean) - mean_lo;
+}
 
 // ---------------------------------------------------------------------------------------------
 // Problem description shared by the kernels.
@@ -173,7 +184,8 @@ struct GNArgs {
   scalar_t* out;          // y (forward) or dx (backward)
   const scalar_t* w;      // nullptr: gamma = 1
   const scalar_t* b;      // nullptr: beta = 0
-  const acc_t* mean;      // (N * G)
+  const acc_t* mean;      // (N * G) mean rounded to acc_t
+  const acc_t* mean_lo;   // (N * G) the rest of the mean
   const acc_t* rstd;      // (N * G)
   const acc_t* m1;        // (N * G) backward: group means of dxhat
   const acc_t* m2;        // (N * G) backward: group means of dxhat * xhat
@@ -217,7 +229,7 @@ __device__ __forceinline__ ColBlock col_block(const A& a, int vec) {
 // NC*: item w covers chunk p of group ng's cpg * S contiguous elements.
 template <typename scalar_t, typename acc_t, int VEC>
 __global__ void __launch_bounds__(kThreads) stats_rows_kernel(GNArgs<scalar_t, acc_t> a,
-                                                              Welford<acc_t>* __restrict__ part) {
+                                                              Welford<double>* __restrict__ part) {
   const int lane = threadIdx.x & 31;
   const int64_t w = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
   if (w >= a.items) return;  // uniform per warp
@@ -226,7 +238,7 @@ __global__ void __launch_bounds__(kThreads) stats_rows_kernel(GNArgs<scalar_t, a
   const int64_t lo = ng * M + p * a.CH;
   const int64_t hi = lo + a.CH < (ng + 1) * M ? lo + a.CH : (ng + 1) * M;
   LaneWelford<acc_t, VEC> lw;
-  Welford<acc_t> single{acc_t(0), acc_t(0), acc_t(0)};
+  Welford<double> single{0.0, 0.0, 0.0};
   warp_visit<VEC>(
       lo, hi, lane,
       [&](int64_t i) {
@@ -234,8 +246,8 @@ __global__ void __launch_bounds__(kThreads) stats_rows_kernel(GNArgs<scalar_t, a
         load_vec<VEC>(a.x + i, v);
         lw.push(v);
       },
-      [&](int64_t i) { single = combine(single, Welford<acc_t>{static_cast<acc_t>(a.x[i]), acc_t(0), acc_t(1)}); });
-  Welford<acc_t> s = single;
+      [&](int64_t i) { single = combine(single, Welford<double>{static_cast<double>(a.x[i]), 0.0, 1.0}); });
+  Welford<double> s = single;
 #pragma unroll
   for (int j = 0; j < VEC; ++j) s = combine(s, lw.get(j));
   s = warp_combine(s);
@@ -245,7 +257,7 @@ __global__ void __launch_bounds__(kThreads) stats_rows_kernel(GNArgs<scalar_t, a
 // N*C: one state per (n, c, p), stored at part[(n * C + c) * P + p].
 template <typename scalar_t, typename acc_t, int VEC>
 __global__ void __launch_bounds__(kThreads) stats_cols_kernel(GNArgs<scalar_t, acc_t> a,
-                                                              Welford<acc_t>* __restrict__ part) {
+                                                              Welford<double>* __restrict__ part) {
   __shared__ acc_t sh_mean[kThreads * VEC];
   __shared__ acc_t sh_m2[kThreads * VEC];
   __shared__ int sh_n[kThreads];
@@ -270,10 +282,11 @@ __global__ void __launch_bounds__(kThreads) stats_cols_kernel(GNArgs<scalar_t, a
   for (int cc = tid; cc < a.TCV * VEC; cc += kThreads) {
     const int64_t c = cb.ct * a.TCV * VEC + cc;
     if (c >= a.C) continue;
-    Welford<acc_t> st{acc_t(0), acc_t(0), acc_t(0)};
+    Welford<double> st{0.0, 0.0, 0.0};
     for (int r = 0; r < a.R; ++r) {
       const int t = r * a.TCV + cc / VEC, slot = t * VEC + cc % VEC;
-      st = combine(st, Welford<acc_t>{sh_mean[slot], sh_m2[slot], static_cast<acc_t>(sh_n[t])});
+      st = combine(st, Welford<double>{static_cast<double>(sh_mean[slot]), static_cast<double>(sh_m2[slot]),
+                                       static_cast<double>(sh_n[t])});
     }
     part[(cb.n * a.C + c) * a.P + cb.p] = st;
   }
@@ -281,21 +294,23 @@ __global__ void __launch_bounds__(kThreads) stats_cols_kernel(GNArgs<scalar_t, a
 
 // One warp per (n, g) merges the K partial states part[ng * K, (ng + 1) * K).
 template <typename acc_t>
-__global__ void __launch_bounds__(kThreads) stats_finalize_kernel(const Welford<acc_t>* __restrict__ part,
-                                                                  int64_t K, int64_t NG, acc_t eps,
+__global__ void __launch_bounds__(kThreads) stats_finalize_kernel(const Welford<double>* __restrict__ part,
+                                                                  int64_t K, int64_t NG, double eps,
                                                                   acc_t* __restrict__ mean,
+                                                                  acc_t* __restrict__ mean_lo,
                                                                   acc_t* __restrict__ rstd) {
   const int lane = threadIdx.x & 31;
   const int64_t ng = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
   if (ng >= NG) return;
-  Welford<acc_t> s{acc_t(0), acc_t(0), acc_t(0)};
+  Welford<double> s{0.0, 0.0, 0.0};
   for (int64_t j = lane; j < K; j += 32) s = combine(s, part[ng * K + j]);
   s = warp_combine(s);
   if (lane == 0) {
-    acc_t var = s.n > acc_t(0) ? s.m2 / s.n : acc_t(0);
-    if (var < acc_t(0)) var = acc_t(0);
-    mean[ng] = s.mean;
-    rstd[ng] = acc_t(1) / sqrt(var + eps);
+    const double var = s.n > 0.0 && s.m2 > 0.0 ? s.m2 / s.n : 0.0;
+    const acc_t hi = static_cast<acc_t>(s.mean);
+    mean[ng] = hi;
+    mean_lo[ng] = static_cast<acc_t>(s.mean - static_cast<double>(hi));
+    rstd[ng] = static_cast<acc_t>(1.0 / sqrt(var + eps));
   }
 }
 
@@ -310,10 +325,10 @@ __global__ void __launch_bounds__(kThreads) apply_rows_kernel(GNArgs<scalar_t, a
   const int64_t row = w / a.P, p = w % a.P;
   const int64_t lo = row * a.S + p * a.CH;
   const int64_t hi = lo + a.CH < (row + 1) * a.S ? lo + a.CH : (row + 1) * a.S;
-  const ChannelParams<scalar_t, acc_t> cp(a.mean, a.rstd, a.w, a.b, row / a.C, row % a.C, a.G, a.cpg);
+  const ChannelParams<scalar_t, acc_t> cp(a, row / a.C, row % a.C);
   const acc_t sc = cp.rstd * cp.gamma;
   auto f = [&](acc_t v) {
-    const acc_t z = (v - cp.mean) * sc + cp.beta;
+    const acc_t z = centered(v, cp.mean, cp.mean_lo) * sc + cp.beta;
     return a.silu ? silu_fn(z) : z;
   };
   warp_visit<VEC>(
@@ -332,11 +347,12 @@ template <typename scalar_t, typename acc_t, int VEC>
 __global__ void __launch_bounds__(kThreads) apply_cols_kernel(GNArgs<scalar_t, acc_t> a) {
   const ColBlock cb = col_block(a, VEC);
   if (!cb.active) return;  // no barrier below
-  acc_t mu[VEC], sc[VEC], be[VEC];
+  acc_t mu[VEC], lo[VEC], sc[VEC], be[VEC];
 #pragma unroll
   for (int j = 0; j < VEC; ++j) {
-    const ChannelParams<scalar_t, acc_t> cp(a.mean, a.rstd, a.w, a.b, cb.n, cb.cv * VEC + j, a.G, a.cpg);
+    const ChannelParams<scalar_t, acc_t> cp(a, cb.n, cb.cv * VEC + j);
     mu[j] = cp.mean;
+    lo[j] = cp.mean_lo;
     sc[j] = cp.rstd * cp.gamma;
     be[j] = cp.beta;
   }
@@ -346,7 +362,7 @@ __global__ void __launch_bounds__(kThreads) apply_cols_kernel(GNArgs<scalar_t, a
     load_vec<VEC>(a.x + i, v);
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
-      const acc_t z = (v[j] - mu[j]) * sc[j] + be[j];
+      const acc_t z = centered(v[j], mu[j], lo[j]) * sc[j] + be[j];
       v[j] = a.silu ? silu_fn(z) : z;
     }
     store_vec<VEC>(a.out + i, v);
@@ -363,10 +379,10 @@ struct Sum2 {
   acc_t dz, dzx;
 };
 
+// xc: x - mean (see centered()).
 template <typename acc_t>
-__device__ __forceinline__ void grad_terms(acc_t x, acc_t dy, acc_t mean, acc_t rstd, acc_t sc, acc_t beta,
-                                           bool silu, acc_t& dz, acc_t& xhat) {
-  const acc_t xc = x - mean;
+__device__ __forceinline__ void grad_terms(acc_t xc, acc_t dy, acc_t rstd, acc_t sc, acc_t beta, bool silu,
+                                           acc_t& dz, acc_t& xhat) {
   dz = silu ? dy * silu_grad(xc * sc + beta) : dy;
   xhat = xc * rstd;
 }
@@ -381,12 +397,12 @@ __global__ void __launch_bounds__(kThreads) grad_sums_rows_kernel(GNArgs<scalar_
   const int64_t row = w / a.P, p = w % a.P;
   const int64_t lo = row * a.S + p * a.CH;
   const int64_t hi = lo + a.CH < (row + 1) * a.S ? lo + a.CH : (row + 1) * a.S;
-  const ChannelParams<scalar_t, acc_t> cp(a.mean, a.rstd, a.w, a.b, row / a.C, row % a.C, a.G, a.cpg);
+  const ChannelParams<scalar_t, acc_t> cp(a, row / a.C, row % a.C);
   const acc_t sc = cp.rstd * cp.gamma;
   acc_t sdz = 0, sdzx = 0;
   auto acc = [&](acc_t x, acc_t dy) {
     acc_t dz, xhat;
-    grad_terms(x, dy, cp.mean, cp.rstd, sc, cp.beta, a.silu, dz, xhat);
+    grad_terms(centered(x, cp.mean, cp.mean_lo), dy, cp.rstd, sc, cp.beta, a.silu, dz, xhat);
     sdz += dz;
     sdzx += dz * xhat;
   };
@@ -416,11 +432,12 @@ __global__ void __launch_bounds__(kThreads) grad_sums_cols_kernel(GNArgs<scalar_
 #pragma unroll
   for (int j = 0; j < VEC; ++j) sdz[j] = sdzx[j] = acc_t(0);
   if (cb.active) {
-    acc_t mu[VEC], rs[VEC], sc[VEC], be[VEC];
+    acc_t mu[VEC], lo[VEC], rs[VEC], sc[VEC], be[VEC];
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
-      const ChannelParams<scalar_t, acc_t> cp(a.mean, a.rstd, a.w, a.b, cb.n, cb.cv * VEC + j, a.G, a.cpg);
+      const ChannelParams<scalar_t, acc_t> cp(a, cb.n, cb.cv * VEC + j);
       mu[j] = cp.mean;
+      lo[j] = cp.mean_lo;
       rs[j] = cp.rstd;
       sc[j] = cp.rstd * cp.gamma;
       be[j] = cp.beta;
@@ -433,7 +450,7 @@ __global__ void __launch_bounds__(kThreads) grad_sums_cols_kernel(GNArgs<scalar_
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {
         acc_t dz, xhat;
-        grad_terms(x[j], dy[j], mu[j], rs[j], sc[j], be[j], a.silu, dz, xhat);
+        grad_terms(centered(x[j], mu[j], lo[j]), dy[j], rs[j], sc[j], be[j], a.silu, dz, xhat);
         sdz[j] += dz;
         sdzx[j] += dz * xhat;
       }
@@ -502,10 +519,10 @@ __global__ void __launch_bounds__(kThreads) grad_reduce_kernel(GNArgs<scalar_t, 
 }
 
 template <typename acc_t>
-__device__ __forceinline__ acc_t dx_of(acc_t x, acc_t dy, acc_t mean, acc_t rstd, acc_t gamma, acc_t sc,
-                                       acc_t beta, acc_t m1, acc_t m2, bool silu) {
+__device__ __forceinline__ acc_t dx_of(acc_t xc, acc_t dy, acc_t rstd, acc_t gamma, acc_t sc, acc_t beta,
+                                       acc_t m1, acc_t m2, bool silu) {
   acc_t dz, xhat;
-  grad_terms(x, dy, mean, rstd, sc, beta, silu, dz, xhat);
+  grad_terms(xc, dy, rstd, sc, beta, silu, dz, xhat);
   return rstd * (dz * gamma - m1 - xhat * m2);
 }
 
@@ -518,9 +535,11 @@ __global__ void __launch_bounds__(kThreads) dx_rows_kernel(GNArgs<scalar_t, acc_
   const int64_t lo = row * a.S + p * a.CH;
   const int64_t hi = lo + a.CH < (row + 1) * a.S ? lo + a.CH : (row + 1) * a.S;
   const int64_t n = row / a.C, c = row % a.C, ng = n * a.G + c / a.cpg;
-  const ChannelParams<scalar_t, acc_t> cp(a.mean, a.rstd, a.w, a.b, n, c, a.G, a.cpg);
+  const ChannelParams<scalar_t, acc_t> cp(a, n, c);
   const acc_t sc = cp.rstd * cp.gamma, m1 = a.m1[ng], m2 = a.m2[ng];
-  auto f = [&](acc_t x, acc_t dy) { return dx_of(x, dy, cp.mean, cp.rstd, cp.gamma, sc, cp.beta, m1, m2, a.silu); };
+  auto f = [&](acc_t x, acc_t dy) {
+    return dx_of(centered(x, cp.mean, cp.mean_lo), dy, cp.rstd, cp.gamma, sc, cp.beta, m1, m2, a.silu);
+  };
   warp_visit<VEC>(
       lo, hi, lane,
       [&](int64_t i) {
@@ -540,12 +559,13 @@ template <typename scalar_t, typename acc_t, int VEC>
 __global__ void __launch_bounds__(kThreads) dx_cols_kernel(GNArgs<scalar_t, acc_t> a) {
   const ColBlock cb = col_block(a, VEC);
   if (!cb.active) return;
-  acc_t mu[VEC], rs[VEC], ga[VEC], sc[VEC], be[VEC], g1[VEC], g2[VEC];
+  acc_t mu[VEC], lo[VEC], rs[VEC], ga[VEC], sc[VEC], be[VEC], g1[VEC], g2[VEC];
 #pragma unroll
   for (int j = 0; j < VEC; ++j) {
     const int64_t c = cb.cv * VEC + j, ng = cb.n * a.G + c / a.cpg;
-    const ChannelParams<scalar_t, acc_t> cp(a.mean, a.rstd, a.w, a.b, cb.n, c, a.G, a.cpg);
+    const ChannelParams<scalar_t, acc_t> cp(a, cb.n, c);
     mu[j] = cp.mean;
+    lo[j] = cp.mean_lo;
     rs[j] = cp.rstd;
     ga[j] = cp.gamma;
     sc[j] = cp.rstd * cp.gamma;
@@ -559,7 +579,8 @@ __global__ void __launch_bounds__(kThreads) dx_cols_kernel(GNArgs<scalar_t, acc_
     load_vec<VEC>(a.x + i, x);
     load_vec<VEC>(a.dy + i, dy);
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) x[j] = dx_of(x[j], dy[j], mu[j], rs[j], ga[j], sc[j], be[j], g1[j], g2[j], a.silu);
+    for (int j = 0; j < VEC; ++j)
+      x[j] = dx_of(centered(x[j], mu[j], lo[j]), dy[j], rs[j], ga[j], sc[j], be[j], g1[j], g2[j], a.silu);
     store_vec<VEC>(a.out + i, x);
   }
 }
@@ -607,7 +628,7 @@ struct Launcher {
     return !channels_last || a.C % kVec == 0;
   }
 
-  // mean / rstd per (n, g), written into a.mean / a.rstd (which must point at mean / rstd).
+  // mean (hi, lo) / rstd per (n, g): mean is (2, N * G), rstd (N * G); a points at them afterwards.
   static void stats(Args& a, bool channels_last, bool vec, double eps, at::Tensor& mean, at::Tensor& rstd,
                     cudaStream_t stream) {
     const int v = vec ? kVec : 1;
@@ -615,8 +636,8 @@ struct Launcher {
     plan(s, v, s.cpg * s.S, channels_last);
     const int64_t K = channels_last ? s.cpg * s.P : s.P;
     const int64_t NG = s.N * s.G;
-    at::Tensor part = at::empty({NG * K * 3}, mean.options());
-    auto* pp = reinterpret_cast<Welford<acc_t>*>(part.mutable_data_ptr<acc_t>());
+    at::Tensor part = at::empty({NG * K * 3}, mean.options().dtype(at::kDouble));
+    auto* pp = reinterpret_cast<Welford<double>*>(part.mutable_data_ptr<double>());
     const unsigned blocks = grid_of(channels_last ? s.items : ceil_div(s.items, kWarps));
     if (!channels_last) {
       if (vec) stats_rows_kernel<scalar_t, acc_t, kVec><<<blocks, kThreads, 0, stream>>>(s, pp);
@@ -627,9 +648,11 @@ struct Launcher {
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     stats_finalize_kernel<acc_t><<<grid_of(ceil_div(NG, kWarps)), kThreads, 0, stream>>>(
-        pp, K, NG, static_cast<acc_t>(eps), mean.mutable_data_ptr<acc_t>(), rstd.mutable_data_ptr<acc_t>());
+        pp, K, NG, eps, mean.mutable_data_ptr<acc_t>(), mean.mutable_data_ptr<acc_t>() + NG,
+        rstd.mutable_data_ptr<acc_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     a.mean = mean.const_data_ptr<acc_t>();
+    a.mean_lo = a.mean + NG;
     a.rstd = rstd.const_data_ptr<acc_t>();
   }
 };
@@ -668,7 +691,7 @@ at::Tensor group_norm_silu_cuda(const at::Tensor& x_in, int64_t num_groups, cons
     a.out = out.mutable_data_ptr<scalar_t>();
     const bool vec = L::can_vectorize(a, s.channels_last, {a.x, a.out});
     const auto acc_opts = x.options().dtype(c10::CppTypeToScalarType<acc_t>::value);
-    at::Tensor mean = at::empty({s.N * s.G}, acc_opts), rstd = at::empty({s.N * s.G}, acc_opts);
+    at::Tensor mean = at::empty({2, s.N * s.G}, acc_opts), rstd = at::empty({s.N * s.G}, acc_opts);
     L::stats(a, s.channels_last, vec, eps, mean, rstd, stream);
     const int v = vec ? L::kVec : 1;
     plan(a, v, a.S, s.channels_last);
@@ -716,7 +739,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_silu_backward_cuda(
     const bool vec = L::can_vectorize(a, s.channels_last, {a.x, a.dy, a.out});
     const auto acc_opts = x.options().dtype(c10::CppTypeToScalarType<acc_t>::value);
     const int64_t NG = s.N * s.G;
-    at::Tensor mean = at::empty({NG}, acc_opts), rstd = at::empty({NG}, acc_opts);
+    at::Tensor mean = at::empty({2, NG}, acc_opts), rstd = at::empty({NG}, acc_opts);
     L::stats(a, s.channels_last, vec, eps, mean, rstd, stream);
 
     // Per (n, c) partial sums of dz and dz * xhat.
