@@ -72,11 +72,18 @@ __device__ __forceinline__ T warp_sum(T v) {
   return v;
 }
 
-// A (B, H, L, D) operand read (or written) through its strides, in elements.
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Vec {
+  T v[N];
+};
+
+// A (B, H, L, D) operand read (or written) through its strides, in elements. vec: rows can be read
+// in 16-byte vectors (unit stride along D, D and the other strides multiples of the vector, aligned).
 template <typename T>
 struct View4 {
   T* p;
   int64_t sb, sh, sl, sd;
+  bool vec;
   __device__ __forceinline__ T* head(int64_t b, int64_t h) const { return p + b * sb + h * sh; }
 };
 
@@ -85,7 +92,10 @@ View4<T> view_of(const at::Tensor& t) {
   T* p;
   if constexpr (std::is_const_v<T>) p = t.const_data_ptr<std::remove_const_t<T>>();
   else p = t.mutable_data_ptr<T>();
-  return {p, t.stride(0), t.stride(1), t.stride(2), t.stride(3)};
+  constexpr int64_t V = 16 / sizeof(T);
+  bool vec = t.stride(3) == 1 && t.size(3) % V == 0 && reinterpret_cast<uintptr_t>(p) % 16 == 0;
+  for (int i = 0; i < 3; ++i) vec = vec && (t.size(i) == 1 || t.stride(i) % V == 0);
+  return {p, t.stride(0), t.stride(1), t.stride(2), t.stride(3), vec};
 }
 
 enum MaskKind : int { kNoMask = 0, kBoolMask = 1, kFloatMask = 2, kInputTypeMask = 3 };
@@ -119,34 +129,63 @@ struct AttnArgs {
   View4<scalar_t> dk, dv;         // backward: written through their strides
   int64_t B, H, Lq, Lk;
   int D;
+  int ld;  // row stride of the "rows" kernels' shared-memory tiles
   acc_t scale;
 };
 
-// Four partial sums: the dot products over D are latency bound otherwise.
-template <typename T>
-__device__ __forceinline__ T dot(const T* __restrict__ a, const T* __restrict__ b, int D) {
-  T s0 = 0, s1 = 0, s2 = 0, s3 = 0;
-  int d = 0;
-  for (; d + 4 <= D; d += 4) {
-    s0 += a[d] * b[d];
-    s1 += a[d + 1] * b[d + 1];
-    s2 += a[d + 2] * b[d + 2];
-    s3 += a[d + 3] * b[d + 3];
+// Shared-memory rows of the "rows" kernels hold acc_t with a row stride ld (host: smem_ld) whose
+// 16-byte vectors map an 8-lane phase onto distinct banks when each lane reads its own row.
+// Dot products over nv 16-byte vectors; the columns past D up to the vector are zero.
+__device__ __forceinline__ float dot(const float* __restrict__ a, const float* __restrict__ b, int nv) {
+  const float4* a4 = reinterpret_cast<const float4*>(a);
+  const float4* b4 = reinterpret_cast<const float4*>(b);
+  float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+  for (int i = 0; i < nv; ++i) {
+    const float4 x = a4[i], y = b4[i];
+    s0 += x.x * y.x;
+    s1 += x.y * y.y;
+    s2 += x.z * y.z;
+    s3 += x.w * y.w;
   }
-  for (; d < D; ++d) s0 += a[d] * b[d];
   return (s0 + s1) + (s2 + s3);
 }
-
-// Stages rows [r0, r0 + rows) of a (b, h) slice into shared memory as acc_t with row stride ld;
-// rows past L are zero so that no garbage (NaN) can reach a product.
-template <typename scalar_t, typename acc_t>
-__device__ __forceinline__ void stage_rows(acc_t* dst, int ld, const scalar_t* src, int64_t sl, int64_t sd,
-                                           int64_t r0, int rows, int64_t L, int D) {
-  for (int e = threadIdx.x; e < rows * D; e += blockDim.x) {
-    const int r = e / D, d = e - r * D;
-    const int64_t row = r0 + r;
-    dst[r * ld + d] = row < L ? static_cast<acc_t>(src[row * sl + d * sd]) : acc_t(0);
+__device__ __forceinline__ double dot(const double* __restrict__ a, const double* __restrict__ b, int nv) {
+  const double2* a2 = reinterpret_cast<const double2*>(a);
+  const double2* b2 = reinterpret_cast<const double2*>(b);
+  double s0 = 0.0, s1 = 0.0;
+  for (int i = 0; i < nv; ++i) {
+    const double2 x = a2[i], y = b2[i];
+    s0 += x.x * y.x;
+    s1 += x.y * y.y;
   }
+  return s0 + s1;
+}
+
+// Stages rows [r0, min(r0 + rows, L)) of a (b, h) slice into shared memory as acc_t (row stride ld)
+// and zeroes the columns from D to the next 16-byte vector. Rows past L are left alone: no lane
+// reads them.
+template <typename scalar_t, typename acc_t>
+__device__ __forceinline__ void stage_rows(acc_t* dst, int ld, const View4<const scalar_t>& t, const scalar_t* src,
+                                           int64_t r0, int rows, int64_t L, int D) {
+  const int n = static_cast<int>(L - r0 < rows ? L - r0 : rows);
+  constexpr int V = 16 / sizeof(scalar_t);
+  if (t.vec) {
+    const int cpr = D / V;
+    for (int e = threadIdx.x; e < n * cpr; e += blockDim.x) {
+      const int r = e / cpr, c = e - r * cpr;
+      const Vec<scalar_t, V> raw = *reinterpret_cast<const Vec<scalar_t, V>*>(src + (r0 + r) * t.sl + c * V);
+#pragma unroll
+      for (int j = 0; j < V; ++j) dst[r * ld + c * V + j] = static_cast<acc_t>(raw.v[j]);
+    }
+  } else {
+    for (int e = threadIdx.x; e < n * D; e += blockDim.x) {
+      const int r = e / D, d = e - r * D;
+      dst[r * ld + d] = static_cast<acc_t>(src[(r0 + r) * t.sl + d * t.sd]);
+    }
+  }
+  constexpr int V2 = 16 / sizeof(acc_t);
+  const int pad = (D + V2 - 1) / V2 * V2 - D;
+  for (int e = threadIdx.x; e < n * pad; e += blockDim.x) dst[(e / pad) * ld + D + e % pad] = acc_t(0);
 }
 
 // Dynamic shared memory, aligned for any acc_t.
@@ -159,10 +198,10 @@ __device__ __forceinline__ unsigned char* dyn_smem() {
 // Forward, "rows" kernel. DPL: output dims per lane (head_dim <= 32 * DPL).
 template <typename scalar_t, typename acc_t, int DPL>
 __global__ void __launch_bounds__(kRowThreads) attn_fwd_rows_kernel(const AttnArgs<scalar_t, acc_t> a) {
-  const int D = a.D;
-  acc_t* Qs = reinterpret_cast<acc_t*>(dyn_smem());  // [kRowBlock][D]
-  acc_t* Ks = Qs + kRowBlock * D;                     // [kTile][D + 1]: lane j reads row j
-  acc_t* Vs = Ks + kTile * (D + 1);                   // [kTile][D]
+  const int D = a.D, ld = a.ld, nv = (D * static_cast<int>(sizeof(acc_t)) + 15) / 16;
+  acc_t* Qs = reinterpret_cast<acc_t*>(dyn_smem());  // [kRowBlock][ld]
+  acc_t* Ks = Qs + kRowBlock * ld;                    // [kTile][ld]: lane j reads row j
+  acc_t* Vs = Ks + kTile * ld;                        // [kTile][ld]
 
   const int64_t nqb = (a.Lq + kRowBlock - 1) / kRowBlock;
   const int64_t bh = blockIdx.x / nqb, q0 = (blockIdx.x % nqb) * kRowBlock;
@@ -173,7 +212,7 @@ __global__ void __launch_bounds__(kRowThreads) attn_fwd_rows_kernel(const AttnAr
   const scalar_t* vh = a.v.head(b, h);
   const int64_t moff = b * a.mask.sb + a.mask.sh * h;
 
-  stage_rows(Qs, D, qh, a.q.sl, a.q.sd, q0, kRowBlock, a.Lq, D);
+  stage_rows(Qs, ld, a.q, qh, q0, kRowBlock, a.Lq, D);
 
   acc_t m[kRowsPerWarp], l[kRowsPerWarp], o[kRowsPerWarp][DPL];
 #pragma unroll
@@ -187,8 +226,8 @@ __global__ void __launch_bounds__(kRowThreads) attn_fwd_rows_kernel(const AttnAr
   for (int64_t k0 = 0; k0 < a.Lk; k0 += kTile) {
     const int nk = static_cast<int>(a.Lk - k0 < kTile ? a.Lk - k0 : kTile);
     __syncthreads();  // the previous tile is no longer read
-    stage_rows(Ks, D + 1, kh, a.k.sl, a.k.sd, k0, kTile, a.Lk, D);
-    stage_rows(Vs, D, vh, a.v.sl, a.v.sd, k0, kTile, a.Lk, D);
+    stage_rows(Ks, ld, a.k, kh, k0, kTile, a.Lk, D);
+    stage_rows(Vs, ld, a.v, vh, k0, kTile, a.Lk, D);
     __syncthreads();
 #pragma unroll
     for (int r = 0; r < kRowsPerWarp; ++r) {
@@ -197,7 +236,7 @@ __global__ void __launch_bounds__(kRowThreads) attn_fwd_rows_kernel(const AttnAr
       if (i >= a.Lq) continue;  // uniform per warp
       acc_t s = neg_inf<acc_t>();
       if (lane < nk) {
-        s = dot(Qs + row * D, Ks + lane * (D + 1), D) * a.scale;
+        s = dot(Qs + row * ld, Ks + lane * ld, nv) * a.scale;
         if (a.mask.kind != kNoMask) s += mask_add<scalar_t, acc_t>(a.mask, moff + i * a.mask.sq + (k0 + lane) * a.mask.sk);
       }
       const acc_t m_new = max(m[r], warp_max(s));
@@ -211,7 +250,7 @@ __global__ void __launch_bounds__(kRowThreads) attn_fwd_rows_kernel(const AttnAr
       for (int t = 0; t < DPL; ++t) o[r][t] *= corr;
       for (int j = 0; j < nk; ++j) {
         const acc_t pj = __shfl_sync(kFullMask, p, j);
-        const acc_t* vr = Vs + j * D;
+        const acc_t* vr = Vs + j * ld;
 #pragma unroll
         for (int t = 0; t < DPL; ++t) {
           const int d = lane + 32 * t;
@@ -522,11 +561,11 @@ __device__ __forceinline__ void p_ds(const AttnArgs<scalar_t, acc_t>& a, bool va
 // dq = scale * sum_j dS_ij k_j: a block per (b, h, 16 query rows), key tiles through shared memory.
 template <typename scalar_t, typename acc_t, int DPL>
 __global__ void __launch_bounds__(kRowThreads) attn_bwd_dq_kernel(const AttnArgs<scalar_t, acc_t> a) {
-  const int D = a.D;
-  acc_t* Qs = reinterpret_cast<acc_t*>(dyn_smem());  // [kRowBlock][D]
-  acc_t* dOs = Qs + kRowBlock * D;                    // [kRowBlock][D]
-  acc_t* Ks = dOs + kRowBlock * D;                    // [kTile][D + 1]
-  acc_t* Vs = Ks + kTile * (D + 1);                   // [kTile][D + 1]
+  const int D = a.D, ld = a.ld, nv = (D * static_cast<int>(sizeof(acc_t)) + 15) / 16;
+  acc_t* Qs = reinterpret_cast<acc_t*>(dyn_smem());  // [kRowBlock][ld]
+  acc_t* dOs = Qs + kRowBlock * ld;                   // [kRowBlock][ld]
+  acc_t* Ks = dOs + kRowBlock * ld;                   // [kTile][ld]
+  acc_t* Vs = Ks + kTile * ld;                        // [kTile][ld]
 
   const int64_t nqb = (a.Lq + kRowBlock - 1) / kRowBlock;
   const int64_t bh = blockIdx.x / nqb, q0 = (blockIdx.x % nqb) * kRowBlock;
@@ -534,8 +573,8 @@ __global__ void __launch_bounds__(kRowThreads) attn_bwd_dq_kernel(const AttnArgs
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t moff = b * a.mask.sb + a.mask.sh * h;
 
-  stage_rows(Qs, D, a.q.head(b, h), a.q.sl, a.q.sd, q0, kRowBlock, a.Lq, D);
-  stage_rows(dOs, D, a.dout.head(b, h), a.dout.sl, a.dout.sd, q0, kRowBlock, a.Lq, D);
+  stage_rows(Qs, ld, a.q, a.q.head(b, h), q0, kRowBlock, a.Lq, D);
+  stage_rows(dOs, ld, a.dout, a.dout.head(b, h), q0, kRowBlock, a.Lq, D);
   acc_t lse[kRowsPerWarp], delta[kRowsPerWarp], dq[kRowsPerWarp][DPL];
 #pragma unroll
   for (int r = 0; r < kRowsPerWarp; ++r) {
@@ -549,8 +588,8 @@ __global__ void __launch_bounds__(kRowThreads) attn_bwd_dq_kernel(const AttnArgs
   for (int64_t k0 = 0; k0 < a.Lk; k0 += kTile) {
     const int nk = static_cast<int>(a.Lk - k0 < kTile ? a.Lk - k0 : kTile);
     __syncthreads();
-    stage_rows(Ks, D + 1, a.k.head(b, h), a.k.sl, a.k.sd, k0, kTile, a.Lk, D);
-    stage_rows(Vs, D + 1, a.v.head(b, h), a.v.sl, a.v.sd, k0, kTile, a.Lk, D);
+    stage_rows(Ks, ld, a.k, a.k.head(b, h), k0, kTile, a.Lk, D);
+    stage_rows(Vs, ld, a.v, a.v.head(b, h), k0, kTile, a.Lk, D);
     __syncthreads();
 #pragma unroll
     for (int r = 0; r < kRowsPerWarp; ++r) {
@@ -559,12 +598,12 @@ __global__ void __launch_bounds__(kRowThreads) attn_bwd_dq_kernel(const AttnArgs
       if (i >= a.Lq || lse[r] == neg_inf<acc_t>()) continue;  // uniform per warp
       acc_t p, ds;
       const bool valid = lane < nk;
-      const acc_t qk = valid ? dot(Qs + row * D, Ks + lane * (D + 1), D) : acc_t(0);
-      const acc_t dov = valid ? dot(dOs + row * D, Vs + lane * (D + 1), D) : acc_t(0);
+      const acc_t qk = valid ? dot(Qs + row * ld, Ks + lane * ld, nv) : acc_t(0);
+      const acc_t dov = valid ? dot(dOs + row * ld, Vs + lane * ld, nv) : acc_t(0);
       p_ds(a, valid, qk, dov, lse[r], delta[r], moff + i * a.mask.sq + (k0 + lane) * a.mask.sk, p, ds);
       for (int j = 0; j < nk; ++j) {
         const acc_t dsj = __shfl_sync(kFullMask, ds, j);
-        const acc_t* kr = Ks + j * (D + 1);
+        const acc_t* kr = Ks + j * ld;
 #pragma unroll
         for (int t = 0; t < DPL; ++t) {
           const int d = lane + 32 * t;
@@ -591,12 +630,12 @@ __global__ void __launch_bounds__(kRowThreads) attn_bwd_dq_kernel(const AttnArgs
 // (q, dO, lse, delta) through shared memory, a warp per key row and one query per lane.
 template <typename scalar_t, typename acc_t, int DPL>
 __global__ void __launch_bounds__(kRowThreads) attn_bwd_dkdv_kernel(const AttnArgs<scalar_t, acc_t> a) {
-  const int D = a.D;
-  acc_t* Kb = reinterpret_cast<acc_t*>(dyn_smem());  // [kRowBlock][D]
-  acc_t* Vb = Kb + kRowBlock * D;                     // [kRowBlock][D]
-  acc_t* Qt = Vb + kRowBlock * D;                     // [kTile][D + 1]
-  acc_t* dOt = Qt + kTile * (D + 1);                  // [kTile][D + 1]
-  acc_t* lse_t = dOt + kTile * (D + 1);               // [kTile]
+  const int D = a.D, ld = a.ld, nv = (D * static_cast<int>(sizeof(acc_t)) + 15) / 16;
+  acc_t* Kb = reinterpret_cast<acc_t*>(dyn_smem());  // [kRowBlock][ld]
+  acc_t* Vb = Kb + kRowBlock * ld;                    // [kRowBlock][ld]
+  acc_t* Qt = Vb + kRowBlock * ld;                    // [kTile][ld]
+  acc_t* dOt = Qt + kTile * ld;                       // [kTile][ld]
+  acc_t* lse_t = dOt + kTile * ld;                    // [kTile]
   acc_t* delta_t = lse_t + kTile;                     // [kTile]
 
   const int64_t nkb = (a.Lk + kRowBlock - 1) / kRowBlock;
@@ -605,8 +644,8 @@ __global__ void __launch_bounds__(kRowThreads) attn_bwd_dkdv_kernel(const AttnAr
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t moff = b * a.mask.sb + a.mask.sh * h;
 
-  stage_rows(Kb, D, a.k.head(b, h), a.k.sl, a.k.sd, k0, kRowBlock, a.Lk, D);
-  stage_rows(Vb, D, a.v.head(b, h), a.v.sl, a.v.sd, k0, kRowBlock, a.Lk, D);
+  stage_rows(Kb, ld, a.k, a.k.head(b, h), k0, kRowBlock, a.Lk, D);
+  stage_rows(Vb, ld, a.v, a.v.head(b, h), k0, kRowBlock, a.Lk, D);
   acc_t dk[kRowsPerWarp][DPL], dv[kRowsPerWarp][DPL];
 #pragma unroll
   for (int r = 0; r < kRowsPerWarp; ++r)
@@ -616,8 +655,8 @@ __global__ void __launch_bounds__(kRowThreads) attn_bwd_dkdv_kernel(const AttnAr
   for (int64_t q0 = 0; q0 < a.Lq; q0 += kTile) {
     const int nq = static_cast<int>(a.Lq - q0 < kTile ? a.Lq - q0 : kTile);
     __syncthreads();
-    stage_rows(Qt, D + 1, a.q.head(b, h), a.q.sl, a.q.sd, q0, kTile, a.Lq, D);
-    stage_rows(dOt, D + 1, a.dout.head(b, h), a.dout.sl, a.dout.sd, q0, kTile, a.Lq, D);
+    stage_rows(Qt, ld, a.q, a.q.head(b, h), q0, kTile, a.Lq, D);
+    stage_rows(dOt, ld, a.dout, a.dout.head(b, h), q0, kTile, a.Lq, D);
     if (threadIdx.x < kTile) {
       const int64_t i = q0 + threadIdx.x;
       lse_t[threadIdx.x] = i < a.Lq ? a.lse[bh * a.Lq + i] : neg_inf<acc_t>();
@@ -630,15 +669,15 @@ __global__ void __launch_bounds__(kRowThreads) attn_bwd_dkdv_kernel(const AttnAr
       const int64_t j = k0 + row;
       if (j >= a.Lk) continue;  // uniform per warp
       const bool valid = lane < nq;
-      const acc_t qk = valid ? dot(Qt + lane * (D + 1), Kb + row * D, D) : acc_t(0);
-      const acc_t dov = valid ? dot(dOt + lane * (D + 1), Vb + row * D, D) : acc_t(0);
+      const acc_t qk = valid ? dot(Qt + lane * ld, Kb + row * ld, nv) : acc_t(0);
+      const acc_t dov = valid ? dot(dOt + lane * ld, Vb + row * ld, nv) : acc_t(0);
       acc_t p, ds;
       p_ds(a, valid, qk, dov, lse_t[lane], delta_t[lane], moff + (q0 + lane) * a.mask.sq + j * a.mask.sk, p, ds);
       for (int i = 0; i < nq; ++i) {
         const acc_t pi = __shfl_sync(kFullMask, p, i);
         const acc_t dsi = __shfl_sync(kFullMask, ds, i);
-        const acc_t* qr = Qt + i * (D + 1);
-        const acc_t* dor = dOt + i * (D + 1);
+        const acc_t* qr = Qt + i * ld;
+        const acc_t* dor = dOt + i * ld;
 #pragma unroll
         for (int t = 0; t < DPL; ++t) {
           const int d = lane + 32 * t;
@@ -712,6 +751,14 @@ MaskView mask_view(const at::Tensor& mask, const at::Tensor& q) {
   return m;
 }
 
+// Row stride of the "rows" kernels' tiles: a whole number of 16-byte vectors, an odd number of them
+// (so 8 lanes reading 8 rows hit distinct banks), at least D.
+template <typename acc_t>
+int smem_ld(int64_t D) {
+  constexpr int64_t V = 16 / sizeof(acc_t);
+  return static_cast<int>((D + 2 * V - 1) / (2 * V) * (2 * V) + V);
+}
+
 at::ScalarType lse_dtype(const at::Tensor& q) { return q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat; }
 
 // The tensor-core kernel reads 16-byte chunks of rows: unit stride along D, every row start aligned.
@@ -742,6 +789,7 @@ AttnArgs<scalar_t, acc_t> base_args(const at::Tensor& q, const at::Tensor& k, co
   a.Lq = q.size(2);
   a.Lk = k.size(2);
   a.D = static_cast<int>(q.size(3));
+  a.ld = smem_ld<acc_t>(a.D);
   a.scale = static_cast<acc_t>(scale);
   return a;
 }
@@ -787,7 +835,7 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(const char* op, const at::T
     auto a = base_args<scalar_t, acc_t>(q, k, v, mask, scale);
     a.out = out.mutable_data_ptr<scalar_t>();
     a.lse_out = lse.mutable_data_ptr<acc_t>();
-    const size_t smem = static_cast<size_t>(kRowBlock * D + kTile * (D + 1) + kTile * D) * sizeof(acc_t);
+    const size_t smem = static_cast<size_t>(kRowBlock + 2 * kTile) * a.ld * sizeof(acc_t);
     const unsigned blocks = grid_of(B * H * ceil_div(Lq, kRowBlock), op);
     dispatch_dpl(D, [&](auto dpl) {
       auto kernel = attn_fwd_rows_kernel<scalar_t, acc_t, decltype(dpl)::value>;
@@ -850,7 +898,7 @@ at::Tensor attention_backward(const char* op, const at::Tensor& grad_out, const 
     attn_bwd_delta_kernel<scalar_t, acc_t><<<grid_of(ceil_div(B * H * Lq, kRowWarps), op), kRowThreads, 0, stream>>>(a);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 
-    const size_t smem = static_cast<size_t>(2 * kRowBlock * D + 2 * kTile * (D + 1) + 2 * kTile) * sizeof(acc_t);
+    const size_t smem = (static_cast<size_t>(2 * kRowBlock + 2 * kTile) * a.ld + 2 * kTile) * sizeof(acc_t);
     dispatch_dpl(D, [&](auto dpl) {
       constexpr int DPL = decltype(dpl)::value;
       auto dq_kernel = attn_bwd_dq_kernel<scalar_t, acc_t, DPL>;
