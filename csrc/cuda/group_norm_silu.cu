@@ -154,19 +154,17 @@ __device__ __forceinline__ void warp_visit(int64_t lo, int64_t hi, int lane, FV&
 }
 
 // Per (n, c) parameters of z = (x - mean) * (rstd * gamma) + beta; the mean is mean + mean_lo.
-template <typename scalar_t, typename acc_t>
+template <typename acc_t>
 struct ChannelParams {
   acc_t mean, mean_lo, rstd, gamma, beta;
   template <typename A>
   __device__ __forceinline__ ChannelParams(const A& a, int64_t n, int64_t c) {
     const int64_t ng = n * a.G + c / a.cpg;
-    const scalar_t* w = a.w;
-    const scalar_t* b = a.b;
     mean = a.mean[ng];
     mean_lo = a.mean_lo[ng];
     rstd = a.rstd[ng];
-    gamma = w ? static_cast<acc_t>(w[c]) : acc_t(1);
-    beta = b ? static_cast<acc_t>(b[c]) : acc_t(0);
+    gamma = a.w ? static_cast<acc_t>(a.w[c]) : acc_t(1);
+    beta = a.b ? static_cast<acc_t>(a.b[c]) : acc_t(0);
   }
 };
 
@@ -325,7 +323,7 @@ __global__ void __launch_bounds__(kThreads) apply_rows_kernel(GNArgs<scalar_t, a
   const int64_t row = w / a.P, p = w % a.P;
   const int64_t lo = row * a.S + p * a.CH;
   const int64_t hi = lo + a.CH < (row + 1) * a.S ? lo + a.CH : (row + 1) * a.S;
-  const ChannelParams<scalar_t, acc_t> cp(a, row / a.C, row % a.C);
+  const ChannelParams<acc_t> cp(a, row / a.C, row % a.C);
   const acc_t sc = cp.rstd * cp.gamma;
   auto f = [&](acc_t v) {
     const acc_t z = centered(v, cp.mean, cp.mean_lo) * sc + cp.beta;
@@ -350,7 +348,7 @@ __global__ void __launch_bounds__(kThreads) apply_cols_kernel(GNArgs<scalar_t, a
   acc_t mu[VEC], lo[VEC], sc[VEC], be[VEC];
 #pragma unroll
   for (int j = 0; j < VEC; ++j) {
-    const ChannelParams<scalar_t, acc_t> cp(a, cb.n, cb.cv * VEC + j);
+    const ChannelParams<acc_t> cp(a, cb.n, cb.cv * VEC + j);
     mu[j] = cp.mean;
     lo[j] = cp.mean_lo;
     sc[j] = cp.rstd * cp.gamma;
@@ -397,7 +395,7 @@ __global__ void __launch_bounds__(kThreads) grad_sums_rows_kernel(GNArgs<scalar_
   const int64_t row = w / a.P, p = w % a.P;
   const int64_t lo = row * a.S + p * a.CH;
   const int64_t hi = lo + a.CH < (row + 1) * a.S ? lo + a.CH : (row + 1) * a.S;
-  const ChannelParams<scalar_t, acc_t> cp(a, row / a.C, row % a.C);
+  const ChannelParams<acc_t> cp(a, row / a.C, row % a.C);
   const acc_t sc = cp.rstd * cp.gamma;
   acc_t sdz = 0, sdzx = 0;
   auto acc = [&](acc_t x, acc_t dy) {
@@ -435,7 +433,7 @@ __global__ void __launch_bounds__(kThreads) grad_sums_cols_kernel(GNArgs<scalar_
     acc_t mu[VEC], lo[VEC], rs[VEC], sc[VEC], be[VEC];
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
-      const ChannelParams<scalar_t, acc_t> cp(a, cb.n, cb.cv * VEC + j);
+      const ChannelParams<acc_t> cp(a, cb.n, cb.cv * VEC + j);
       mu[j] = cp.mean;
       lo[j] = cp.mean_lo;
       rs[j] = cp.rstd;
@@ -535,7 +533,7 @@ __global__ void __launch_bounds__(kThreads) dx_rows_kernel(GNArgs<scalar_t, acc_
   const int64_t lo = row * a.S + p * a.CH;
   const int64_t hi = lo + a.CH < (row + 1) * a.S ? lo + a.CH : (row + 1) * a.S;
   const int64_t n = row / a.C, c = row % a.C, ng = n * a.G + c / a.cpg;
-  const ChannelParams<scalar_t, acc_t> cp(a, n, c);
+  const ChannelParams<acc_t> cp(a, n, c);
   const acc_t sc = cp.rstd * cp.gamma, m1 = a.m1[ng], m2 = a.m2[ng];
   auto f = [&](acc_t x, acc_t dy) {
     return dx_of(centered(x, cp.mean, cp.mean_lo), dy, cp.rstd, cp.gamma, sc, cp.beta, m1, m2, a.silu);
@@ -563,7 +561,7 @@ __global__ void __launch_bounds__(kThreads) dx_cols_kernel(GNArgs<scalar_t, acc_
 #pragma unroll
   for (int j = 0; j < VEC; ++j) {
     const int64_t c = cb.cv * VEC + j, ng = cb.n * a.G + c / a.cpg;
-    const ChannelParams<scalar_t, acc_t> cp(a, cb.n, c);
+    const ChannelParams<acc_t> cp(a, cb.n, c);
     mu[j] = cp.mean;
     lo[j] = cp.mean_lo;
     rs[j] = cp.rstd;
