@@ -4,9 +4,19 @@ Every op is also reachable as ``torch.ops.vd.<name>`` once :mod:`vdcompile` is i
 Each family lives in its own module (the C++ schemas name it with set_python_module).
 """
 from vdcompile.ops import attention, conv, norm, scheduler  # noqa: F401
+from vdcompile.ops.attention import (
+    fused_attention,
+    reference_fused_attention,
+    reference_strided_attention,
+    strided_attention,
+)
 from vdcompile.ops.norm import group_norm_silu, reference_group_norm_silu
 
 __all__ = [
+    "fused_attention",
+    "reference_fused_attention",
+    "reference_strided_attention",
+    "strided_attention",
     "group_norm_silu",
     "reference_group_norm_silu",
 ]
