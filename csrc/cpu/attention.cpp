@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -31,7 +32,7 @@ constexpr const char* kStridedBwdOp = "vd::strided_attention_backward";
 
 // Tile sizes: a query block is one parallel task of the forward (and of the dq pass); at
 // head_dim 256 the packed tiles of one task stay within a typical L2.
-constexpr int64_t kBlockQ = 32;
+constexpr int64_t kBlockQ = 64;
 constexpr int64_t kBlockK = 64;
 
 // A (batch, heads, rows, cols) tensor addressed through its element strides.
@@ -105,19 +106,96 @@ void store_rows(const Strided4<scalar_t>& dst, int64_t b, int64_t h, int64_t r0,
   }
 }
 
-// C[i * kBlockK + j] = sum_d A[i * D + d] * Bt[d * kBlockK + j] for i < m, j < n.
+// gemm_tile's remainder rows [i0, i1) and columns [j0, j1), summed in the same order.
 template <typename acc_t>
-void matmul_tile(const acc_t* A, const acc_t* Bt, int64_t m, int64_t n, int64_t D, acc_t* C) {
-  for (int64_t i = 0; i < m; ++i) {
-    acc_t* c = C + i * kBlockK;
-    std::fill(c, c + n, acc_t(0));
-    const acc_t* a = A + i * D;
-    for (int64_t d = 0; d < D; ++d) {
-      const acc_t ad = a[d];
-      const acc_t* bt = Bt + d * kBlockK;
-      for (int64_t j = 0; j < n; ++j) c[j] += ad * bt[j];
+void gemm_edge(int64_t i0, int64_t i1, int64_t j0, int64_t j1, int64_t k, const acc_t* A,
+               int64_t a_rs, int64_t a_cs, const acc_t* B, int64_t ldb, acc_t* C, int64_t ldc,
+               bool accumulate) {
+  for (int64_t i = i0; i < i1; ++i) {
+    acc_t* c = C + i * ldc;
+    if (!accumulate) std::fill(c + j0, c + j1, acc_t(0));
+    for (int64_t p = 0; p < k; ++p) {
+      const acc_t a = A[i * a_rs + p * a_cs];
+      const acc_t* b = B + p * ldb;
+      for (int64_t j = j0; j < j1; ++j) c[j] += a * b[j];
     }
   }
+}
+
+// One MR x NR block of C = [C +] A B, its accumulators held in registers. With GCC/Clang it is
+// written with 16-byte vector extensions (plain SSE2 on x86-64, NEON on aarch64; no ISA flags
+// needed), which the compiler keeps in registers where plain loops spill through memory.
+constexpr int64_t kMR = 4;
+#if defined(__GNUC__)
+template <typename acc_t>
+struct Vec16 {
+  typedef acc_t type __attribute__((vector_size(16)));
+};
+template <typename acc_t>
+constexpr int64_t kNR = 2 * 16 / sizeof(acc_t);  // two vectors per row
+
+template <typename acc_t>
+inline void gemm_block(int64_t k, const acc_t* A, int64_t a_rs, int64_t a_cs, const acc_t* B,
+                       int64_t ldb, acc_t* C, int64_t ldc, bool accumulate) {
+  using vec = typename Vec16<acc_t>::type;
+  constexpr int64_t W = 16 / sizeof(acc_t);
+  vec c[kMR][2];
+  for (int64_t r = 0; r < kMR; ++r)
+    for (int64_t u = 0; u < 2; ++u) {
+      if (accumulate)
+        std::memcpy(&c[r][u], C + r * ldc + u * W, 16);
+      else
+        c[r][u] = vec{};
+    }
+  for (int64_t p = 0; p < k; ++p) {
+    vec b[2];
+    std::memcpy(&b[0], B + p * ldb, 16);
+    std::memcpy(&b[1], B + p * ldb + W, 16);
+    for (int64_t r = 0; r < kMR; ++r) {
+      const acc_t a = A[r * a_rs + p * a_cs];
+      c[r][0] += a * b[0];
+      c[r][1] += a * b[1];
+    }
+  }
+  for (int64_t r = 0; r < kMR; ++r)
+    for (int64_t u = 0; u < 2; ++u) std::memcpy(C + r * ldc + u * W, &c[r][u], 16);
+}
+#else
+template <typename acc_t>
+constexpr int64_t kNR = 2 * 16 / sizeof(acc_t);
+
+template <typename acc_t>
+inline void gemm_block(int64_t k, const acc_t* A, int64_t a_rs, int64_t a_cs, const acc_t* B,
+                       int64_t ldb, acc_t* C, int64_t ldc, bool accumulate) {
+  constexpr int64_t NR = kNR<acc_t>;
+  acc_t c[kMR][NR];
+  for (int64_t r = 0; r < kMR; ++r)
+    for (int64_t j = 0; j < NR; ++j) c[r][j] = accumulate ? C[r * ldc + j] : acc_t(0);
+  for (int64_t p = 0; p < k; ++p)
+    for (int64_t r = 0; r < kMR; ++r) {
+      const acc_t a = A[r * a_rs + p * a_cs];
+      for (int64_t j = 0; j < NR; ++j) c[r][j] += a * B[p * ldb + j];
+    }
+  for (int64_t r = 0; r < kMR; ++r)
+    for (int64_t j = 0; j < NR; ++j) C[r * ldc + j] = c[r][j];
+}
+#endif
+
+// C (m x n, row stride ldc) = [C +] A B, A (m x k) addressed as A[i * a_rs + p * a_cs] (so A may
+// be a transposed tile), B (k x n) row-major with row stride ldb. Every product of the kernels goes
+// through here. Each C element sums over p in increasing order, on the block and edge paths alike.
+template <typename acc_t>
+void gemm_tile(int64_t m, int64_t n, int64_t k, const acc_t* A, int64_t a_rs, int64_t a_cs,
+               const acc_t* B, int64_t ldb, acc_t* C, int64_t ldc, bool accumulate) {
+  constexpr int64_t NR = kNR<acc_t>;
+  int64_t i0 = 0;
+  for (; i0 + kMR <= m; i0 += kMR) {
+    int64_t j0 = 0;
+    for (; j0 + NR <= n; j0 += NR)
+      gemm_block(k, A + i0 * a_rs, a_rs, a_cs, B + j0, ldb, C + i0 * ldc + j0, ldc, accumulate);
+    if (j0 < n) gemm_edge(i0, i0 + kMR, j0, n, k, A, a_rs, a_cs, B, ldb, C, ldc, accumulate);
+  }
+  if (i0 < m) gemm_edge(i0, m, int64_t(0), n, k, A, a_rs, a_cs, B, ldb, C, ldc, accumulate);
 }
 
 // S = scale * Q K^T + mask for query rows i0.. and keys j0.. (a masked-out bool entry gives -inf).
@@ -125,7 +203,7 @@ void matmul_tile(const acc_t* A, const acc_t* Bt, int64_t m, int64_t n, int64_t 
 template <typename scalar_t, typename acc_t>
 void score_tile(const acc_t* Q, const acc_t* Kt, int64_t bq, int64_t bk, int64_t D, acc_t scale,
                 const MaskRef& mask, int64_t b, int64_t h, int64_t i0, int64_t j0, acc_t* S) {
-  matmul_tile(Q, Kt, bq, bk, D, S);
+  gemm_tile(bq, bk, D, Q, D, int64_t(1), Kt, kBlockK, S, kBlockK, false);
   constexpr acc_t kNegInf = -std::numeric_limits<acc_t>::infinity();
   for (int64_t i = 0; i < bq; ++i) {
     acc_t* s = S + i * kBlockK;
@@ -178,6 +256,13 @@ Dims dims_of(const at::Tensor& q, const at::Tensor& k) {
 
 int64_t num_blocks(int64_t n, int64_t block) { return (n + block - 1) / block; }
 
+// Tasks per parallel chunk: enough work to be worth waking a thread, so that small problems
+// (and the many tiny calls of a gradcheck) run inline. Results do not depend on the split.
+int64_t grain_for(int64_t flops_per_task) {
+  constexpr int64_t kMinChunkFlops = int64_t(1) << 17;
+  return std::max<int64_t>(1, kMinChunkFlops / std::max<int64_t>(1, flops_per_task));
+}
+
 // Forward into out (B, H, Lq, D) and lse (B, H, Lq); k and v may be any strided views.
 void attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                        const at::Tensor& mask, double scale_d, const at::Tensor& out,
@@ -193,7 +278,8 @@ void attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tenso
     const acc_t scale = static_cast<acc_t>(scale_d);
     const int64_t D = s.D, nqb = num_blocks(s.Lq, kBlockQ);
     constexpr acc_t kNegInf = -std::numeric_limits<acc_t>::infinity();
-    at::parallel_for(0, s.B * s.H * nqb, 1, [&](int64_t t0, int64_t t1) {
+    const int64_t grain = grain_for(4 * std::min(kBlockQ, s.Lq) * s.Lk * D);
+    at::parallel_for(0, s.B * s.H * nqb, grain, [&](int64_t t0, int64_t t1) {
       std::vector<acc_t> Q(kBlockQ * D), Kt(D * kBlockK), V(kBlockK * D), S(kBlockQ * kBlockK),
           O(kBlockQ * D), m(kBlockQ), l(kBlockQ);
       for (int64_t t = t0; t < t1; ++t) {
@@ -208,27 +294,26 @@ void attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tenso
           pack_cols(Kr, b, h, j0, bk, D, Kt.data());
           pack_rows(Vr, b, h, j0, bk, D, V.data());
           score_tile<scalar_t>(Q.data(), Kt.data(), bq, bk, D, scale, mref, b, h, i0, j0, S.data());
+          // Online softmax: rescale each row's running sums to its new max, then O += P V.
           for (int64_t i = 0; i < bq; ++i) {
             acc_t* srow = S.data() + i * kBlockK;
             const acc_t m_new = std::max(m[i], *std::max_element(srow, srow + bk));
-            if (m_new == kNegInf) continue;  // every key so far masked out: nothing to add
-            const acc_t alpha = std::exp(m[i] - m_new);  // 0 while m[i] is still -inf
-            acc_t sum = 0;
-            for (int64_t j = 0; j < bk; ++j) {
-              srow[j] = std::exp(srow[j] - m_new);
-              sum += srow[j];
+            if (m_new == kNegInf) {  // every key so far masked out: this tile adds nothing
+              std::fill(srow, srow + bk, acc_t(0));
+              continue;
             }
+            const acc_t alpha = std::exp(m[i] - m_new);  // 0 while m[i] is still -inf
+            for (int64_t j = 0; j < bk; ++j) srow[j] = std::exp(srow[j] - m_new);
+            acc_t sum = 0;
+            for (int64_t j = 0; j < bk; ++j) sum += srow[j];
             l[i] = l[i] * alpha + sum;
             m[i] = m_new;
-            acc_t* o = O.data() + i * D;
-            if (alpha != acc_t(1))
+            if (alpha != acc_t(1)) {
+              acc_t* o = O.data() + i * D;
               for (int64_t d = 0; d < D; ++d) o[d] *= alpha;
-            for (int64_t j = 0; j < bk; ++j) {
-              const acc_t p = srow[j];
-              const acc_t* vj = V.data() + j * D;
-              for (int64_t d = 0; d < D; ++d) o[d] += p * vj[d];
             }
           }
+          gemm_tile(bq, D, bk, S.data(), kBlockK, int64_t(1), V.data(), D, O.data(), D, true);
         }
         // Normalise; a fully masked row (l = 0) is defined as out = 0, lse = -inf.
         for (int64_t i = 0; i < bq; ++i) {
@@ -271,7 +356,7 @@ void attention_backward(const at::Tensor& grad_out, const at::Tensor& q, const a
     // Delta_i = rowsum(dO_i * O_i) - grad_lse_i, so that dS = P * (dP - Delta) also carries the
     // gradient of lse (d lse_i / d S_ij = P_ij).
     std::vector<acc_t> delta(BH * s.Lq);
-    at::parallel_for(0, BH * s.Lq, 256, [&](int64_t r0, int64_t r1) {
+    at::parallel_for(0, BH * s.Lq, grain_for(2 * D), [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) {
         const int64_t b = r / (s.H * s.Lq), h = (r / s.Lq) % s.H, i = r % s.Lq;
         const scalar_t* go = dOr.row(b, h, i);
@@ -290,7 +375,7 @@ void attention_backward(const at::Tensor& grad_out, const at::Tensor& q, const a
       const int64_t row0 = (b * s.H + h) * s.Lq + i0;
       score_tile<scalar_t>(Q, Kt, bq, bk, D, scale, mref, b, h, i0, j0, S);
       probs_tile(S, lse_p + row0, bq, bk);
-      matmul_tile(dO, Vt, bq, bk, D, dP);
+      gemm_tile(bq, bk, D, dO, D, int64_t(1), Vt, kBlockK, dP, kBlockK, false);
       for (int64_t i = 0; i < bq; ++i) {
         const acc_t* p = S + i * kBlockK;
         acc_t* dp = dP + i * kBlockK;
@@ -300,7 +385,7 @@ void attention_backward(const at::Tensor& grad_out, const at::Tensor& q, const a
     };
 
     // Pass 1: dv = P^T dO and dk = scale * dS^T Q, one task per (b, h, key block).
-    at::parallel_for(0, BH * nkb, 1, [&](int64_t t0, int64_t t1) {
+    at::parallel_for(0, BH * nkb, grain_for(8 * s.Lq * std::min(kBlockK, s.Lk) * D), [&](int64_t t0, int64_t t1) {
       std::vector<acc_t> Q(kBlockQ * D), dO(kBlockQ * D), Kt(D * kBlockK), Vt(D * kBlockK),
           S(kBlockQ * kBlockK), dP(kBlockQ * kBlockK), dK(kBlockK * D), dV(kBlockK * D);
       for (int64_t t = t0; t < t1; ++t) {
@@ -316,17 +401,9 @@ void attention_backward(const at::Tensor& grad_out, const at::Tensor& q, const a
           pack_rows(dOr, b, h, i0, bq, D, dO.data());
           tile_grads(Q.data(), dO.data(), Kt.data(), Vt.data(), b, h, i0, bq, j0, bk, S.data(),
                      dP.data());
-          for (int64_t j = 0; j < bk; ++j) {
-            acc_t* dv = dV.data() + j * D;
-            acc_t* dkr = dK.data() + j * D;
-            for (int64_t i = 0; i < bq; ++i) {
-              const acc_t p = S[i * kBlockK + j], ds = dP[i * kBlockK + j];
-              const acc_t* go = dO.data() + i * D;
-              const acc_t* qi = Q.data() + i * D;
-              for (int64_t d = 0; d < D; ++d) dv[d] += p * go[d];
-              for (int64_t d = 0; d < D; ++d) dkr[d] += ds * qi[d];
-            }
-          }
+          // dV += P^T dO and dK += dS^T Q (transposed reads of the tiles).
+          gemm_tile(bk, D, bq, S.data(), int64_t(1), kBlockK, dO.data(), D, dV.data(), D, true);
+          gemm_tile(bk, D, bq, dP.data(), int64_t(1), kBlockK, Q.data(), D, dK.data(), D, true);
         }
         store_rows(dKw, b, h, j0, bk, D, dK.data(), scale);
         store_rows(dVw, b, h, j0, bk, D, dV.data(), acc_t(1));
@@ -334,7 +411,7 @@ void attention_backward(const at::Tensor& grad_out, const at::Tensor& q, const a
     });
 
     // Pass 2: dq = scale * dS K, one task per (b, h, query block).
-    at::parallel_for(0, BH * nqb, 1, [&](int64_t t0, int64_t t1) {
+    at::parallel_for(0, BH * nqb, grain_for(6 * std::min(kBlockQ, s.Lq) * s.Lk * D), [&](int64_t t0, int64_t t1) {
       std::vector<acc_t> Q(kBlockQ * D), dO(kBlockQ * D), K(kBlockK * D), Kt(D * kBlockK),
           Vt(D * kBlockK), S(kBlockQ * kBlockK), dP(kBlockQ * kBlockK), dQ(kBlockQ * D);
       for (int64_t t = t0; t < t1; ++t) {
@@ -350,14 +427,7 @@ void attention_backward(const at::Tensor& grad_out, const at::Tensor& q, const a
           pack_cols(Vr, b, h, j0, bk, D, Vt.data());
           tile_grads(Q.data(), dO.data(), Kt.data(), Vt.data(), b, h, i0, bq, j0, bk, S.data(),
                      dP.data());
-          for (int64_t i = 0; i < bq; ++i) {
-            acc_t* dqi = dQ.data() + i * D;
-            for (int64_t j = 0; j < bk; ++j) {
-              const acc_t ds = dP[i * kBlockK + j];
-              const acc_t* kj = K.data() + j * D;
-              for (int64_t d = 0; d < D; ++d) dqi[d] += ds * kj[d];
-            }
-          }
+          gemm_tile(bq, D, bk, dP.data(), kBlockK, int64_t(1), K.data(), D, dQ.data(), D, true);
         }
         store_rows(dQw, b, h, i0, bq, D, dQ.data(), scale);
       }
