@@ -16,7 +16,8 @@ TORCH_LIBRARY(vd, m) {
   // set_python_module applies to the defs that follow it.
   m.set_python_module("vdcompile.ops.attention");
   // softmax(q k^T * scale + mask) v over (B, H, L, D); returns (out, lse) where lse is the
-  // float32 log-sum-exp of the scaled, masked scores per query row, shape (B, H, Lq).
+  // log-sum-exp of the scaled, masked scores per query row, shape (B, H, Lq), float32 (float64 for
+  // float64 inputs).
   m.def("fused_attention(Tensor q, Tensor k, Tensor v, Tensor? attn_mask=None, float? scale=None)"
         " -> (Tensor, Tensor)");
   m.def("fused_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, "
