@@ -847,29 +847,6 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(const char* op, const at::T
   return {out, lse};
 }
 
-// Checks of the backward's extra arguments (q, k, v are checked by check_attention).
-void check_attention_grads(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& out,
-                           const at::Tensor& lse, const std::optional<at::Tensor>& grad_lse, const char* op) {
-  check_same_device(q, grad_out, op, "q", "grad_out");
-  check_same_device(q, out, op, "q", "out");
-  check_same_device(q, lse, op, "q", "lse");
-  check_same_dtype(q, grad_out, op, "q", "grad_out");
-  check_same_dtype(q, out, op, "q", "out");
-  TORCH_CHECK(grad_out.sizes() == q.sizes(), op, ": grad_out must have q's shape ", q.sizes(), ", got ",
-              grad_out.sizes());
-  TORCH_CHECK(out.sizes() == q.sizes(), op, ": out must have q's shape ", q.sizes(), ", got ", out.sizes());
-  const std::vector<int64_t> rows = {q.size(0), q.size(1), q.size(2)};
-  TORCH_CHECK(lse.sizes() == at::IntArrayRef(rows), op, ": lse must have shape ", at::IntArrayRef(rows), ", got ",
-              lse.sizes());
-  check_float_dtype(lse, op, "lse");
-  if (grad_lse.has_value()) {
-    check_same_device(q, *grad_lse, op, "q", "grad_lse");
-    check_float_dtype(*grad_lse, op, "grad_lse");
-    TORCH_CHECK(grad_lse->sizes() == at::IntArrayRef(rows), op, ": grad_lse must have shape ", at::IntArrayRef(rows),
-                ", got ", grad_lse->sizes());
-  }
-}
-
 // Writes dq (returned, contiguous) and dk / dv into the given (B, H, Lk, D) views.
 at::Tensor attention_backward(const char* op, const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
                               const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse_in,
@@ -920,7 +897,7 @@ std::tuple<at::Tensor, at::Tensor> fused_attention_cuda(const at::Tensor& q, con
   check_attention(q, k, v, kFusedOp);
   const c10::cuda::CUDAGuard guard(q.device());
   const at::Tensor mask = attn_mask.has_value() ? expand_attention_mask(*attn_mask, q, k, kFusedOp) : at::Tensor();
-  return attention_forward(kFusedOp, q, k, v, mask, attention_scale(scale, q.size(3)));
+  return attention_forward(kFusedOp, q, k, v, mask, attention_scale(scale, q.size(3), kFusedOp));
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_attention_backward_cuda(
@@ -928,12 +905,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_attention_backward_cuda(
     const at::Tensor& lse, const std::optional<at::Tensor>& attn_mask, std::optional<double> scale,
     const std::optional<at::Tensor>& grad_lse) {
   check_attention(q, k, v, kFusedBwdOp);
-  check_attention_grads(grad_out, q, out, lse, grad_lse, kFusedBwdOp);
+  check_attention_backward(grad_out, q, out, lse, grad_lse, kFusedBwdOp);
   const c10::cuda::CUDAGuard guard(q.device());
   const at::Tensor mask = attn_mask.has_value() ? expand_attention_mask(*attn_mask, q, k, kFusedBwdOp) : at::Tensor();
   at::Tensor dk = at::empty(k.sizes(), q.options());
   at::Tensor dv = at::empty(v.sizes(), q.options());
-  at::Tensor dq = attention_backward(kFusedBwdOp, grad_out, q, k, v, out, lse, mask, attention_scale(scale, q.size(3)),
+  at::Tensor dq = attention_backward(kFusedBwdOp, grad_out, q, k, v, out, lse, mask, attention_scale(scale, q.size(3), kFusedBwdOp),
                                      grad_lse, dk, dv);
   return {dq, dk, dv};
 }
@@ -945,7 +922,7 @@ std::tuple<at::Tensor, at::Tensor> strided_attention_cuda(const at::Tensor& q, c
   const c10::cuda::CUDAGuard guard(q.device());
   const int64_t Lk = k.size(2);
   return attention_forward(kStridedOp, q, k.slice(2, 0, Lk, stride), v.slice(2, 0, Lk, stride), at::Tensor(),
-                           attention_scale(scale, q.size(3)));
+                           attention_scale(scale, q.size(3), kStridedOp));
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> strided_attention_backward_cuda(
@@ -953,7 +930,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> strided_attention_backward_cuda(
     const at::Tensor& lse, int64_t stride, std::optional<double> scale, const std::optional<at::Tensor>& grad_lse) {
   check_attention(q, k, v, kStridedBwdOp);
   check_stride(stride, kStridedBwdOp);
-  check_attention_grads(grad_out, q, out, lse, grad_lse, kStridedBwdOp);
+  check_attention_backward(grad_out, q, out, lse, grad_lse, kStridedBwdOp);
   const c10::cuda::CUDAGuard guard(q.device());
   const int64_t Lk = k.size(2);
   // Keys off the stride get no gradient: zero-filled, the kernel writes the strided rows.
@@ -961,7 +938,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> strided_attention_backward_cuda(
   at::Tensor dv = at::zeros(v.sizes(), q.options());
   at::Tensor dk_s = dk.slice(2, 0, Lk, stride), dv_s = dv.slice(2, 0, Lk, stride);
   at::Tensor dq = attention_backward(kStridedBwdOp, grad_out, q, k.slice(2, 0, Lk, stride), v.slice(2, 0, Lk, stride),
-                                     out, lse, at::Tensor(), attention_scale(scale, q.size(3)), grad_lse, dk_s, dv_s);
+                                     out, lse, at::Tensor(), attention_scale(scale, q.size(3), kStridedBwdOp), grad_lse, dk_s, dv_s);
   return {dq, dk, dv};
 }
 
