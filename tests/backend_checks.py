@@ -7,7 +7,9 @@ import copy
 import torch
 
 import vdcompile
-from vdcompile.explain import graph_code
+from vdcompile import backend
+from vdcompile.explain import ExplainOutput, graph_code
+from vdcompile.passes._common import Report
 from vdcompile.passes import FAMILIES
 
 # The name when the package is installed (the entry point; test_backend checks it resolves), else
@@ -52,16 +54,22 @@ def _flat(out):
 
 def compare_with_eager(model, *args, options=None, inner="aot_eager", grad=True, atol=1e-5, rtol=1e-5, **kwargs):
     """Compiles with the vdcompile backend (fullgraph) and checks outputs, and with ``grad`` the
-    gradients of every input and parameter that requires grad, against eager on copies."""
+    gradients of every input and parameter that requires grad, against eager on copies.
+    Returns what the rewrites did (like vdcompile.explain)."""
     ref_model = copy.deepcopy(model) if isinstance(model, torch.nn.Module) else model
     ref_args = [a.detach().clone().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a
                 for a in args]
     torch._dynamo.reset()
     compiled = torch.compile(model, backend=BACKEND, fullgraph=True,
                              options={"inner_compiler": inner, **(options or {})})
-    with torch.set_grad_enabled(grad):
-        out = _flat(compiled(*args, **kwargs))
-        ref = _flat(ref_model(*ref_args, **kwargs))
+    sink: list = []
+    backend._SINKS.append(sink)
+    try:
+        with torch.set_grad_enabled(grad):
+            out = _flat(compiled(*args, **kwargs))
+            ref = _flat(ref_model(*ref_args, **kwargs))
+    finally:
+        backend._SINKS.remove(sink)
     assert len(out) == len(ref)
     for o, r in zip(out, ref):
         torch.testing.assert_close(o, r, atol=atol, rtol=rtol)
@@ -76,4 +84,12 @@ def compare_with_eager(model, *args, options=None, inner="aot_eager", grad=True,
             if a is not None:
                 torch.testing.assert_close(a, b, atol=atol * 10, rtol=rtol * 10)
     torch._dynamo.reset()
-    return out
+    report = Report()
+    for r, _ in sink:
+        report.merge(r)
+    return ExplainOutput(report, [gm for _, gm in sink], out)
+
+
+def code(out, i: int = 0) -> str:
+    """The i-th rewritten graph of a compile, as vdcompile.explain.graph_code prints it."""
+    return graph_code(out.graphs[i])

@@ -84,13 +84,13 @@ _functions("baddbmm", "input, batch1, batch2, *, beta=1, alpha=1", [torch.baddbm
 _methods("baddbmm", "input, batch1, batch2, *, beta=1, alpha=1", ["baddbmm"])
 _functions("mul", "input, other", [operator.mul, torch.mul])
 _methods("mul", "input, other", ["mul", "__mul__"])
-_functions("div", "input, other", [operator.truediv])
+_functions("div", "input, other, *, rounding_mode=None", [operator.truediv])
 _functions("div", "input, other, *, rounding_mode=None", [torch.div])
 _methods("div", "input, other, *, rounding_mode=None", ["div", "__truediv__"])
-_functions("add", "input, other", [operator.add])
+_functions("add", "input, other, *, alpha=1", [operator.add])
 _functions("add", "input, other, *, alpha=1", [torch.add])
 _methods("add", "input, other, *, alpha=1", ["add", "__add__"])
-_functions("sub", "input, other", [operator.sub])
+_functions("sub", "input, other, *, alpha=1", [operator.sub])
 _functions("sub", "input, other, *, alpha=1", [torch.sub])
 _methods("sub", "input, other, *, alpha=1", ["sub", "__sub__"])
 _functions("neg", "input", [operator.neg, torch.neg])
@@ -129,7 +129,7 @@ def _to_dtype(args, kwargs):
     if kwargs.keys() - {"dtype"}:
         return None
     rest = list(args[1:]) + ([kwargs["dtype"]] if "dtype" in kwargs else [])
-    if len(rest) == 1 and isinstance(rest[0], torch.dtype):
+    if len(rest) == 1 and isinstance(rest[0], (torch.dtype, fx.Node)):  # a Node: a pattern's wildcard
         return {"input": args[0], "dtype": rest[0]}
     return None
 
@@ -599,6 +599,10 @@ def _proxify(v, tracer):
     return fx.node.map_aggregate(v, lambda x: fx.Proxy(x, tracer) if isinstance(x, fx.Node) else x)
 
 
+# Factories that matched subgraphs may leave dead (diffusers' baddbmm input when there is no mask).
+_PURE_FACTORIES = {torch.empty, torch.zeros, torch.ones, torch.empty_like, torch.zeros_like}
+
+
 def _erase_dead(nodes):
     """Erases nodes left without users, and then their producers that are known pure calls."""
     work = list(nodes)
@@ -606,7 +610,7 @@ def _erase_dead(nodes):
         n = work.pop()
         if getattr(n, "_erased", False) or n.users or n.op not in ("call_function", "call_method"):
             continue
-        if canonical(n) is None or is_mutating(n):
+        if (canonical(n) is None and n.target not in _PURE_FACTORIES) or is_mutating(n):
             continue
         inputs = list(n.all_input_nodes)
         n.graph.erase_node(n)
