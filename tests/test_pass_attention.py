@@ -108,20 +108,28 @@ def forward(hidden_states, to_k.weight, to_out.0.bias, to_out.0.weight, to_q.wei
             self.assertIn("F.scaled_dot_product_attention", graphs[0])
         compare_with_eager(SDPA(is_causal=True), q, k, v, grad=False)
 
-    def test_refused_masks_and_shapes(self):
+    def test_masks(self):
+        # SDPA's masks carry over: bool (True = keep) and additive float, broadcast, even a row
+        # with every key masked out (0 from both), and a trainable float mask.
         q, k, v = (_x(2, 3, 6, 8) for _ in range(3))
-        bool_mask = torch.rand(6, 6) > 0.3
-        out, _ = rewrite(SDPA(), q, k, v, bool_mask)
-        assert_rejected(out, "attention", "boolean attn_mask")
-        learned = nn.Parameter(torch.randn(1, 3, 6, 6))
-        out, _ = rewrite(SDPA(), q, k, v, learned)
-        assert_rejected(out, "attention", "requires grad")
-        compare_with_eager(SDPA(), q, k, v, bool_mask)
-        # v's head dim differs from q's; 3-D q/k/v (no head axis).
+        keep = torch.rand(6, 6) > 0.3
+        keep[1] = False
+        assert_fired(compare_with_eager(SDPA(), q, k, v, keep), {"attention": 1})
+        additive = torch.randn(2, 1, 1, 6)
+        additive[0, 0, 0, 2] = float("-inf")
+        assert_fired(compare_with_eager(SDPA(), q, k, v, additive), {"attention": 1})
+        learned = torch.randn(1, 3, 6, 6).requires_grad_()
+        assert_fired(compare_with_eager(SDPA(), q, k, v, learned), {"attention": 1})
+
+    def test_refused_masks_and_shapes(self):
+        q, k, v = (torch.randn(2, 3, 6, 8) for _ in range(3))
         out, _ = rewrite(SDPA(), q, k, torch.randn(2, 3, 6, 4))
         assert_rejected(out, "attention", "head dim")
         out, _ = rewrite(SDPA(), *(torch.randn(3, 6, 8) for _ in range(3)))
         assert_rejected(out, "attention", "not all 4-D")
+        big = torch.randn(1, 1, 4, 264)
+        out, _ = rewrite(SDPA(), big, big, big)
+        assert_rejected(out, "attention", "1..256")
 
 
 class TestAttnProcessor(TestCase):
@@ -153,12 +161,14 @@ def forward(hidden_states, to_k.weight, to_out.0.bias, to_out.0.weight, to_q.wei
     v17 = operator.truediv(v16, 1.0)
     return (v17,)""")
 
-    def test_masked_and_cross(self):
-        a, x = _attn(AttnProcessor()), _x(2, 10, 32)
-        mask = torch.randn(2, 1, 10)
-        assert_fired(compare_with_eager(a, x, attention_mask=mask), {"attention": 1})
-        a, ctx = _attn(AttnProcessor(), cross=16), _x(2, 5, 16)
-        assert_fired(compare_with_eager(a, x, ctx), {"attention": 1})
+    def test_cross_attention_and_refused_mask(self):
+        a, x = _attn(AttnProcessor(), cross=16), _x(2, 10, 32)
+        assert_fired(compare_with_eager(a, x, _x(2, 5, 16)), {"attention": 1})
+        # An additive mask before softmax: NaN rows in eager where the op gives 0.
+        a = _attn(AttnProcessor())
+        out = compare_with_eager(a, x, attention_mask=torch.randn(2, 1, 10))
+        assert_fired(out, {})
+        assert_rejected(out, "attention", "NaN in eager")
 
     def test_upcast_softmax_refused(self):
         a = _attn(AttnProcessor())
@@ -169,11 +179,12 @@ def forward(hidden_states, to_k.weight, to_out.0.bias, to_out.0.weight, to_q.wei
         assert_fired(out, {})
 
     def test_plain_bmm_without_head_split(self):
-        def f(q, k, v, bias):
-            s = torch.baddbmm(bias, q, k.transpose(-1, -2), beta=1, alpha=0.25)
+        def f(q, k, v):
+            bias = torch.empty(q.shape[0], q.shape[1], k.shape[1])
+            s = torch.baddbmm(bias, q, k.transpose(-1, -2), beta=0, alpha=0.25)
             return torch.bmm(s.softmax(dim=-1).to(q.dtype), v)
 
-        args = (_x(6, 5, 16), _x(6, 7, 16), _x(6, 7, 16), torch.randn(6, 1, 7))
+        args = (_x(6, 5, 16), _x(6, 7, 16), _x(6, 7, 16))
         assert_fired(compare_with_eager(f, *args), {"attention": 1})
 
 
@@ -189,14 +200,19 @@ class TestNaive(TestCase):
                 q, k, v = self._qkv(rank)
                 assert_fired(compare_with_eager(Naive(form), q, k, v), {"attention": 1})
 
-    def test_masked(self):
+    def test_masked_refused(self):
         q, k, v = self._qkv(4)
-        mask = torch.randn(2, 1, 6, 6)
-        out = compare_with_eager(Naive(masked=True), q, k, v, mask)
+        out = compare_with_eager(Naive(masked=True), q, k, v, torch.randn(2, 1, 6, 6))
+        assert_fired(out, {})
+        assert_rejected(out, "attention", "NaN in eager")
+
+    def test_snapshot(self):
+        q, k, v = self._qkv(4)
+        out = compare_with_eager(Naive("div"), q, k, v)
         assert_fired(out, {"attention": 1})
         self.assertExpectedInline(code(out), """\
-def forward(k, mask, q, v):
-    v0 = vd.fused_attention(q, k, v, mask, 0.3535533905932738)
+def forward(k, q, v):
+    v0 = vd.fused_attention(q, k, v, None, 0.35355339059327373)
     v1 = operator.getitem(v0, 0)
     return (v1,)""")
 

@@ -6,7 +6,9 @@ Matched forms:
   - diffusers' AttnProcessor (Attention.get_attention_scores): head_to_batch_dim, baddbmm, softmax,
     cast, bmm; with the head split absorbed (the op reads (B, H, L, D) views of the projections
     instead of the (B*H, L, D) copies) or without it;
-  - the textbook matmul -> scale -> (+ mask) -> softmax -> (cast) -> matmul on 3-D or 4-D tensors.
+  - the textbook matmul -> scale -> softmax -> (cast) -> matmul on 3-D or 4-D tensors.
+Masks are taken with SDPA only: SDPA and the op both give 0 for a row whose keys are all masked
+out, where an additive mask before a plain softmax gives NaN.
 """
 from __future__ import annotations
 
@@ -15,8 +17,7 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-from vdcompile.passes._common import (SKIP, Match, Rewrite, kernel_missing, known_equal, requires_grad,
-                                      static_int, value_of)
+from vdcompile.passes._common import SKIP, Match, Rewrite, kernel_missing, known_equal, requires_grad, static_int
 
 FAMILY = "attention"
 SINGLE_KEY = "single_key_attention"
@@ -61,19 +62,22 @@ def _shapes(q, k, v) -> str | None:
         return "mismatched q/k head dims or k/v lengths"
     if not known_equal(q.shape[3], v.shape[3]):
         return "v's head dim differs from q's"
+    d = static_int(q.shape[3])
+    if d is None or not 1 <= d <= 256:
+        return "head dim outside the op's 1..256"
     return None
 
 
 def _mask_ok(mask, q, k) -> str | None:
-    """An additive float mask broadcastable to (B, H, Lq, Lk) that needs no gradient."""
+    """SDPA's masks as the op takes them: bool (True = keep) or additive float of q's dtype or
+    float32, broadcastable to (B, H, Lq, Lk). A row with every key masked out gives 0 from both
+    (SDPA's safe softmax), so SDPA's masks carry over unchanged."""
     if mask is None:
         return None
     if not isinstance(mask, torch.Tensor):
         return "attn_mask is not a tensor"
-    if mask.dtype == torch.bool:
-        return "boolean attn_mask"
-    if mask.requires_grad:
-        return "attn_mask requires grad (the op returns no mask gradient)"
+    if mask.dtype not in (torch.bool, q.dtype, torch.float32):
+        return f"attn_mask dtype {mask.dtype} (the op takes bool, q's dtype or float32)"
     if mask.dim() > 4:
         return "attn_mask has more than 4 dims"
     target = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
@@ -86,7 +90,13 @@ def _mask_ok(mask, q, k) -> str | None:
 def _check_sdpa(m: Match):
     q, k, v, mask = m.val("q"), m.val("k"), m.val("v"), m.val("attn_mask")
     return (_sdpa_flags(m) or _shapes(q, k, v) or _mask_ok(mask, q, k)
-            or kernel_missing(_OP, q, k, v, mask))
+            or kernel_missing(_OP, q, k, v) or _same_device(mask, q))
+
+
+def _same_device(mask, q) -> str | None:
+    if mask is not None and mask.device != q.device:
+        return "attn_mask on another device"
+    return None
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -132,14 +142,11 @@ def _pattern_bmm_split(q, k, v, bias, beta, alpha, dtype, b, h, d, bh, lq, lk):
     return torch.bmm(scores.softmax(dim=-1).to(dtype), v3)
 
 
-def _replacement_bmm_split(q, k, v, mask, mask_lq, alpha, b, h, d, bh, lq, lk):
+def _replacement_bmm_split(q, k, v, alpha, b, h, d, bh, lq, lk):
     q4 = q.view(b, lq, h, d).transpose(1, 2)
     k4 = k.view(b, lk, h, d).transpose(1, 2)
     v4 = v.view(b, lk, h, d).transpose(1, 2)
-    if mask is not None:
-        mask = mask.view(b, h, mask_lq, lk)
-    out = torch.ops.vd.fused_attention.default(q4, k4, v4, mask, alpha)[0]
-    return out.reshape(bh, lq, d)
+    return torch.ops.vd.fused_attention.default(q4, k4, v4, None, alpha)[0].reshape(bh, lq, d)
 
 
 def _pattern_bmm(q, k, v, bias, beta, alpha, dtype):
@@ -147,24 +154,26 @@ def _pattern_bmm(q, k, v, bias, beta, alpha, dtype):
     return torch.bmm(scores.softmax(dim=-1).to(dtype), v)
 
 
-def _replacement_bmm(q, k, v, mask, alpha):
-    m4 = None if mask is None else mask.unsqueeze(0)
-    out = torch.ops.vd.fused_attention.default(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), m4, alpha)[0]
+def _replacement_bmm(q, k, v, alpha):
+    out = torch.ops.vd.fused_attention.default(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), None, alpha)[0]
     return out.squeeze(0)
 
 
-def _baddbmm_mask(m: Match) -> str | None:
-    """baddbmm's input is the mask when beta == 1 and ignored when beta == 0 (diffusers passes an
-    uninitialised torch.empty then)."""
+# SDPA gives 0 for a row whose keys are all masked out, like the op; a plain softmax gives NaN.
+_SOFTMAX_MASK = ("additive mask before a plain softmax: a row with every key at -inf is NaN in eager "
+                 "but 0 from the op")
+
+
+def _baddbmm_no_mask(m: Match) -> str | None:
+    """baddbmm's input is ignored when beta == 0 (diffusers passes an uninitialised torch.empty
+    when there is no mask); with beta == 1 it is an additive mask, which is refused."""
     beta, alpha = m["beta"], m["alpha"]
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
         return "alpha is not a constant"
-    if beta == 0 and not isinstance(beta, bool):
-        m.extra["mask"] = None
-    elif beta == 1 and not isinstance(beta, bool):
-        m.extra["mask"] = m["bias"]
-    else:
+    if isinstance(beta, bool) or beta not in (0, 1):
         return "baddbmm beta is neither 0 nor 1"
+    if beta == 1:
+        return _SOFTMAX_MASK
     m.extra["alpha"] = float(alpha)
     return None
 
@@ -177,21 +186,17 @@ def _softmax_cast_ok(m: Match, probs_dtype) -> str | None:
 
 def _check_bmm(m: Match):
     q, k, v = m.val("q"), m.val("k"), m.val("v")
-    reason = _baddbmm_mask(m)
+    reason = _baddbmm_no_mask(m)
     if reason:
         return reason
     if not all(isinstance(t, torch.Tensor) and t.dim() == 3 for t in (q, k, v)):
         return "q, k, v are not all 3-D"
     q4, k4, v4 = (t.unsqueeze(0) for t in (q, k, v))
-    mask = value_of(m.extra["mask"])
-    if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dim() != 3):
-        return "baddbmm input is not a 3-D mask"
-    return (_softmax_cast_ok(m, q.dtype) or _shapes(q4, k4, v4)
-            or _mask_ok(None if mask is None else mask.unsqueeze(0), q4, k4) or kernel_missing(_OP, q, k, v, mask))
+    return _softmax_cast_ok(m, q.dtype) or _shapes(q4, k4, v4) or kernel_missing(_OP, q, k, v)
 
 
 def _check_bmm_split(m: Match):
-    reason = _baddbmm_mask(m)
+    reason = _baddbmm_no_mask(m)
     if reason:
         return reason
     q, k, v = m.val("q"), m.val("k"), m.val("v")
@@ -203,26 +208,23 @@ def _check_bmm_split(m: Match):
     for t, L in ((q, ints["lq"]), (k, ints["lk"]), (v, ints["lk"])):
         if not isinstance(t, torch.Tensor) or tuple(t.shape) != (ints["b"], L, ints["h"] * ints["d"]):
             return "projection shapes differ from the head split"
-    mask = value_of(m.extra["mask"])
-    if mask is not None:
-        if not isinstance(mask, torch.Tensor) or mask.dim() != 3 or mask.shape[0] != ints["bh"]:
-            return "baddbmm input is not a (B*H, Lq|1, Lk) mask"
-        if mask.shape[2] != ints["lk"] or mask.shape[1] not in (1, ints["lq"]):
-            return "baddbmm input is not a (B*H, Lq|1, Lk) mask"
-        if mask.dtype == torch.bool or mask.requires_grad:
-            return "mask is boolean or requires grad"
-    m.extra["mask_lq"] = None if mask is None else int(mask.shape[1])
-    return _softmax_cast_ok(m, q.dtype) or kernel_missing(_OP, q, k, v, mask)
+    q4 = q.view(ints["b"], ints["lq"], ints["h"], ints["d"]).transpose(1, 2)
+    k4 = k.view(ints["b"], ints["lk"], ints["h"], ints["d"]).transpose(1, 2)
+    v4 = v.view(ints["b"], ints["lk"], ints["h"], ints["d"]).transpose(1, 2)
+    return _softmax_cast_ok(m, q.dtype) or _shapes(q4, k4, v4) or kernel_missing(_OP, q, k, v)
 
 
 # ---------------------------------------------------------------------------------------------------
-# Textbook attention: q @ k^T -> scale -> (+ mask) -> softmax -> (cast) -> @ v, 3-D or 4-D
+# Textbook attention: q @ k^T -> scale -> softmax -> (cast) -> @ v, 3-D or 4-D
 # ---------------------------------------------------------------------------------------------------
 
 
 def _naive(scale_form: str, masked: bool, cast: bool):
-    """Pattern and replacement of one spelling (generated: the spellings multiply)."""
+    """Pattern, replacement and check of one spelling (generated: the spellings multiply). The
+    masked spellings are matched only to report why they are refused."""
 
+    # AnimateDiff's original motion module / VersatileAttention and hand-written temporal attention:
+    # `attn = (q @ k.transpose(-2, -1)) * scale; attn = attn.softmax(dim=-1); out = attn @ v`.
     def pattern(q, k, v, scale, mask, dtype):
         if scale_form == "q_mul":
             s = torch.matmul(q * scale, k.transpose(-2, -1))
@@ -236,34 +238,28 @@ def _naive(scale_form: str, masked: bool, cast: bool):
             p = p.to(dtype)
         return torch.matmul(p, v)
 
-    def replacement(q, k, v, mask, scale_value, squeeze):
+    def replacement(q, k, v, scale_value, squeeze):
         if squeeze:
             q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
-            mask = None if mask is None else mask.unsqueeze(0)
-        out = torch.ops.vd.fused_attention.default(q, k, v, mask, scale_value)[0]
+        out = torch.ops.vd.fused_attention.default(q, k, v, None, scale_value)[0]
         return out.squeeze(0) if squeeze else out
 
     def check(m: Match):
         q, k, v = m.val("q"), m.val("k"), m.val("v")
         if not all(isinstance(t, torch.Tensor) for t in (q, k, v)) or {q.dim(), k.dim(), v.dim()} not in ({3}, {4}):
             return "q, k, v are not all 3-D or all 4-D"
+        if masked:
+            return _SOFTMAX_MASK
         scale = m["scale"]
         if not isinstance(scale, (int, float)) or isinstance(scale, bool) or scale == 0:
             return "the scale is not a nonzero constant"
         m.extra["scale_value"] = float(scale) if scale_form != "div" else 1.0 / float(scale)
         squeeze = q.dim() == 3
         m.extra["squeeze"] = squeeze
-        mask = m.val("mask") if masked else None
-        m.extra["mask"] = m["mask"] if masked else None
-        q4, k4, v4 = (t.unsqueeze(0) if squeeze else t for t in (q, k, v))
-        m4 = mask.unsqueeze(0) if squeeze and isinstance(mask, torch.Tensor) else mask
-        if masked and isinstance(mask, torch.Tensor) and mask.dim() > q.dim():
-            return "attn_mask has more dims than q"
         if cast and m["dtype"] != q.dtype:
             return "softmax output cast to another dtype"
-        if masked and isinstance(mask, torch.Tensor) and mask.dtype != q.dtype:
-            return "mask dtype differs from q's (type promotion)"
-        return _shapes(q4, k4, v4) or _mask_ok(m4, q4, k4) or kernel_missing(_OP, q, k, v, mask)
+        q4, k4, v4 = (t.unsqueeze(0) if squeeze else t for t in (q, k, v))
+        return _shapes(q4, k4, v4) or kernel_missing(_OP, q, k, v)
 
     tag = f"naive_{scale_form}{'_mask' if masked else ''}{'_cast' if cast else ''}"
     return Rewrite(FAMILY, tag, pattern, replacement, check)
