@@ -516,6 +516,8 @@ class Context:
     fake_mode: Any = None
     # Weights may be treated as constants (inductor's freezing): concatenations of them are folded.
     freezing: bool = False
+    # Grad mode of the compile (inductor freezes, and folds constants, only without grad).
+    grad_enabled: bool = True
     # Set when a replacement's output has other strides than the call it replaced; the whole graph is
     # then re-checked on the example values before it is used.
     layout_changed: bool = False
@@ -644,6 +646,9 @@ def replace(gm: fx.GraphModule, rw: Rewrite, m: Match, ctx: Context) -> str | No
 
     if not isinstance(out_node, fx.Node):
         return undo("replacement produced no node")
+    for x in new_nodes:  # a factory call without graph inputs would have run at rewrite time
+        if any(isinstance(a, torch.Tensor) for a in torch.utils._pytree.tree_leaves((x.args, x.kwargs))):
+            return undo("replacement captured a tensor constant")
     try:
         for x in new_nodes:
             for k in _COPIED_META:
@@ -663,11 +668,13 @@ def replace(gm: fx.GraphModule, rw: Rewrite, m: Match, ctx: Context) -> str | No
 
 
 def run_rewrites(gm: fx.GraphModule, rewrites: list[Rewrite], report: Report, ctx: Context) -> None:
-    """One sweep over the graph: at each node, the rewrites anchored on its op are tried in order."""
+    """One sweep over the graph: at each node, the rewrites anchored on its op are tried in order.
+    The sweep runs from the output backwards, so a pattern's root is met before the smaller
+    patterns inside it (conv -> bn -> silu before conv -> bn)."""
     by_anchor: dict[str, list[Rewrite]] = {}
     for rw in rewrites:
         by_anchor.setdefault(rw.anchor, []).append(rw)
-    for node in list(gm.graph.nodes):
+    for node in reversed(list(gm.graph.nodes)):
         if getattr(node, "_erased", False):
             continue
         cands = by_anchor.get(canonical_name(node))
