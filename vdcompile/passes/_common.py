@@ -122,6 +122,16 @@ _methods("pow", "input, exponent", ["pow", "__pow__"])
 _functions("split", "tensor, split_size_or_sections, dim=0", [torch.split])
 _methods("split", "tensor, split_size_or_sections, dim=0", ["split"])
 _functions("cat", "tensors, dim=0", [torch.cat])
+_functions("arange", "end, *, out=None, dtype=None, layout=None, device=None, pin_memory=None, requires_grad=False",
+           [torch.arange])
+_functions("remainder", "input, other", [operator.mod, torch.remainder])
+_methods("remainder", "input, other", ["remainder", "__mod__"])
+_functions("eq", "input, other", [operator.eq, torch.eq])
+_methods("eq", "input, other", ["eq", "__eq__"])
+_functions("bitwise_not", "input", [operator.invert, torch.bitwise_not])
+_methods("bitwise_not", "input", ["bitwise_not", "__invert__"])
+_functions("masked_fill", "input, mask, value", [torch.masked_fill])
+_methods("masked_fill", "input, mask, value", ["masked_fill"])
 
 
 def _to_dtype(args, kwargs):
