@@ -552,9 +552,9 @@ class Context:
     freezing: bool = False
     # Grad mode of the compile (inductor freezes, and folds constants, only without grad).
     grad_enabled: bool = True
-    # Set when a replacement's output has other strides than the call it replaced; the whole graph is
-    # then re-checked on the example values before it is used.
-    layout_changed: bool = False
+    # Families whose replacements gave a value other strides than the call it replaced; the whole
+    # graph is then re-checked on the example values before it is used.
+    layout_families: set = dataclasses.field(default_factory=set)
     autocast_reason: str | None = None
 
 
@@ -697,7 +697,7 @@ def replace(gm: fx.GraphModule, rw: Rewrite, m: Match, ctx: Context) -> str | No
         if not _same_meta(old, new):
             return undo("replacement would change the output's shape, dtype or device")
         if isinstance(old, torch.Tensor) and not _same_strides(old, new):
-            ctx.layout_changed = True
+            ctx.layout_families.add(rw.family)
     for old_node, out_node in zip(m.outputs, out_nodes):
         old_node.replace_all_uses_with(out_node)
     _erase_dead(m.graph_nodes)
