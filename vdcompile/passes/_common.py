@@ -726,8 +726,10 @@ def run_rewrites(gm: fx.GraphModule, rewrites: list[Rewrite], report: Report, ct
             reason = rw.check(m)
             if reason is SKIP:
                 continue
+            # Autocast is the root cause of any dtype refusal it brings: it is reported first.
+            reason = ctx.autocast_reason or reason
             if reason is None:
-                reason = ctx.autocast_reason or escaping_intermediate(m) or mutation_between(m)
+                reason = escaping_intermediate(m) or mutation_between(m)
             if reason is None:
                 reason = replace(gm, rw, m, ctx)
             if reason is None:
