@@ -137,3 +137,15 @@ def forward(norm.bias, norm.weight, x):
             torch.testing.assert_close(c(x), m(x), atol=1e-5, rtol=1e-5)
         self.assertEqual(torch._dynamo.utils.counters["vdcompile"]["group_norm_silu"], 1)  # one graph, both shapes
         torch._dynamo.reset()
+
+    def test_positional_inplace_between(self):
+        # F.relu_(x) / F.dropout(x, p, training, True) mutate x: a write between the matched nodes.
+        def f(x, w):
+            h = F.group_norm(x, 4, w)
+            F.dropout(x, 0.0, True, True)
+            F.hardtanh(x, -1.0, 1.0, True)
+            return F.silu(h) + x
+
+        out = compare_with_eager(f, torch.randn(2, 8, 5) * 3, torch.randn(8), grad=False)
+        assert_fired(out, {})
+        assert_rejected(out, "group_norm_silu", "mutates")

@@ -11,6 +11,7 @@ one pattern covers all spellings.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import operator
 from collections import Counter
@@ -229,6 +230,28 @@ def _get_attr(node: fx.Node):
     return obj
 
 
+@functools.lru_cache(maxsize=None)
+def _signature(fn):
+    try:
+        return inspect.signature(fn)
+    except (TypeError, ValueError):  # builtins without one
+        return None
+
+
+def _inplace_flag(node: fx.Node) -> bool:
+    """inplace=True given by keyword or by position (F.dropout(x, 0.1, True, True), F.silu(x, True))."""
+    if node.kwargs.get("inplace") is True:
+        return True
+    sig = _signature(node.target) if callable(node.target) else None
+    if sig is None or "inplace" not in sig.parameters:
+        return False
+    try:
+        bound = sig.bind(*node.args, **node.kwargs)
+    except TypeError:
+        return False
+    return bound.arguments.get("inplace") is True
+
+
 def is_mutating(node: fx.Node) -> bool:
     """Conservative: does this call write into one of its arguments?"""
     if node.op == "call_method":
@@ -236,7 +259,7 @@ def is_mutating(node: fx.Node) -> bool:
         return (name.endswith("_") and not name.startswith("__")) or name.startswith("__i") or "out" in node.kwargs
     if node.op == "call_function":
         t = node.target
-        if t in _MUTATING_FUNCTIONS or node.kwargs.get("inplace") is True or "out" in node.kwargs:
+        if t in _MUTATING_FUNCTIONS or _inplace_flag(node) or "out" in node.kwargs:
             return True
         if isinstance(t, torch._ops.OpOverload):
             return t._schema.is_mutable
