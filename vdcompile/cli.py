@@ -40,7 +40,7 @@ def _err(msg: str) -> None:
 def _repo_bench_dir() -> str | None:
     """bench/ of the source checkout this package runs from (kernel benchmarks are not installed)."""
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    for root in (here, os.getcwd()):
+    for root in (os.getcwd(), here):
         d = os.path.join(root, "bench")
         if os.path.isdir(d):
             return d
@@ -316,6 +316,7 @@ def cmd_bench(args) -> int:
 
     if args.steps < 1 or args.iters < 1 or args.warmup < 0:
         raise models.UserError("--steps and --iters must be >= 1 and --warmup >= 0")
+    preset = None if args.model else models.get_preset(args.preset)  # cheap checks first
     device = models.resolve_device(args.device)
     dtype = models.resolve_dtype(args.dtype, device)
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
@@ -332,7 +333,6 @@ def cmd_bench(args) -> int:
             raise models.UserError(f"--backend-option {kv!r}: expected KEY=VALUE")
         options[k] = json.loads(v) if v[:1] in "0123456789-[{tf\"" and v not in ("-",) else v
 
-    preset = None
     if args.model:
         what = f"model {args.model}"
         unet = models.load_unet(args.model, dtype=dtype, device=device)
@@ -341,7 +341,6 @@ def cmd_bench(args) -> int:
         height = args.height or 8 * 64
         width = args.width or 8 * 64
     else:
-        preset = models.get_preset(args.preset)
         what = f"preset {preset.name}"
         vsf = models.vae_scale_factor_of(preset)
         frames, height, width = args.frames or preset.frames, args.height or preset.height, args.width or preset.width
@@ -622,6 +621,8 @@ def _model_args(p: argparse.ArgumentParser, *, bench: bool) -> None:
     p.add_argument("--dtype", default="fp32", help="fp32, bf16 or fp16 (default: fp32)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's own choice); "
+                   "1 is often fastest on a busy machine")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -679,6 +680,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from vdcompile.models import UserError
 
+    if getattr(args, "threads", None) is not None:
+        if args.threads < 1:
+            _err("--threads must be >= 1")
+            return 2
+        import torch
+
+        torch.set_num_threads(args.threads)
     try:
         return int(args.fn(args) or 0)
     except UserError as e:
