@@ -5,8 +5,11 @@ Each family lives in its own module (the C++ schemas name it with set_python_mod
 """
 from vdcompile.ops import attention, conv, norm, scheduler  # noqa: F401
 from vdcompile.ops.norm import group_norm_silu, reference_group_norm_silu
+from vdcompile.ops.scheduler import reference_scheduler_step, scheduler_step
 
 __all__ = [
     "group_norm_silu",
     "reference_group_norm_silu",
+    "scheduler_step",
+    "reference_scheduler_step",
 ]

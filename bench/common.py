@@ -1,0 +1,118 @@
+"""Benchmark helpers: CUDA-event timing (median of many runs, inputs rotated so the L2 does not flatter),
+the device's measured ceilings (copy bandwidth, bf16 matmul rate), and JSON results with device, torch
+version and date."""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import statistics
+from typing import Callable, Sequence
+
+import torch
+
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def time_cuda(fn: Callable[[int], object], n_sets: int = 1, warmup: int = 5, iters: int = 50,
+              min_ms: float = 200.0) -> float:
+    """Median milliseconds of ``fn(i)`` (i cycles over ``n_sets`` input sets) timed with CUDA events."""
+    for i in range(warmup):
+        fn(i % n_sets)
+    torch.cuda.synchronize()
+    # Enough repetitions to cover ``min_ms`` of device time, at least ``iters``.
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn(0)
+    end.record()
+    torch.cuda.synchronize()
+    est = max(start.elapsed_time(end), 1e-3)
+    n = max(iters, min(2000, int(min_ms / est)))
+    times = []
+    for i in range(n):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn(i % n_sets)
+        e.record()
+        times.append((s, e))
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in times)
+
+
+def time_cpu(fn: Callable[[int], object], n_sets: int = 1, warmup: int = 2, iters: int = 10) -> float:
+    import time
+    for i in range(warmup):
+        fn(i % n_sets)
+    ts = []
+    for i in range(iters):
+        t = time.perf_counter()
+        fn(i % n_sets)
+        ts.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(ts)
+
+
+def rotation_sets(bytes_per_set: int, device: torch.device) -> int:
+    """How many input sets to rotate through so their total is several times the L2 cache."""
+    if device.type != "cuda":
+        return 1
+    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 * 2**20)
+    return max(1, min(16, (4 * l2) // max(1, bytes_per_set) + 1))
+
+
+def measure_ceilings(device: torch.device) -> dict:
+    """Device-to-device copy bandwidth (bytes read + written) and bf16 matmul rate, measured here."""
+    if device.type != "cuda":
+        return {}
+    n = 1 << 30  # 1 GiB each way
+    a = torch.empty(n, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    a.random_(0, 255)
+    ms = time_cuda(lambda i: b.copy_(a), iters=20)
+    copy_gbs = 2 * n / ms / 1e6
+    del a, b
+    m = 8192
+    x = torch.randn(m, m, device=device, dtype=torch.bfloat16)
+    y = torch.randn(m, m, device=device, dtype=torch.bfloat16)
+    ms_mm = time_cuda(lambda i: x @ y, iters=20)
+    tflops = 2 * m**3 / ms_mm / 1e9
+    return {"copy_GBps": copy_gbs, "bf16_matmul_TFLOPs": tflops}
+
+
+def environment(device: torch.device) -> dict:
+    env = {
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+    }
+    if device.type == "cuda":
+        env["cuda"] = torch.version.cuda
+        try:
+            import triton
+            env["triton"] = triton.__version__
+        except ImportError:
+            pass
+    return env
+
+
+def write_json(name: str, payload: dict) -> str:
+    os.makedirs(RESULTS_DIR, exist_ok=True)
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%S")
+    dev = payload.get("environment", {}).get("device", "cpu").replace(" ", "_")
+    path = os.path.join(RESULTS_DIR, f"{name}_{dev}_{stamp}.json")
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=1)
+    return path
+
+
+def print_table(rows: Sequence[dict], columns: Sequence[tuple[str, str, str]]) -> None:
+    """columns: (key, header, format spec)."""
+    widths = [max(len(h), 10) for _, h, _ in columns]
+    print("  ".join(h.rjust(w) for (_, h, _), w in zip(columns, widths)))
+    for r in rows:
+        cells = []
+        for (k, _, fmt), w in zip(columns, widths):
+            v = r.get(k)
+            cells.append(("-" if v is None else format(v, fmt)).rjust(w))
+        print("  ".join(cells))

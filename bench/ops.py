@@ -1,0 +1,181 @@
+"""Benchmarks of the non-attention vd ops against eager PyTorch and inductor, on video UNet/VAE shapes.
+
+    python bench/ops.py [--ops group_norm_silu,scheduler_step,conv_bn_silu,temporal_conv] [--dtype bf16]
+
+Per shape: eager, inductor (torch.compile of the same eager code), ours — ms, GB/s or TFLOP/s, % of the
+measured ceiling, ratios. JSON goes to bench/results/.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import environment, measure_ceilings, print_table, rotation_sets, time_cuda, write_json  # noqa: E402
+
+import vdcompile  # noqa: E402,F401
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _elt(dtype):
+    return torch.finfo(dtype).bits // 8
+
+
+def _compiled(fn):
+    return torch.compile(fn, dynamic=False)
+
+
+def _row(name, eager_ms, inductor_ms, ours_ms, work, unit, ceiling):
+    r = {"shape": name, "eager_ms": eager_ms, "inductor_ms": inductor_ms, "ours_ms": ours_ms}
+    if ours_ms:
+        r[f"ours_{unit}"] = work / ours_ms / 1e6 if unit == "GBps" else work / ours_ms / 1e9
+        if ceiling:
+            r["pct_ceiling"] = 100 * r[f"ours_{unit}"] / ceiling
+        if eager_ms:
+            r["x_eager"] = eager_ms / ours_ms
+        if inductor_ms:
+            r["x_inductor"] = inductor_ms / ours_ms
+    return r
+
+
+def bench_group_norm_silu(dtype, dev, ceil, backward=False):
+    shapes = [("unet-320", (28, 320, 72, 128)), ("unet-640", (28, 640, 36, 64)), ("unet-1280", (28, 1280, 18, 32)),
+              ("vae-512", (14, 512, 72, 128)), ("vae-128-full", (14, 128, 576, 1024))]
+    rows = []
+    for cl in (False, True):
+        for name, shape in shapes:
+            numel = torch.Size(shape).numel()
+            per = 2 * numel * _elt(dtype)
+            n_sets = rotation_sets(per // 2, dev) if per < 2**30 else 1
+            xs = [torch.randn(shape, device=dev, dtype=dtype) for _ in range(n_sets)]
+            if cl:
+                xs = [x.to(memory_format=torch.channels_last) for x in xs]
+            C = shape[1]
+            w, b = torch.randn(C, device=dev, dtype=dtype), torch.randn(C, device=dev, dtype=dtype)
+
+            def eager(x):
+                return F.silu(F.group_norm(x, 32, w, b, 1e-5))
+            ind = _compiled(eager)
+            e = time_cuda(lambda i: eager(xs[i]), n_sets)
+            n = time_cuda(lambda i: ind(xs[i]), n_sets)
+            o = time_cuda(lambda i: torch.ops.vd.group_norm_silu(xs[i], 32, w, b, 1e-5, True), n_sets)
+            err = (torch.ops.vd.group_norm_silu(xs[0], 32, w, b, 1e-5, True).float() - eager(xs[0].float())).abs().max().item()
+            r = _row(name + ("-cl" if cl else ""), e, n, o, per, "GBps", ceil)
+            r["max_err"] = err
+            rows.append(r)
+            del xs
+            torch.cuda.empty_cache()
+    return rows
+
+
+def bench_scheduler_step(dtype, dev, ceil):
+    from diffusers import EulerDiscreteScheduler
+    from vdcompile import schedulers
+
+    rows = []
+    for name, shape in [("svd-latent", (2, 14, 4, 72, 128)), ("large", (8, 25, 4, 128, 128))]:
+        sched = EulerDiscreteScheduler(prediction_type="v_prediction", use_karras_sigmas=True,
+                                       timestep_spacing="leading", steps_offset=1)
+        sched.set_timesteps(25, device=dev)
+        sample = torch.randn(shape, device=dev, dtype=dtype)
+        mo = torch.randn(shape, device=dev, dtype=dtype)
+        t = sched.timesteps[3]
+
+        def eager(i):
+            sched._step_index = 3
+            return sched.step(mo, t, sample, return_dict=False)
+        coeffs = schedulers.step_coefficients(sched, 3)
+        o = time_cuda(lambda i: torch.ops.vd.scheduler_step(mo, sample, coeffs), 1)
+        e = time_cuda(eager, 1)
+        per = 4 * sample.numel() * _elt(dtype)  # read model_output, sample; write prev, x0
+        rows.append(_row(name, e, None, o, per, "GBps", ceil))
+    return rows
+
+
+def bench_conv_bn_silu(dtype, dev, mm_ceil):
+    rows = []
+    shapes = [(2, 320, 72, 128), (2, 640, 36, 64), (2, 1280, 18, 32), (2, 1280, 9, 16)]
+    for N, C, H, W in shapes:
+        x = torch.randn(N, C, H, W, device=dev, dtype=dtype).to(memory_format=torch.channels_last)
+        conv = torch.nn.Conv2d(C, C, 3, padding=1).to(dev, dtype).to(memory_format=torch.channels_last)
+        bn = torch.nn.BatchNorm2d(C).to(dev, dtype).eval()
+        bn.running_mean.normal_()
+        bn.running_var.uniform_(0.5, 2)
+
+        def eager(x):
+            return F.silu(bn(conv(x)))
+        with torch.no_grad():
+            import torch._inductor.config as icfg
+            with icfg.patch(freezing=True):
+                ind = _compiled(eager)
+                ind(x)
+            e = time_cuda(lambda i: eager(x))
+            n = time_cuda(lambda i: ind(x))
+            args = (conv.weight, conv.bias, bn.weight, bn.bias, bn.running_mean, bn.running_var, bn.eps,
+                    [1, 1], [1, 1], [1, 1], 1, True)
+            o = time_cuda(lambda i: torch.ops.vd.conv_bn_silu(x, *args))
+        flops = 2 * N * C * C * 9 * H * W
+        rows.append(_row(f"{N}x{C}x{H}x{W}", e, n, o, flops, "TFLOPs", mm_ceil))
+    return rows
+
+
+def bench_temporal_conv(dtype, dev, ceil):
+    rows = []
+    for B, C, F_, H, W in [(2, 320, 14, 72, 128), (2, 640, 14, 36, 64), (2, 1280, 14, 18, 32)]:
+        x = torch.randn(B, C, F_, H, W, device=dev, dtype=dtype)
+        conv = torch.nn.Conv3d(C, C, (3, 1, 1), padding=(1, 0, 0)).to(dev, dtype)
+        with torch.no_grad():
+            ind = _compiled(conv)
+            e = time_cuda(lambda i: conv(x))
+            n = time_cuda(lambda i: ind(x))
+            o = time_cuda(lambda i: torch.ops.vd.temporal_conv(x, conv.weight, conv.bias, 1))
+        flops = 2 * B * C * C * 3 * F_ * H * W
+        rows.append(_row(f"{B}x{C}x{F_}x{H}x{W}", e, n, o, flops, "TFLOPs", None))
+    return rows
+
+
+def main():
+    p = argparse.ArgumentParser(description="vd op benchmarks vs eager and inductor")
+    p.add_argument("--ops", default="group_norm_silu,scheduler_step,conv_bn_silu,temporal_conv")
+    p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/ops.py needs a CUDA device")
+    dev = torch.device("cuda")
+    dtype = DTYPES[args.dtype]
+    env = environment(dev)
+    ceil = measure_ceilings(dev)
+    print(env, ceil)
+    payload = {"environment": env, "ceilings": ceil, "dtype": args.dtype}
+    cols = [("shape", "shape", ""), ("eager_ms", "eager ms", ".3f"), ("inductor_ms", "inductor ms", ".3f"),
+            ("ours_ms", "ours ms", ".3f"), ("pct_ceiling", "% ceiling", ".0f"), ("x_eager", "x eager", ".2f"),
+            ("x_inductor", "x inductor", ".2f")]
+    for op in args.ops.split(","):
+        try:
+            if op == "group_norm_silu":
+                rows = bench_group_norm_silu(dtype, dev, ceil.get("copy_GBps"))
+            elif op == "scheduler_step":
+                rows = bench_scheduler_step(dtype, dev, ceil.get("copy_GBps"))
+            elif op == "conv_bn_silu":
+                rows = bench_conv_bn_silu(dtype, dev, ceil.get("bf16_matmul_TFLOPs"))
+            elif op == "temporal_conv":
+                rows = bench_temporal_conv(dtype, dev, None)
+            else:
+                raise SystemExit(f"unknown op {op!r}")
+        except Exception as e:  # keep the other ops' numbers if one op fails
+            print(f"{op}: FAILED {type(e).__name__}: {e}")
+            payload[op] = {"error": f"{type(e).__name__}: {e}"}
+            continue
+        print(f"\n{op} ({args.dtype})")
+        print_table(rows, cols)
+        payload[op] = rows
+    print("wrote", write_json(f"ops_{args.dtype}", payload))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""A representative set of CUDA calls of every vd op (forward and backward), small enough to run under
+compute-sanitizer (memcheck, racecheck):
+
+    compute-sanitizer --tool memcheck python bench/sanitize_ops.py
+"""
+from __future__ import annotations
+
+import torch
+
+import vdcompile  # noqa: F401
+from vdcompile import has_cuda_kernels
+
+
+def _grad(fn, *inputs):
+    inputs = [t.detach().requires_grad_() for t in inputs]
+    out = fn(*inputs)
+    out = out[0] if isinstance(out, tuple) else out
+    torch.autograd.grad(out, inputs, torch.randn_like(out))
+
+
+def main():
+    dev = "cuda"
+    torch.manual_seed(0)
+    ran = []
+    for dtype in (torch.bfloat16, torch.float32):
+        if has_cuda_kernels("fused_attention"):
+            for B, H, Lq, Lk, D in [(3, 2, 14, 14, 64), (1, 2, 77, 131, 40), (2, 1, 300, 1, 128), (1, 1, 257, 257, 256)]:
+                q = torch.randn(B, H, Lq, D, device=dev, dtype=dtype)
+                k = torch.randn(B, H, Lk, D, device=dev, dtype=dtype)
+                v = torch.randn(B, H, Lk, D, device=dev, dtype=dtype)
+                mask = torch.rand(1, 1, Lq, Lk, device=dev) > 0.3
+                torch.ops.vd.fused_attention(q, k, v, mask, None)
+                _grad(lambda q, k, v: torch.ops.vd.fused_attention(q, k, v, None, None), q, k, v)
+                _grad(lambda q, k, v: torch.ops.vd.strided_attention(q, k, v, 3, None), q, k, v)
+                qt = torch.randn(B, Lq, H, D, device=dev, dtype=dtype).transpose(1, 2)
+                torch.ops.vd.fused_attention(qt, k, v, None, None)
+            ran.append("attention")
+        if has_cuda_kernels("group_norm_silu"):
+            for shape in [(2, 64, 9, 11), (1, 32, 3, 5, 7), (2, 16, 33)]:
+                x = torch.randn(shape, device=dev, dtype=dtype)
+                w = torch.randn(shape[1], device=dev, dtype=dtype)
+                _grad(lambda x, w: torch.ops.vd.group_norm_silu(x, 8, w, None, 1e-5, True), x, w)
+                if x.dim() == 4:
+                    _grad(lambda x: torch.ops.vd.group_norm_silu(x, 8, None, None, 1e-5, True),
+                          x.to(memory_format=torch.channels_last))
+            ran.append("group_norm_silu")
+        if has_cuda_kernels("conv_bn_silu"):
+            x = torch.randn(2, 16, 9, 13, device=dev, dtype=dtype)
+            w = torch.randn(24, 16, 3, 3, device=dev, dtype=dtype)
+            bn = [torch.rand(24, device=dev, dtype=dtype) + 0.5 for _ in range(4)]
+            _grad(lambda x, w: torch.ops.vd.conv_bn_silu(x, w, None, *bn, 1e-5, [1, 1], [1, 1], [1, 1], 1, True), x, w)
+            ran.append("conv_bn_silu")
+        if has_cuda_kernels("temporal_conv"):
+            x = torch.randn(2, 8, 7, 5, 6, device=dev, dtype=dtype)
+            w = torch.randn(12, 8, 3, 1, 1, device=dev, dtype=dtype)
+            _grad(lambda x, w: torch.ops.vd.temporal_conv(x, w, None, 1), x, w)
+            ran.append("temporal_conv")
+        if has_cuda_kernels("scheduler_step"):
+            s = torch.randn(2, 3, 4, 9, 7, device=dev, dtype=dtype)
+            m = torch.randn_like(s)
+            c = torch.randn(2, 6, device=dev)
+            torch.ops.vd.scheduler_step(m, s, c, torch.randn_like(s), torch.randn_like(s),
+                                        torch.rand(2, device=dev), 1.0)
+            ran.append("scheduler_step")
+    torch.cuda.synchronize()
+    print("sanitize_ops: ran", sorted(set(ran)))
+
+
+if __name__ == "__main__":
+    main()
