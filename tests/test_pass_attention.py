@@ -1,0 +1,264 @@
+"""Attention => vd::fused_attention; single-key attention => V broadcast."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from diffusers.models.attention_processor import Attention, AttnProcessor, AttnProcessor2_0
+from expecttest import TestCase
+
+from tests.backend_checks import assert_fired, assert_rejected, code, compare_with_eager, rewrite
+from vdcompile import built_backends
+
+pytestmark = pytest.mark.skipif("CPU" not in built_backends("fused_attention"),
+                                reason="vd::fused_attention was built without a CPU kernel")
+
+
+def _attn(processor=None, cross=None, heads=4, dim_head=8):
+    torch.manual_seed(0)
+    return Attention(32, cross_attention_dim=cross, heads=heads, dim_head=dim_head,
+                     processor=processor or AttnProcessor2_0())
+
+
+def _x(*shape):
+    return torch.randn(*shape).requires_grad_()
+
+
+class SDPA(nn.Module):
+    """An SDPA call with the flags the op must refuse."""
+
+    def __init__(self, **flags):
+        super().__init__()
+        self.flags = flags
+
+    def forward(self, q, k, v, mask=None):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **self.flags)
+
+
+class Naive(nn.Module):
+    """Textbook attention as some AnimateDiff motion modules write it."""
+
+    def __init__(self, form="mul", masked=False, leak=False):
+        super().__init__()
+        self.form, self.masked, self.leak = form, masked, leak
+
+    def forward(self, q, k, v, mask=None):
+        d = q.shape[-1]
+        if self.form == "q_mul":
+            s = (q * d ** -0.5) @ k.transpose(-2, -1)
+        elif self.form == "div":
+            s = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(d)
+        else:
+            s = torch.matmul(q, k.transpose(-2, -1)) * d ** -0.5
+        if self.masked:
+            s = s + mask
+        p = F.softmax(s, dim=-1)
+        out = p @ v
+        return (out, p) if self.leak else out
+
+
+class TestSDPA(TestCase):
+    def test_self_attention_processor2_0(self):
+        a, x = _attn(), _x(2, 10, 32)
+        out = compare_with_eager(a, x)
+        assert_fired(out, {"attention": 1})
+        self.assertExpectedInline(code(out), """\
+def forward(hidden_states, to_k.weight, to_out.0.bias, to_out.0.weight, to_q.weight, to_v.weight):
+    v0 = F.linear(hidden_states, to_q.weight, None)
+    v1 = F.linear(hidden_states, to_k.weight, None)
+    v2 = F.linear(hidden_states, to_v.weight, None)
+    v3 = v0.view(2, -1, 4, 8)
+    v4 = v3.transpose(1, 2)
+    v5 = v1.view(2, -1, 4, 8)
+    v6 = v5.transpose(1, 2)
+    v7 = v2.view(2, -1, 4, 8)
+    v8 = v7.transpose(1, 2)
+    v9 = vd.fused_attention(v4, v6, v8, None, None)
+    v10 = operator.getitem(v9, 0)
+    v11 = v10.transpose(1, 2)
+    v12 = v11.reshape(2, -1, 32)
+    v13 = v12.to(torch.float32)
+    v14 = F.linear(v13, to_out.0.weight, to_out.0.bias)
+    v15 = F.dropout(v14, 0.0, True, False)
+    v16 = operator.truediv(v15, 1.0)
+    return (v16,)""")
+
+    def test_masked_and_cross_attention(self):
+        a, x = _attn(), _x(2, 10, 32)
+        mask = torch.randn(2, 1, 10)
+        assert_fired(compare_with_eager(a, x, attention_mask=mask), {"attention": 1})
+        a, ctx = _attn(cross=16), _x(2, 7, 16)
+        assert_fired(compare_with_eager(a, x, ctx), {"attention": 1})
+
+    def test_inductor(self):
+        a, x = _attn(), _x(2, 9, 32)
+        assert_fired(compare_with_eager(a, x, inner="inductor"), {"attention": 1})
+
+    def test_refused_flags(self):
+        q, k, v = (torch.randn(2, 3, 6, 8) for _ in range(3))
+        cases = [({"is_causal": True}, "is_causal=True"), ({"enable_gqa": True}, "enable_gqa"),
+                 ({"dropout_p": 0.1}, "dropout_p != 0")]
+        for flags, reason in cases:
+            out, graphs = rewrite(SDPA(**flags), q, k, v, fullgraph=True)
+            assert_fired(out, {})
+            assert_rejected(out, "attention", reason)
+            self.assertIn("F.scaled_dot_product_attention", graphs[0])
+        compare_with_eager(SDPA(is_causal=True), q, k, v, grad=False)
+
+    def test_masks(self):
+        # SDPA's masks carry over: bool (True = keep) and additive float, broadcast, even a row
+        # with every key masked out (0 from both), and a trainable float mask.
+        q, k, v = (_x(2, 3, 6, 8) for _ in range(3))
+        keep = torch.rand(6, 6) > 0.3
+        keep[1] = False
+        assert_fired(compare_with_eager(SDPA(), q, k, v, keep), {"attention": 1})
+        additive = torch.randn(2, 1, 1, 6)
+        additive[0, 0, 0, 2] = float("-inf")
+        assert_fired(compare_with_eager(SDPA(), q, k, v, additive), {"attention": 1})
+        learned = torch.randn(1, 3, 6, 6).requires_grad_()
+        assert_fired(compare_with_eager(SDPA(), q, k, v, learned), {"attention": 1})
+
+    def test_refused_masks_and_shapes(self):
+        q, k, v = (torch.randn(2, 3, 6, 8) for _ in range(3))
+        out, _ = rewrite(SDPA(), q, k, torch.randn(2, 3, 6, 4))
+        assert_rejected(out, "attention", "head dim")
+        out, _ = rewrite(SDPA(), *(torch.randn(3, 6, 8) for _ in range(3)))
+        assert_rejected(out, "attention", "not all 4-D")
+        big = torch.randn(1, 1, 4, 264)
+        out, _ = rewrite(SDPA(), big, big, big)
+        assert_rejected(out, "attention", "1..256")
+
+
+class TestAttnProcessor(TestCase):
+    """diffusers' AttnProcessor: head_to_batch_dim, baddbmm, softmax, to, bmm."""
+
+    def test_self_attention(self):
+        a, x = _attn(AttnProcessor()), _x(2, 10, 32)
+        out = compare_with_eager(a, x)
+        assert_fired(out, {"attention": 1})
+        self.assertExpectedInline(code(out), """\
+def forward(hidden_states, to_k.weight, to_out.0.bias, to_out.0.weight, to_q.weight, to_v.weight):
+    v0 = F.linear(hidden_states, to_q.weight, None)
+    v1 = F.linear(hidden_states, to_k.weight, None)
+    v2 = F.linear(hidden_states, to_v.weight, None)
+    v3 = v0.view(2, 10, 4, 8)
+    v4 = v3.transpose(1, 2)
+    v5 = v1.view(2, 10, 4, 8)
+    v6 = v5.transpose(1, 2)
+    v7 = v2.view(2, 10, 4, 8)
+    v8 = v7.transpose(1, 2)
+    v9 = vd.fused_attention(v4, v6, v8, None, 0.3535533905932738)
+    v10 = operator.getitem(v9, 0)
+    v11 = v10.reshape(8, 10, 8)
+    v12 = v11.reshape(2, 4, 10, 8)
+    v13 = v12.permute(0, 2, 1, 3)
+    v14 = v13.reshape(2, 10, 32)
+    v15 = F.linear(v14, to_out.0.weight, to_out.0.bias)
+    v16 = F.dropout(v15, 0.0, True, False)
+    v17 = operator.truediv(v16, 1.0)
+    return (v17,)""")
+
+    def test_cross_attention_and_refused_mask(self):
+        a, x = _attn(AttnProcessor(), cross=16), _x(2, 10, 32)
+        assert_fired(compare_with_eager(a, x, _x(2, 5, 16)), {"attention": 1})
+        # An additive mask before softmax: NaN rows in eager where the op gives 0.
+        a = _attn(AttnProcessor())
+        out = compare_with_eager(a, x, attention_mask=torch.randn(2, 1, 10))
+        assert_fired(out, {})
+        assert_rejected(out, "attention", "NaN in eager")
+
+    def test_upcast_softmax_refused(self):
+        a = _attn(AttnProcessor())
+        a.upcast_softmax = True
+        x = torch.randn(2, 10, 32, dtype=torch.bfloat16)
+        a = a.to(torch.bfloat16)
+        out, _ = rewrite(a, x)
+        assert_fired(out, {})
+
+    def test_plain_bmm_without_head_split(self):
+        def f(q, k, v):
+            bias = torch.empty(q.shape[0], q.shape[1], k.shape[1])
+            s = torch.baddbmm(bias, q, k.transpose(-1, -2), beta=0, alpha=0.25)
+            return torch.bmm(s.softmax(dim=-1).to(q.dtype), v)
+
+        args = (_x(6, 5, 16), _x(6, 7, 16), _x(6, 7, 16))
+        assert_fired(compare_with_eager(f, *args), {"attention": 1})
+
+
+class TestNaive(TestCase):
+    @staticmethod
+    def _qkv(rank):
+        shape = (2, 3, 6, 8) if rank == 4 else (6, 6, 8)
+        return [_x(*shape) for _ in range(3)]
+
+    def test_spellings(self):
+        for form in ("mul", "div", "q_mul"):
+            for rank in (3, 4):
+                q, k, v = self._qkv(rank)
+                assert_fired(compare_with_eager(Naive(form), q, k, v), {"attention": 1})
+
+    def test_masked_refused(self):
+        q, k, v = self._qkv(4)
+        out = compare_with_eager(Naive(masked=True), q, k, v, torch.randn(2, 1, 6, 6))
+        assert_fired(out, {})
+        assert_rejected(out, "attention", "NaN in eager")
+
+    def test_snapshot(self):
+        q, k, v = self._qkv(4)
+        out = compare_with_eager(Naive("div"), q, k, v)
+        assert_fired(out, {"attention": 1})
+        self.assertExpectedInline(code(out), """\
+def forward(k, q, v):
+    v0 = vd.fused_attention(q, k, v, None, 0.35355339059327373)
+    v1 = operator.getitem(v0, 0)
+    return (v1,)""")
+
+    def test_probabilities_escape(self):
+        q, k, v = self._qkv(4)
+        out = compare_with_eager(Naive(leak=True), q, k, v)
+        assert_fired(out, {})
+        assert_rejected(out, "attention", "also used by")
+        self.assertNotIn("vd.fused_attention", code(out))
+
+
+class TestSingleKey(TestCase):
+    """SVD's cross-attention on the one CLIP image token."""
+
+    def test_inference(self):
+        a = _attn(cross=16).eval()
+        x, ctx = torch.randn(2, 10, 32), torch.randn(2, 1, 16)
+        out = compare_with_eager(a, x, ctx, grad=False, atol=0, rtol=0)  # exact
+        assert_fired(out, {"single_key_attention": 1})
+        # The query projection (and the key's) is gone: only to_v and to_out remain.
+        self.assertExpectedInline(code(out), """\
+def forward(encoder_hidden_states, hidden_states, to_k.weight, to_out.0.bias, to_out.0.weight, to_q.weight, to_v.weight):
+    v0 = F.linear(encoder_hidden_states, to_v.weight, None)
+    v1 = v0.view(2, -1, 4, 8)
+    v2 = v1.transpose(1, 2)
+    v3 = v2.expand(-1, -1, 10, -1)
+    v4 = v3.contiguous()
+    v5 = v4.transpose(1, 2)
+    v6 = v5.reshape(2, -1, 32)
+    v7 = v6.to(torch.float32)
+    v8 = F.linear(v7, to_out.0.weight, to_out.0.bias)
+    v9 = F.dropout(v8, 0.0, False, False)
+    v10 = operator.truediv(v9, 1.0)
+    return (v10,)""")
+        compare_with_eager(a, x, ctx, grad=False, inner="inductor", atol=1e-6, rtol=1e-6)
+
+    def test_training_keeps_attention(self):
+        # Eager gives to_q/to_k exactly zero gradients; the rewrite would leave them unset.
+        a, x, ctx = _attn(cross=16), _x(2, 10, 32), _x(2, 1, 16)
+        out = compare_with_eager(a, x, ctx)
+        assert_fired(out, {"attention": 1})
+        assert_rejected(out, "single_key_attention", "requires grad")
+
+    def test_mask_refused(self):
+        a = _attn(cross=16).eval()
+        x, ctx = torch.randn(2, 10, 32), torch.randn(2, 1, 16)
+        with torch.no_grad():
+            out, _ = rewrite(a, x, ctx, attention_mask=torch.zeros(2, 1, 1))
+        assert_rejected(out, "single_key_attention", "mask")
