@@ -331,7 +331,10 @@ def cmd_bench(args) -> int:
         k, sep, v = kv.partition("=")
         if not sep:
             raise models.UserError(f"--backend-option {kv!r}: expected KEY=VALUE")
-        options[k] = json.loads(v) if v[:1] in "0123456789-[{tf\"" and v not in ("-",) else v
+        try:  # numbers, true/false, lists as JSON; anything else is a string
+            options[k] = json.loads(v)
+        except ValueError:
+            options[k] = v
 
     if args.model:
         what = f"model {args.model}"
@@ -483,7 +486,7 @@ def cmd_explain(args) -> int:
     if importlib.util.find_spec("vdcompile.explain") is None:
         raise models.UserError("the rewrite report needs vdcompile.explain (the vdcompile backend), "
                                "which is not part of this build")
-    import vdcompile.explain as vx
+    from vdcompile.explain import explain
 
     device = models.resolve_device(args.device)
     dtype = models.resolve_dtype(args.dtype, device)
@@ -499,15 +502,14 @@ def cmd_explain(args) -> int:
         frames, height, width = args.frames or p.frames, args.height or p.height, args.width or p.width
     inputs = models.unet_inputs(unet, frames=frames, height=height, width=width, vae_scale_factor=vsf,
                                 dtype=dtype, device=device)
-    fn = getattr(vx, "explain", None)
-    if fn is None:
-        raise models.UserError("vdcompile.explain has no explain() function in this build")
+    print(f"vdcompile explain: {type(unet).__name__}, UNet input {tuple(inputs['sample'].shape)}, "
+          f"{dtype_name(dtype)} on {device}")
     with torch.no_grad():
-        report = fn(unet, **inputs)
-    text = report.table() if hasattr(report, "table") else str(report)
-    print(text)
+        result = explain(unet, verbose=False, **inputs, return_dict=False)
+    print(result)
     if args.json:
-        data = report.to_dict() if hasattr(report, "to_dict") else {"report": text}
+        data = {"graphs": result.graph_count, "fired": result.fired, "rejected": result.rejected,
+                "notes": list(getattr(result.report, "notes", []))}
         with open(args.json, "w") as f:
             json.dump(data, f, indent=1, default=str)
         print("wrote", args.json)

@@ -11,6 +11,7 @@ AnimateDiff pipelines, text-to-video UNet3D pipelines. Anything else with a ``un
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import importlib.util
@@ -25,17 +26,27 @@ GENERIC_BACKEND = "inductor"
 
 
 def backend_status() -> tuple[bool, str]:
-    """(available, why not): whether ``torch.compile(backend="vdcompile")`` resolves here."""
+    """(available, why not): whether ``torch.compile(backend="vdcompile")`` resolves here.
+
+    An installed package registers the backend through its entry point; a source checkout that was
+    only built in place has none, so the backend is registered here by name."""
     import torch._dynamo
 
-    if importlib.util.find_spec("vdcompile.backend") is not None:
-        try:
-            importlib.import_module("vdcompile.backend")
-        except Exception as e:  # a broken backend must not take the CLI down with it
-            return False, f"vdcompile.backend failed to import: {type(e).__name__}: {e}"
     if "vdcompile" in torch._dynamo.list_backends(exclude_tags=()):
         return True, ""
-    return False, "the vdcompile torch.compile backend is not part of this build"
+    if importlib.util.find_spec("vdcompile.backend") is None:
+        return False, "the vdcompile torch.compile backend is not part of this build"
+    try:
+        from vdcompile.backend import vdcompile_backend
+    except Exception as e:  # a broken backend must not take the CLI down with it
+        return False, f"vdcompile.backend failed to import: {type(e).__name__}: {e}"
+    from torch._dynamo.backends.registry import register_backend
+
+    with contextlib.suppress(Exception):  # registered meanwhile (entry point loaded lazily)
+        register_backend(name="vdcompile")(vdcompile_backend)
+    if "vdcompile" in torch._dynamo.list_backends(exclude_tags=()):
+        return True, ""
+    return False, "the vdcompile backend could not be registered with torch.compile"
 
 
 def fused_scheduler_step():
@@ -137,11 +148,14 @@ def optimize(pipe, *, backend: str = "vdcompile", cuda_graphs: bool = False, com
     if fuse_scheduler and step is None:
         info["fused_scheduler_why_not"] = "vdcompile.schedulers is not part of this build"
     if step is not None and sched is not None:
-        supported = getattr(importlib.import_module("vdcompile.schedulers"), "supports", None)
-        if supported is None or supported(sched):
+        from vdcompile.schedulers import unsupported_reason
+
+        why = unsupported_reason(sched)
+        if why is None:
+            # Bound to this scheduler instance: the pipeline keeps calling scheduler.step(...).
             sched.step = functools.partial(step, sched)
             info["fused_scheduler"] = True
         else:
-            info["fused_scheduler_why_not"] = f"{type(sched).__name__} has no fused step"
+            info["fused_scheduler_why_not"] = why
     pipe.vdcompile_info = info
     return pipe
