@@ -46,8 +46,11 @@ def _bench(tmp_path, *extra):
 
 
 def test_bench_table_json_chart_and_disagreement(tmp_path, capsys):
-    ok_backend = "vdcompile" if backend_status()[0] else "vdtest_exact"
-    rc = _bench(tmp_path, "--backends", f"eager,{ok_backend},vdtest_perturb")
+    have_vd = backend_status()[0]
+    ok_backend = "vdcompile" if have_vd else "vdtest_exact"
+    # vdcompile's rewrites without code generation (eager inner compiler): a short compile.
+    rc = _bench(tmp_path, "--backends", f"eager,{ok_backend},vdtest_perturb",
+                "--backend-option", "inner_compiler=eager")
     out, err = capsys.readouterr()
     assert rc == 1, "a backend disagreeing with eager must fail the run"
     assert "FAIL: vdtest_perturb disagrees with eager" in err
@@ -69,6 +72,11 @@ def test_bench_table_json_chart_and_disagreement(tmp_path, capsys):
     for r in rows.values():
         assert r["ms_per_step"] > 0 and len(r["ms_per_step_all"]) == 1
     assert rows[ok_backend]["compile_s"] > 0 and rows["eager"]["compile_s"] is None
+    if have_vd:
+        # The backend's counters reach the table: the tiny UNet has GroupNorm+SiLU pairs to fuse.
+        assert rows["vdcompile"]["rewrites"].get("group_norm_silu", 0) > 0
+        assert "group_norm_silu" in out
+        assert data["config"]["backend_options"] == {"inner_compiler": "eager"}
     png = js[:-5] + ".png"
     with open(png, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
@@ -84,7 +92,7 @@ def test_bench_table_json_chart_and_disagreement(tmp_path, capsys):
     (["bench", "--steps", "0"], "--steps and --iters must be >= 1"),
     (["bench", "--threads", "0"], "--threads must be >= 1"),
     (["generate", "--model", "/no/such/dir"], "--model /no/such/dir: no such directory"),
-    (["bench", "no_such_kernel"], "no_such_kernel"),
+    (["bench", "no_such_kernel"], "no kernel benchmark 'no_such_kernel'"),
 ])
 def test_errors_are_one_actionable_line(argv, msg, capsys):
     rc = cli.main(argv)
@@ -116,8 +124,24 @@ def test_bench_dispatches_to_kernel_benchmarks(tmp_path, monkeypatch, capsys):
     assert cli.main(["bench", "hello", "--quick"]) == 0
     assert "hello bench ['--quick']" in capsys.readouterr().out
     assert cli.main(["bench", "hello", "--fail"]) == 3
+    (tmp_path / "bench" / "ops.py").write_text(
+        "import argparse\np = argparse.ArgumentParser()\n"
+        "p.add_argument('--ops', default='norm_op,conv_op')\nprint('ops bench', p.parse_args().ops)\n")
+    assert cli.main(["bench", "conv_op"]) == 0  # an op of bench/ops.py
+    assert "ops bench conv_op" in capsys.readouterr().out
     assert cli.main(["bench", "missing"]) == 2
-    assert "available: hello" in capsys.readouterr().err
+    assert "available: hello, ops, norm_op, conv_op" in capsys.readouterr().err
+
+
+def test_explain_reports_rewrites(tmp_path, capsys):
+    if not backend_status()[0]:
+        pytest.skip("this build has no vdcompile backend")
+    js = tmp_path / "explain.json"
+    assert cli.main(["explain", "--preset", "tiny", "--device", "cpu", "--frames", "2", "--json", str(js)]) == 0
+    out = capsys.readouterr().out
+    assert "group_norm_silu" in out and "fired" in out
+    data = json.load(open(js))
+    assert data["graphs"] >= 1 and data["fired"].get("group_norm_silu", 0) > 0
 
 
 def test_explain_without_backend_is_a_clear_error(capsys):

@@ -441,20 +441,29 @@ def dtype_name(dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
+def _ops_bench_names(path: str) -> list[str]:
+    """The op names bench/ops.py takes in --ops (read from its default), e.g. group_norm_silu."""
+    import re
+
+    with open(path) as f:
+        m = re.search(r"""["']--ops["']\s*,\s*default\s*=\s*["']([\w,]+)["']""", f.read())
+    return m.group(1).split(",") if m else []
+
+
 def _bench_kernel(name: str, rest: list[str]) -> int:
     from vdcompile.models import UserError
 
     avail = kernel_benchmarks()
-    if name not in avail:
-        # bench/ops.py holds the per-op benchmarks (group_norm_silu, conv_bn_silu, ...) when present.
-        if "ops" in avail:
-            return _run_script(avail["ops"], [name, *rest])
-        where = _repo_bench_dir()
-        if where is None:
-            raise UserError(f"kernel benchmark {name!r}: the bench/ directory of a source checkout is needed "
-                            "(it is not installed with the package); run from the repository root")
-        raise UserError(f"no kernel benchmark {name!r} in {where}; available: {', '.join(avail) or 'none'}")
-    return _run_script(avail[name], rest)
+    if name in avail:
+        return _run_script(avail[name], rest)
+    ops = _ops_bench_names(avail["ops"]) if "ops" in avail else []
+    if name in ops:  # per-op benchmarks live in bench/ops.py
+        return _run_script(avail["ops"], ["--ops", name, *rest])
+    where = _repo_bench_dir()
+    if where is None:
+        raise UserError(f"kernel benchmark {name!r}: the bench/ directory of a source checkout is needed "
+                        "(it is not installed with the package); run from the repository root")
+    raise UserError(f"no kernel benchmark {name!r} in {where}; available: {', '.join([*avail, *ops]) or 'none'}")
 
 
 def _run_script(path: str, argv: list[str]) -> int:
