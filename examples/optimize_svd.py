@@ -2,6 +2,7 @@
 uncompiled one: same seed, same frames (within rounding), time per video before and after.
 
     python examples/optimize_svd.py                       # tiny random-weight pipeline on the CPU
+    python examples/optimize_svd.py --inner-compiler eager  # rewrites only: compiles in seconds
     python examples/optimize_svd.py --preset small --backend inductor
     python examples/optimize_svd.py --model /path/to/stable-video-diffusion-img2vid --device cuda \\
         --frames 14 --height 576 --width 1024 --steps 25 --dtype fp16 --cuda-graphs
@@ -35,6 +36,8 @@ def main() -> int:
     p.add_argument("--width", type=int)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--backend", default="vdcompile", help="vdcompile (default) or any torch.compile backend")
+    p.add_argument("--inner-compiler", choices=["inductor", "aot_eager", "eager"],
+                   help="vdcompile backend: compiler after the rewrites (aot_eager/eager compile fast on a CPU)")
     p.add_argument("--cuda-graphs", action="store_true")
     p.add_argument("--out", default="vdcompile-out")
     args = p.parse_args()
@@ -61,7 +64,8 @@ def main() -> int:
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        optimize(pipe, backend=args.backend, cuda_graphs=args.cuda_graphs)
+        opts = {"inner_compiler": args.inner_compiler} if args.inner_compiler else None
+        optimize(pipe, backend=args.backend, cuda_graphs=args.cuda_graphs, options=opts)
     for w in caught:
         print("note:", w.message)
     print("optimize:", pipe.vdcompile_info)

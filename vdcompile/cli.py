@@ -292,6 +292,8 @@ def print_bench_table(rows: list[dict], rtol: float) -> str:
             f"{_fmt(r.get('peak_mem_mb'), '.0f'):>9}{r['max_rel_err']:>13.2e}  {rw_s}")
     lines.append(f"max rel err: max |out - eager| / max |eager| of one UNet call "
                  f"(and of the final latents); tolerance {rtol:g}")
+    lines.append("compile s: first UNet call minus one steady-state step; ms/step: median of the timed runs, "
+                 "each step = UNet (CFG batch) + guidance + scheduler step")
     return "\n".join(lines)
 
 
