@@ -1,6 +1,6 @@
 """The ``vdcompile`` command line.
 
-    vdcompile bench [--preset small|tiny|svd | --model DIR] [--frames N] [--height H] [--width W]
+    vdcompile bench [--preset tiny|small|svd | --model DIR] [--frames N] [--height H] [--width W]
                     [--batch B] [--dtype fp32|bf16|fp16] [--device auto|cpu|cuda]
                     [--steps S] [--warmup W] [--iters I] [--out DIR]
     vdcompile bench attention|...       kernel benchmarks from the checkout's bench/ directory
@@ -318,9 +318,11 @@ def cmd_bench(args) -> int:
 
     if args.steps < 1 or args.iters < 1 or args.warmup < 0:
         raise models.UserError("--steps and --iters must be >= 1 and --warmup >= 0")
-    preset = None if args.model else models.get_preset(args.preset)  # cheap checks first
+    if not args.model and args.preset not in (None, "auto"):
+        models.get_preset(args.preset)  # cheap checks before the slow ones
     device = models.resolve_device(args.device)
     dtype = models.resolve_dtype(args.dtype, device)
+    preset = None if args.model else models.get_preset(_default_preset(args.preset, device))
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     known = set(torch._dynamo.list_backends(exclude_tags=())) | {"eager", "inductor", "vdcompile", "aot_eager"}
     for b in backends:
@@ -505,7 +507,7 @@ def cmd_explain(args) -> int:
         unet, vsf = models.load_unet(args.model, dtype=dtype, device=device), 8
         frames, height, width = args.frames or 14, args.height or 512, args.width or 512
     else:
-        p = models.get_preset(args.preset)
+        p = models.get_preset(_default_preset(args.preset, device))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             unet = models.build_unet(p, dtype=dtype, device=device)
@@ -548,7 +550,7 @@ def cmd_generate(args) -> int:
             height, width = args.height or 576, args.width or 1024
             label = os.path.basename(os.path.normpath(args.model))
         else:
-            p = models.get_preset(args.preset)
+            p = models.get_preset(_default_preset(args.preset, device))
             pipe = models.build_svd_pipeline(p, dtype=dtype, device=device, seed=args.seed)
             frames, height, width = args.frames or p.frames, args.height or p.height, args.width or p.width
             label = p.name
@@ -620,12 +622,19 @@ def _load_pipeline(path: str, dtype, device):
 # ---------------------------------------------------------------------------------------------
 
 
+def _default_preset(name: str | None, device) -> str:
+    """'auto': tiny on a CPU (eager + two compiles in a minute or two on 2 cores), small on a GPU."""
+    if name in (None, "auto"):
+        return "tiny" if device.type == "cpu" else "small"
+    return name
+
+
 def _model_args(p: argparse.ArgumentParser, *, bench: bool) -> None:
     from vdcompile.models import PRESETS
 
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--preset", default="small", help=f"built-in config with random weights: {', '.join(PRESETS)} "
-                   "(default: small)")
+    g.add_argument("--preset", default="auto", help=f"built-in config with random weights: {', '.join(PRESETS)} "
+                   "(default auto: tiny on a CPU, small on a GPU)")
     g.add_argument("--model", metavar="DIR", help="local diffusers checkpoint directory"
                    + (" (UNet folder or pipeline folder)" if bench else " (whole pipeline)"))
     p.add_argument("--frames", type=int, help="video frames (default: the preset's)")

@@ -4,9 +4,11 @@ downloaded.
 
 Presets (``PRESETS``):
 
-* ``tiny``  -- a one-level SVD-architecture UNet for tests (compiles in seconds on a CPU).
-* ``small`` -- a three-level SVD-architecture UNet, the default of ``vdcompile bench``: every block
-  type of the real model, small widths, so eager + two compiles fit in about a minute on a CPU.
+* ``tiny``  -- a one-level SVD-architecture UNet: spatio-temporal resnets, spatial and temporal
+  attention, image and time conditioning. Tests, and ``vdcompile bench``'s default on a CPU
+  (eager plus two compiles in a minute or two on 2 cores).
+* ``small`` -- a three-level SVD-architecture UNet with every block type of the real model
+  (down/upsampling included) at small widths; ``vdcompile bench``'s default on a GPU.
 * ``svd``   -- the Stable Video Diffusion (img2vid / img2vid-xt) UNet, VAE and image encoder
   configs, at full size (random weights; about 1.5 B UNet parameters).
 """
@@ -111,7 +113,7 @@ PRESETS: dict[str, Preset] = {
         frames=4, height=32, width=32,
     ),
     "small": Preset(
-        "small", "3-level SVD-architecture UNet, widths 64/128/128 (CPU-sized)",
+        "small", "3-level SVD-architecture UNet, widths 64/128/128 (GPU default)",
         unet=_small_unet((64, 128, 128), (2, 4, 4), cross_dim=64, time_dim=32),
         vae=dict(SVD_VAE, block_out_channels=(32, 64), down_block_types=("DownEncoderBlock2D",) * 2,
                  layers_per_block=1, sample_size=64),
