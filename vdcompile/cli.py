@@ -408,6 +408,12 @@ def cmd_bench(args) -> int:
         notes.append("vdcompile row uses the fused scheduler step")
     if device.type == "cpu":
         notes.append("peak memory is reported for CUDA devices only")
+    noisy = [r["backend"] for r in rows if r.get("ms_per_step_all") and len(r["ms_per_step_all"]) > 1
+             and max(r["ms_per_step_all"]) > 1.5 * min(r["ms_per_step_all"])]
+    if noisy:
+        notes.append(f"timings of {', '.join(noisy)} varied by more than 1.5x between runs (a busy machine?); "
+                     "more --iters" + (", or --threads 1 on a shared CPU," if device.type == "cpu" else "")
+                     + " give steadier numbers")
     for n in notes:
         print("note:", n)
     print(f"bench total {total_s:.1f} s")
