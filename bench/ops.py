@@ -89,7 +89,7 @@ def bench_scheduler_step(dtype, dev, ceil):
         def eager(i):
             sched._step_index = 3
             return sched.step(mo, t, sample, return_dict=False)
-        coeffs = schedulers.step_coefficients(sched, 3)
+        coeffs = schedulers.step_coeffs(sched, 3, device=dev)
         o = time_cuda(lambda i: torch.ops.vd.scheduler_step(mo, sample, coeffs), 1)
         e = time_cuda(eager, 1)
         per = 4 * sample.numel() * _elt(dtype)  # read model_output, sample; write prev, x0

@@ -53,8 +53,13 @@ def main() -> None:
 
     lat = torch.randn(2, 14, 4, 16, 16, device=dev)
     eps = torch.randn_like(lat)
-    sigma, sigma_next = torch.tensor(2.0, device=dev), torch.tensor(1.5, device=dev)
-    coeffs = vdcompile.schedulers.euler_coefficients(sigma, sigma_next, "epsilon")
+    from diffusers import EulerDiscreteScheduler
+
+    from vdcompile import schedulers
+
+    sched = EulerDiscreteScheduler(prediction_type="v_prediction", use_karras_sigmas=True)
+    sched.set_timesteps(25)
+    coeffs = schedulers.step_coeffs(sched, 3, device=dev)  # SVD's sampler, step 3
     prev, x0 = ops.scheduler_step(eps, lat, coeffs)
     ref_prev, _ = ops.reference_scheduler_step(eps, lat, coeffs)
     rows.append(("scheduler_step", tuple(prev.shape), _err(prev, ref_prev)))

@@ -118,3 +118,16 @@ def test_bad_inputs(device):
 def test_empty_batch():
     x = torch.randn(0, 4, 3, 3)
     assert group_norm_silu(x, 2).shape == (0, 4, 3, 3)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_large_mean_small_spread(device, channels_last):
+    # A group whose mean dwarfs its spread: x - mean must not lose the spread to rounding.
+    torch.manual_seed(0)
+    x = torch.randn(2, 8, 20, 30, device=device) * 0.05 + 1000
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    out = group_norm_silu(x, 4)
+    ref = reference_group_norm_silu(x.double(), 4)
+    assert_close_to(out, ref, torch.float32, factor=5)

@@ -110,14 +110,18 @@ at::Tensor group_norm_silu_cpu(const at::Tensor& x_in, int64_t num_groups,
     per_channel_affine<scalar_t>(s, rstd, w.defined() ? w.const_data_ptr<scalar_t>() : nullptr,
                                  b.defined() ? b.const_data_ptr<scalar_t>() : nullptr, scale, beta);
     const int64_t cpg = s.C / s.G;
-    auto apply = [&](scalar_t* dst, const scalar_t* src, opmath_t mu, opmath_t sc, opmath_t be) {
-      opmath_t z = (static_cast<opmath_t>(*src) - mu) * sc + be;
+    // The double mean as a (hi, lo) pair of opmath values: x - mean stays accurate when the mean
+    // dwarfs the group's spread (a float mean alone would round it away).
+    auto apply = [&](scalar_t* dst, const scalar_t* src, double mu, opmath_t sc, opmath_t be) {
+      const opmath_t hi = static_cast<opmath_t>(mu), lo = static_cast<opmath_t>(mu - static_cast<double>(hi));
+      opmath_t z = ((static_cast<opmath_t>(*src) - hi) - lo) * sc + be;
       *dst = static_cast<scalar_t>(silu ? silu_fn(z) : z);
     };
     if (!s.channels_last) {
       at::parallel_for(0, s.N * s.C, 1, [&](int64_t b0, int64_t e0) {
         for (int64_t nc = b0; nc < e0; ++nc) {
-          const opmath_t mu = mean[(nc / s.C) * s.G + (nc % s.C) / cpg], sc = scale[nc], be = beta[nc];
+          const double mu = mean[(nc / s.C) * s.G + (nc % s.C) / cpg];
+          const opmath_t sc = scale[nc], be = beta[nc];
           for (int64_t i = 0; i < s.S; ++i) apply(op + nc * s.S + i, xp + nc * s.S + i, mu, sc, be);
         }
       });

@@ -1,0 +1,977 @@
+// CUDA kernels for vd::fused_attention, vd::strided_attention and their backward.
+//
+// out = softmax(q k^T * scale + mask) v over (B, H, L, D), lse = logsumexp of the scaled, masked
+// scores (natural log). q / k / v / grad_out / out are read through their strides, the mask through
+// its expanded (stride-0 broadcast) view. A fully masked row gives out = 0, lse = -inf and no
+// gradient. strided_attention runs the same kernels on the k[:, :, ::stride] / v[:, :, ::stride]
+// views, and its backward writes dk / dv through the matching views of zero-filled gradients.
+//
+// Forward, two kernels:
+//   rows: a block per (b, h, 16 query rows), key/value tiles of 32 staged in shared memory, a warp
+//         per query row with one key per lane and the online softmax in registers. Serves the short
+//         sequences (temporal attention), float32/float64 and head dims that are not multiples of 8.
+//   mma:  flash-style tiles (64 queries x 64 keys, 32 keys for head_dim > 128) for fp16/bf16 on the
+//         tensor cores (mma.sync m16n8k16, float accumulators), K/V tiles double-buffered with
+//         cp.async. Serves long sequences.
+// Backward: one kernel for delta = rowsum(dO * O) - grad_lse, one for dq (a warp per query row) and
+// one for dk / dv (a warp per key row), all recomputing P from lse. No atomics: deterministic.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+
+#include "../attention.h"
+
+namespace vd {
+namespace {
+
+constexpr const char* kFusedOp = "vd::fused_attention";
+constexpr const char* kFusedBwdOp = "vd::fused_attention_backward";
+constexpr const char* kStridedOp = "vd::strided_attention";
+constexpr const char* kStridedBwdOp = "vd::strided_attention_backward";
+
+constexpr unsigned kFullMask = 0xffffffffu;
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+// "rows" kernels: 4 warps x 4 rows = 16 rows per block; tiles of 32 rows of the other operand.
+constexpr int kRowThreads = 128;
+constexpr int kRowWarps = kRowThreads / 32;
+constexpr int kRowsPerWarp = 4;
+constexpr int kRowBlock = kRowWarps * kRowsPerWarp;
+constexpr int kTile = 32;
+
+template <typename T>
+__device__ __forceinline__ T neg_inf() {
+  return -std::numeric_limits<T>::infinity();
+}
+__device__ __forceinline__ float exp_(float x) { return expf(x); }
+__device__ __forceinline__ double exp_(double x) { return exp(x); }
+__device__ __forceinline__ float log_(float x) { return logf(x); }
+__device__ __forceinline__ double log_(double x) { return log(x); }
+
+template <typename T>
+__device__ __forceinline__ T warp_max(T v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(kFullMask, v, o));
+  return v;
+}
+template <typename T>
+__device__ __forceinline__ T warp_sum(T v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFullMask, v, o);
+  return v;
+}
+
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Vec {
+  T v[N];
+};
+
+// A (B, H, L, D) operand read (or written) through its strides, in elements. vec: rows can be read
+// in 16-byte vectors (unit stride along D, D and the other strides multiples of the vector, aligned).
+template <typename T>
+struct View4 {
+  T* p;
+  int64_t sb, sh, sl, sd;
+  bool vec;
+  __device__ __forceinline__ T* head(int64_t b, int64_t h) const { return p + b * sb + h * sh; }
+};
+
+template <typename T>
+View4<T> view_of(const at::Tensor& t) {
+  T* p;
+  if constexpr (std::is_const_v<T>) p = t.const_data_ptr<std::remove_const_t<T>>();
+  else p = t.mutable_data_ptr<T>();
+  constexpr int64_t V = 16 / sizeof(T);
+  bool vec = t.stride(3) == 1 && t.size(3) % V == 0 && reinterpret_cast<uintptr_t>(p) % 16 == 0;
+  for (int i = 0; i < 3; ++i) vec = vec && (t.size(i) == 1 || t.stride(i) % V == 0);
+  return {p, t.stride(0), t.stride(1), t.stride(2), t.stride(3), vec};
+}
+
+enum MaskKind : int { kNoMask = 0, kBoolMask = 1, kFloatMask = 2, kInputTypeMask = 3 };
+
+// The expanded (B, H, Lq, Lk) mask; bool True = keep, float masks are added to the scores.
+struct MaskView {
+  const void* p;
+  int kind;
+  int64_t sb, sh, sq, sk;
+};
+
+// Additive value of the mask at element offset off (relative to p).
+template <typename scalar_t, typename acc_t>
+__device__ __forceinline__ acc_t mask_add(const MaskView& m, int64_t off) {
+  if (m.kind == kBoolMask) return static_cast<const bool*>(m.p)[off] ? acc_t(0) : neg_inf<acc_t>();
+  if (m.kind == kFloatMask) return static_cast<acc_t>(static_cast<const float*>(m.p)[off]);
+  return static_cast<acc_t>(static_cast<const scalar_t*>(m.p)[off]);
+}
+
+template <typename scalar_t, typename acc_t>
+struct AttnArgs {
+  View4<const scalar_t> q, k, v;
+  View4<const scalar_t> dout, o;  // backward: grad_out and the forward's out
+  MaskView mask;
+  scalar_t* out;                  // forward: contiguous (B, H, Lq, D)
+  acc_t* lse_out;                 // forward: (B, H, Lq)
+  const acc_t* lse;               // backward: contiguous (B, H, Lq)
+  const acc_t* grad_lse;          // backward: contiguous (B, H, Lq) or nullptr
+  acc_t* delta;                   // backward: rowsum(dO * O) - grad_lse, (B, H, Lq)
+  scalar_t* dq;                   // backward: contiguous (B, H, Lq, D)
+  View4<scalar_t> dk, dv;         // backward: written through their strides
+  int64_t B, H, Lq, Lk;
+  int D;
+  int ld;  // row stride of the "rows" kernels' shared-memory tiles
+  acc_t scale;
+};
+
+// Shared-memory rows of the "rows" kernels hold acc_t with a row stride ld (host: smem_ld) whose
+// 16-byte vectors map an 8-lane phase onto distinct banks when each lane reads its own row.
+// Dot products over nv 16-byte vectors; the columns past D up to the vector are zero.
+__device__ __forceinline__ float dot(const float* __restrict__ a, const float* __restrict__ b, int nv) {
+  const float4* a4 = reinterpret_cast<const float4*>(a);
+  const float4* b4 = reinterpret_cast<const float4*>(b);
+  float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+  for (int i = 0; i < nv; ++i) {
+    const float4 x = a4[i], y = b4[i];
+    s0 += x.x * y.x;
+    s1 += x.y * y.y;
+    s2 += x.z * y.z;
+    s3 += x.w * y.w;
+  }
+  return (s0 + s1) + (s2 + s3);
+}
+__device__ __forceinline__ double dot(const double* __restrict__ a, const double* __restrict__ b, int nv) {
+  const double2* a2 = reinterpret_cast<const double2*>(a);
+  const double2* b2 = reinterpret_cast<const double2*>(b);
+  double s0 = 0.0, s1 = 0.0;
+  for (int i = 0; i < nv; ++i) {
+    const double2 x = a2[i], y = b2[i];
+    s0 += x.x * y.x;
+    s1 += x.y * y.y;
+  }
+  return s0 + s1;
+}
+
+// Stages rows [r0, min(r0 + rows, L)) of a (b, h) slice into shared memory as acc_t (row stride ld)
+// and zeroes the columns from D to the next 16-byte vector. Rows past L are left alone: no lane
+// reads them.
+template <typename scalar_t, typename acc_t>
+__device__ __forceinline__ void stage_rows(acc_t* dst, int ld, const View4<const scalar_t>& t, const scalar_t* src,
+                                           int64_t r0, int rows, int64_t L, int D) {
+  const int n = static_cast<int>(L - r0 < rows ? L - r0 : rows);
+  constexpr int V = 16 / sizeof(scalar_t);
+  if (t.vec) {
+    const int cpr = D / V;
+    for (int e = threadIdx.x; e < n * cpr; e += blockDim.x) {
+      const int r = e / cpr, c = e - r * cpr;
+      const Vec<scalar_t, V> raw = *reinterpret_cast<const Vec<scalar_t, V>*>(src + (r0 + r) * t.sl + c * V);
+#pragma unroll
+      for (int j = 0; j < V; ++j) dst[r * ld + c * V + j] = static_cast<acc_t>(raw.v[j]);
+    }
+  } else {
+    for (int e = threadIdx.x; e < n * D; e += blockDim.x) {
+      const int r = e / D, d = e - r * D;
+      dst[r * ld + d] = static_cast<acc_t>(src[(r0 + r) * t.sl + d * t.sd]);
+    }
+  }
+  constexpr int V2 = 16 / sizeof(acc_t);
+  const int pad = (D + V2 - 1) / V2 * V2 - D;
+  for (int e = threadIdx.x; e < n * pad; e += blockDim.x) dst[(e / pad) * ld + D + e % pad] = acc_t(0);
+}
+
+// Dynamic shared memory, aligned for any acc_t.
+__device__ __forceinline__ unsigned char* dyn_smem() {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  return smem_raw;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Forward, "rows" kernel. DPL: output dims per lane (head_dim <= 32 * DPL).
+template <typename scalar_t, typename acc_t, int DPL>
+__global__ void __launch_bounds__(kRowThreads) attn_fwd_rows_kernel(const AttnArgs<scalar_t, acc_t> a) {
+  const int D = a.D, ld = a.ld, nv = (D * static_cast<int>(sizeof(acc_t)) + 15) / 16;
+  acc_t* Qs = reinterpret_cast<acc_t*>(dyn_smem());  // [kRowBlock][ld]
+  acc_t* Ks = Qs + kRowBlock * ld;                    // [kTile][ld]: lane j reads row j
+  acc_t* Vs = Ks + kTile * ld;                        // [kTile][ld]
+
+  const int64_t nqb = (a.Lq + kRowBlock - 1) / kRowBlock;
+  const int64_t bh = blockIdx.x / nqb, q0 = (blockIdx.x % nqb) * kRowBlock;
+  const int64_t b = bh / a.H, h = bh % a.H;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const scalar_t* qh = a.q.head(b, h);
+  const scalar_t* kh = a.k.head(b, h);
+  const scalar_t* vh = a.v.head(b, h);
+  const int64_t moff = b * a.mask.sb + a.mask.sh * h;
+
+  stage_rows(Qs, ld, a.q, qh, q0, kRowBlock, a.Lq, D);
+
+  acc_t m[kRowsPerWarp], l[kRowsPerWarp], o[kRowsPerWarp][DPL];
+#pragma unroll
+  for (int r = 0; r < kRowsPerWarp; ++r) {
+    m[r] = neg_inf<acc_t>();
+    l[r] = 0;
+#pragma unroll
+    for (int t = 0; t < DPL; ++t) o[r][t] = 0;
+  }
+
+  for (int64_t k0 = 0; k0 < a.Lk; k0 += kTile) {
+    const int nk = static_cast<int>(a.Lk - k0 < kTile ? a.Lk - k0 : kTile);
+    __syncthreads();  // the previous tile is no longer read
+    stage_rows(Ks, ld, a.k, kh, k0, kTile, a.Lk, D);
+    stage_rows(Vs, ld, a.v, vh, k0, kTile, a.Lk, D);
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < kRowsPerWarp; ++r) {
+      const int row = warp * kRowsPerWarp + r;
+      const int64_t i = q0 + row;
+      if (i >= a.Lq) continue;  // uniform per warp
+      acc_t s = neg_inf<acc_t>();
+      if (lane < nk) {
+        s = dot(Qs + row * ld, Ks + lane * ld, nv) * a.scale;
+        if (a.mask.kind != kNoMask) s += mask_add<scalar_t, acc_t>(a.mask, moff + i * a.mask.sq + (k0 + lane) * a.mask.sk);
+      }
+      const acc_t m_new = max(m[r], warp_max(s));
+      // A row with no finite score so far keeps m = -inf; exponentiate against 0 to avoid inf - inf.
+      const acc_t m_use = m_new == neg_inf<acc_t>() ? acc_t(0) : m_new;
+      const acc_t p = exp_(s - m_use);
+      const acc_t corr = exp_(m[r] - m_use);
+      m[r] = m_new;
+      l[r] = l[r] * corr + warp_sum(p);
+#pragma unroll
+      for (int t = 0; t < DPL; ++t) o[r][t] *= corr;
+      for (int j = 0; j < nk; ++j) {
+        const acc_t pj = __shfl_sync(kFullMask, p, j);
+        const acc_t* vr = Vs + j * ld;
+#pragma unroll
+        for (int t = 0; t < DPL; ++t) {
+          const int d = lane + 32 * t;
+          if (d < D) o[r][t] += pj * vr[d];
+        }
+      }
+    }
+  }
+
+#pragma unroll
+  for (int r = 0; r < kRowsPerWarp; ++r) {
+    const int64_t i = q0 + warp * kRowsPerWarp + r;
+    if (i >= a.Lq) continue;
+    const acc_t inv = l[r] > acc_t(0) ? acc_t(1) / l[r] : acc_t(0);
+    scalar_t* orow = a.out + (bh * a.Lq + i) * D;
+#pragma unroll
+    for (int t = 0; t < DPL; ++t) {
+      const int d = lane + 32 * t;
+      if (d < D) orow[d] = static_cast<scalar_t>(o[r][t] * inv);
+    }
+    if (lane == 0) a.lse_out[bh * a.Lq + i] = l[r] > acc_t(0) ? m[r] + log_(l[r]) : neg_inf<acc_t>();
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Forward, tensor-core kernel (fp16 / bf16). Needs head_dim % 8 == 0, unit stride along D and
+// 16-byte aligned rows (the host makes a copy otherwise). DP: head_dim padded to 64 / 128 / 256.
+
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+// 16-byte global -> shared copy; zero-fills when !valid (src must still be a valid address).
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
+               "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
+}
+
+template <typename scalar_t>
+struct MmaTraits;
+
+template <>
+struct MmaTraits<at::BFloat16> {
+  static __device__ __forceinline__ void mma(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+  static __device__ __forceinline__ unsigned pack(float lo, float hi) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const unsigned*>(&v);
+  }
+};
+
+template <>
+struct MmaTraits<at::Half> {
+  static __device__ __forceinline__ void mma(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+  static __device__ __forceinline__ unsigned pack(float lo, float hi) {
+    const __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const unsigned*>(&v);
+  }
+};
+
+constexpr int kMmaThreads = 128;  // 4 warps x 16 query rows
+constexpr int kMmaRows = 64;
+
+template <int DP>
+struct MmaTile {
+  static constexpr int BM = kMmaRows;
+  static constexpr int BN = DP <= 128 ? 64 : 32;  // keys per tile
+  static constexpr int LDS = DP + 8;              // padded row: ldmatrix rows fall in distinct banks
+  static constexpr size_t smem_bytes = static_cast<size_t>(BM + 4 * BN) * LDS * 2;  // Q + 2 x (K, V)
+};
+
+template <typename scalar_t, int DP>
+__global__ void __launch_bounds__(kMmaThreads) attn_fwd_mma_kernel(const AttnArgs<scalar_t, float> a) {
+  using T = MmaTile<DP>;
+  constexpr int BM = T::BM, BN = T::BN, LDS = T::LDS;
+  constexpr int CH = DP / 8;   // 16-byte chunks per row
+  constexpr int NT = BN / 8;   // 8-key column tiles of S
+  constexpr int KS = DP / 16;  // k-steps of Q K^T
+  constexpr int DT = DP / 8;   // 8-dim column tiles of O
+  constexpr bool kQInRegs = DP <= 128;
+  using MT = MmaTraits<scalar_t>;
+
+  scalar_t* Qs = reinterpret_cast<scalar_t*>(dyn_smem());  // [BM][LDS]
+  scalar_t* Ks = Qs + BM * LDS;                             // [2][BN][LDS]
+  scalar_t* Vs = Ks + 2 * BN * LDS;                         // [2][BN][LDS]
+
+  const int D = a.D;
+  const int64_t nqb = (a.Lq + BM - 1) / BM;
+  const int64_t bh = blockIdx.x / nqb, q0 = (blockIdx.x % nqb) * BM;
+  const int64_t b = bh / a.H, h = bh % a.H;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int g = lane >> 2, tig = lane & 3;
+  const scalar_t* qh = a.q.head(b, h);
+  const scalar_t* kh = a.k.head(b, h);
+  const scalar_t* vh = a.v.head(b, h);
+  const int64_t moff = b * a.mask.sb + a.mask.sh * h;
+
+  for (int e = tid; e < BM * CH; e += kMmaThreads) {
+    const int r = e / CH, c = e % CH;
+    const bool ok = q0 + r < a.Lq && c * 8 < D;
+    cp_async16(Qs + r * LDS + c * 8, ok ? qh + (q0 + r) * a.q.sl + c * 8 : qh, ok);
+  }
+  auto load_kv = [&](int buf, int64_t k0) {
+    for (int e = tid; e < BN * CH; e += kMmaThreads) {
+      const int r = e / CH, c = e % CH;
+      const bool ok = k0 + r < a.Lk && c * 8 < D;
+      cp_async16(Ks + (buf * BN + r) * LDS + c * 8, ok ? kh + (k0 + r) * a.k.sl + c * 8 : kh, ok);
+      cp_async16(Vs + (buf * BN + r) * LDS + c * 8, ok ? vh + (k0 + r) * a.v.sl + c * 8 : vh, ok);
+    }
+  };
+  load_kv(0, 0);
+  cp_async_commit();
+
+  float o[DT][4];
+#pragma unroll
+  for (int j = 0; j < DT; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+  // This thread holds rows g and g + 8 of the warp's 16: running max (log2 units) and partial sum.
+  float m_r[2] = {neg_inf<float>(), neg_inf<float>()}, l_r[2] = {0.f, 0.f};
+  const float sl2 = a.scale * kLog2e;
+  const int64_t row_base = q0 + warp * 16 + g;
+
+  cp_async_wait_all();
+  __syncthreads();
+
+  unsigned qf[kQInRegs ? KS : 1][4];
+  // A fragments of Q: matrices (rows 0-7 | 8-15) x (dims 0-7 | 8-15) of the warp's 16 rows.
+  auto q_frag = [&](unsigned (&f)[4], int ks) {
+    ldmatrix_x4(f, Qs + (warp * 16 + (lane % 8) + ((lane / 8) % 2) * 8) * LDS + ks * 16 + (lane / 16) * 8);
+  };
+  if constexpr (kQInRegs) {
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) q_frag(qf[ks], ks);
+  }
+
+  const int64_t nkt = (a.Lk + BN - 1) / BN;
+  for (int64_t t = 0; t < nkt; ++t) {
+    const int buf = static_cast<int>(t & 1);
+    if (t + 1 < nkt) load_kv(buf ^ 1, (t + 1) * BN);  // overlaps with this tile's math
+    cp_async_commit();
+    const scalar_t* Kt = Ks + buf * BN * LDS;
+    const scalar_t* Vt = Vs + buf * BN * LDS;
+
+    // S = Q K^T for 16 rows x BN keys.
+    float s[NT][4];
+#pragma unroll
+    for (int j = 0; j < NT; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+      unsigned af[4];
+      if constexpr (kQInRegs) {
+#pragma unroll
+        for (int x = 0; x < 4; ++x) af[x] = qf[ks][x];
+      } else {
+        q_frag(af, ks);
+      }
+#pragma unroll
+      for (int j = 0; j < NT; j += 2) {
+        // B fragments of key tiles j, j + 1: K rows are the n index, dims the k index.
+        unsigned bf[4];
+        ldmatrix_x4(bf, Kt + (j * 8 + (lane / 16) * 8 + (lane % 8)) * LDS + ks * 16 + ((lane / 8) % 2) * 8);
+        MT::mma(s[j], af, bf[0], bf[1]);
+        MT::mma(s[j + 1], af, bf[2], bf[3]);
+      }
+    }
+
+    // Scale, mask and bounds, in log2 units; then the online softmax per row.
+    const int64_t k0 = t * BN;
+    float mx[2] = {neg_inf<float>(), neg_inf<float>()};
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int64_t key = k0 + j * 8 + 2 * tig + (e & 1);
+        const int64_t row = row_base + (e >> 1) * 8;
+        float x = s[j][e] * sl2;
+        if (key >= a.Lk) {
+          x = neg_inf<float>();
+        } else if (a.mask.kind != kNoMask && row < a.Lq) {
+          x += mask_add<scalar_t, float>(a.mask, moff + row * a.mask.sq + key * a.mask.sk) * kLog2e;
+        }
+        s[j][e] = x;
+        mx[e >> 1] = fmaxf(mx[e >> 1], x);
+      }
+    }
+    float corr[2], m_use[2];
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+      mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(kFullMask, mx[rr], 1));
+      mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(kFullMask, mx[rr], 2));
+      const float m_new = fmaxf(m_r[rr], mx[rr]);
+      m_use[rr] = m_new == neg_inf<float>() ? 0.f : m_new;
+      corr[rr] = exp2f(m_r[rr] - m_use[rr]);
+      m_r[rr] = m_new;
+      l_r[rr] *= corr[rr];
+    }
+#pragma unroll
+    for (int j = 0; j < DT; ++j) {
+      o[j][0] *= corr[0];
+      o[j][1] *= corr[0];
+      o[j][2] *= corr[1];
+      o[j][3] *= corr[1];
+    }
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float p = exp2f(s[j][e] - m_use[e >> 1]);
+        s[j][e] = p;
+        l_r[e >> 1] += p;
+      }
+    }
+
+    // O += P V: the S accumulators of key tiles 2kk, 2kk + 1 are the A fragment of k-step kk.
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      const unsigned pa[4] = {MT::pack(s[2 * kk][0], s[2 * kk][1]), MT::pack(s[2 * kk][2], s[2 * kk][3]),
+                              MT::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                              MT::pack(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+      for (int j = 0; j < DT; j += 2) {
+        unsigned vb[4];
+        ldmatrix_x4_trans(vb, Vt + (kk * 16 + ((lane / 8) % 2) * 8 + (lane % 8)) * LDS + j * 8 + (lane / 16) * 8);
+        MT::mma(o[j], pa, vb[0], vb[1]);
+        MT::mma(o[j + 1], pa, vb[2], vb[3]);
+      }
+    }
+
+    cp_async_wait_all();
+    __syncthreads();  // next tile landed; everyone is done with this one
+  }
+
+#pragma unroll
+  for (int rr = 0; rr < 2; ++rr) {
+    float l = l_r[rr];
+    l += __shfl_xor_sync(kFullMask, l, 1);
+    l += __shfl_xor_sync(kFullMask, l, 2);
+    const int64_t row = row_base + rr * 8;
+    if (row >= a.Lq) continue;
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    scalar_t* orow = a.out + (bh * a.Lq + row) * D;
+#pragma unroll
+    for (int j = 0; j < DT; ++j) {
+      const int d = j * 8 + 2 * tig;
+      if (d < D) {  // D % 8 == 0: d + 1 < D too
+        orow[d] = static_cast<scalar_t>(o[j][2 * rr] * inv);
+        orow[d + 1] = static_cast<scalar_t>(o[j][2 * rr + 1] * inv);
+      }
+    }
+    if (tig == 0) a.lse_out[bh * a.Lq + row] = l > 0.f ? (m_r[rr] + log2f(l)) * kLn2 : neg_inf<float>();
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backward.
+
+// delta[bh, i] = sum_d dO * O - grad_lse: a warp per row.
+template <typename scalar_t, typename acc_t>
+__global__ void __launch_bounds__(kRowThreads) attn_bwd_delta_kernel(const AttnArgs<scalar_t, acc_t> a) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowWarps + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= a.B * a.H * a.Lq) return;  // uniform per warp
+  const int64_t bh = row / a.Lq, i = row % a.Lq, b = bh / a.H, h = bh % a.H;
+  const scalar_t* dr = a.dout.head(b, h) + i * a.dout.sl;
+  const scalar_t* orow = a.o.head(b, h) + i * a.o.sl;
+  acc_t s = 0;
+  for (int d = lane; d < a.D; d += 32)
+    s += static_cast<acc_t>(dr[d * a.dout.sd]) * static_cast<acc_t>(orow[d * a.o.sd]);
+  s = warp_sum(s);
+  if (lane == 0) a.delta[row] = s - (a.grad_lse ? a.grad_lse[row] : acc_t(0));
+}
+
+// P and dS of score (i, j) given the dot products q.k and dO.v; P = 0 where masked, past the end
+// or on a fully masked row (lse = -inf).
+template <typename scalar_t, typename acc_t>
+__device__ __forceinline__ void p_ds(const AttnArgs<scalar_t, acc_t>& a, bool valid, acc_t qk, acc_t dov,
+                                     acc_t lse, acc_t delta, int64_t mask_off, acc_t& p, acc_t& ds) {
+  p = 0;
+  ds = 0;
+  if (!valid || lse == neg_inf<acc_t>()) return;
+  acc_t s = qk * a.scale;
+  if (a.mask.kind != kNoMask) s += mask_add<scalar_t, acc_t>(a.mask, mask_off);
+  p = exp_(s - lse);
+  ds = p * (dov - delta);
+}
+
+// dq = scale * sum_j dS_ij k_j: a block per (b, h, 16 query rows), key tiles through shared memory.
+template <typename scalar_t, typename acc_t, int DPL>
+__global__ void __launch_bounds__(kRowThreads) attn_bwd_dq_kernel(const AttnArgs<scalar_t, acc_t> a) {
+  const int D = a.D, ld = a.ld, nv = (D * static_cast<int>(sizeof(acc_t)) + 15) / 16;
+  acc_t* Qs = reinterpret_cast<acc_t*>(dyn_smem());  // [kRowBlock][ld]
+  acc_t* dOs = Qs + kRowBlock * ld;                   // [kRowBlock][ld]
+  acc_t* Ks = dOs + kRowBlock * ld;                   // [kTile][ld]
+  acc_t* Vs = Ks + kTile * ld;                        // [kTile][ld]
+
+  const int64_t nqb = (a.Lq + kRowBlock - 1) / kRowBlock;
+  const int64_t bh = blockIdx.x / nqb, q0 = (blockIdx.x % nqb) * kRowBlock;
+  const int64_t b = bh / a.H, h = bh % a.H;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t moff = b * a.mask.sb + a.mask.sh * h;
+
+  stage_rows(Qs, ld, a.q, a.q.head(b, h), q0, kRowBlock, a.Lq, D);
+  stage_rows(dOs, ld, a.dout, a.dout.head(b, h), q0, kRowBlock, a.Lq, D);
+  acc_t lse[kRowsPerWarp], delta[kRowsPerWarp], dq[kRowsPerWarp][DPL];
+#pragma unroll
+  for (int r = 0; r < kRowsPerWarp; ++r) {
+    const int64_t i = q0 + warp * kRowsPerWarp + r;
+    lse[r] = i < a.Lq ? a.lse[bh * a.Lq + i] : neg_inf<acc_t>();
+    delta[r] = i < a.Lq ? a.delta[bh * a.Lq + i] : acc_t(0);
+#pragma unroll
+    for (int t = 0; t < DPL; ++t) dq[r][t] = 0;
+  }
+
+  for (int64_t k0 = 0; k0 < a.Lk; k0 += kTile) {
+    const int nk = static_cast<int>(a.Lk - k0 < kTile ? a.Lk - k0 : kTile);
+    __syncthreads();
+    stage_rows(Ks, ld, a.k, a.k.head(b, h), k0, kTile, a.Lk, D);
+    stage_rows(Vs, ld, a.v, a.v.head(b, h), k0, kTile, a.Lk, D);
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < kRowsPerWarp; ++r) {
+      const int row = warp * kRowsPerWarp + r;
+      const int64_t i = q0 + row;
+      if (i >= a.Lq || lse[r] == neg_inf<acc_t>()) continue;  // uniform per warp
+      acc_t p, ds;
+      const bool valid = lane < nk;
+      const acc_t qk = valid ? dot(Qs + row * ld, Ks + lane * ld, nv) : acc_t(0);
+      const acc_t dov = valid ? dot(dOs + row * ld, Vs + lane * ld, nv) : acc_t(0);
+      p_ds(a, valid, qk, dov, lse[r], delta[r], moff + i * a.mask.sq + (k0 + lane) * a.mask.sk, p, ds);
+      for (int j = 0; j < nk; ++j) {
+        const acc_t dsj = __shfl_sync(kFullMask, ds, j);
+        const acc_t* kr = Ks + j * ld;
+#pragma unroll
+        for (int t = 0; t < DPL; ++t) {
+          const int d = lane + 32 * t;
+          if (d < D) dq[r][t] += dsj * kr[d];
+        }
+      }
+    }
+  }
+
+#pragma unroll
+  for (int r = 0; r < kRowsPerWarp; ++r) {
+    const int64_t i = q0 + warp * kRowsPerWarp + r;
+    if (i >= a.Lq) continue;
+    scalar_t* out = a.dq + (bh * a.Lq + i) * D;
+#pragma unroll
+    for (int t = 0; t < DPL; ++t) {
+      const int d = lane + 32 * t;
+      if (d < D) out[d] = static_cast<scalar_t>(dq[r][t] * a.scale);
+    }
+  }
+}
+
+// dv = sum_i P_ij dO_i, dk = scale * sum_i dS_ij q_i: a block per (b, h, 16 key rows), query tiles
+// (q, dO, lse, delta) through shared memory, a warp per key row and one query per lane.
+template <typename scalar_t, typename acc_t, int DPL>
+__global__ void __launch_bounds__(kRowThreads) attn_bwd_dkdv_kernel(const AttnArgs<scalar_t, acc_t> a) {
+  const int D = a.D, ld = a.ld, nv = (D * static_cast<int>(sizeof(acc_t)) + 15) / 16;
+  acc_t* Kb = reinterpret_cast<acc_t*>(dyn_smem());  // [kRowBlock][ld]
+  acc_t* Vb = Kb + kRowBlock * ld;                    // [kRowBlock][ld]
+  acc_t* Qt = Vb + kRowBlock * ld;                    // [kTile][ld]
+  acc_t* dOt = Qt + kTile * ld;                       // [kTile][ld]
+  acc_t* lse_t = dOt + kTile * ld;                    // [kTile]
+  acc_t* delta_t = lse_t + kTile;                     // [kTile]
+
+  const int64_t nkb = (a.Lk + kRowBlock - 1) / kRowBlock;
+  const int64_t bh = blockIdx.x / nkb, k0 = (blockIdx.x % nkb) * kRowBlock;
+  const int64_t b = bh / a.H, h = bh % a.H;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t moff = b * a.mask.sb + a.mask.sh * h;
+
+  stage_rows(Kb, ld, a.k, a.k.head(b, h), k0, kRowBlock, a.Lk, D);
+  stage_rows(Vb, ld, a.v, a.v.head(b, h), k0, kRowBlock, a.Lk, D);
+  acc_t dk[kRowsPerWarp][DPL], dv[kRowsPerWarp][DPL];
+#pragma unroll
+  for (int r = 0; r < kRowsPerWarp; ++r)
+#pragma unroll
+    for (int t = 0; t < DPL; ++t) dk[r][t] = dv[r][t] = 0;
+
+  for (int64_t q0 = 0; q0 < a.Lq; q0 += kTile) {
+    const int nq = static_cast<int>(a.Lq - q0 < kTile ? a.Lq - q0 : kTile);
+    __syncthreads();
+    stage_rows(Qt, ld, a.q, a.q.head(b, h), q0, kTile, a.Lq, D);
+    stage_rows(dOt, ld, a.dout, a.dout.head(b, h), q0, kTile, a.Lq, D);
+    if (threadIdx.x < kTile) {
+      const int64_t i = q0 + threadIdx.x;
+      lse_t[threadIdx.x] = i < a.Lq ? a.lse[bh * a.Lq + i] : neg_inf<acc_t>();
+      delta_t[threadIdx.x] = i < a.Lq ? a.delta[bh * a.Lq + i] : acc_t(0);
+    }
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < kRowsPerWarp; ++r) {
+      const int row = warp * kRowsPerWarp + r;
+      const int64_t j = k0 + row;
+      if (j >= a.Lk) continue;  // uniform per warp
+      const bool valid = lane < nq;
+      const acc_t qk = valid ? dot(Qt + lane * ld, Kb + row * ld, nv) : acc_t(0);
+      const acc_t dov = valid ? dot(dOt + lane * ld, Vb + row * ld, nv) : acc_t(0);
+      acc_t p, ds;
+      p_ds(a, valid, qk, dov, lse_t[lane], delta_t[lane], moff + (q0 + lane) * a.mask.sq + j * a.mask.sk, p, ds);
+      for (int i = 0; i < nq; ++i) {
+        const acc_t pi = __shfl_sync(kFullMask, p, i);
+        const acc_t dsi = __shfl_sync(kFullMask, ds, i);
+        const acc_t* qr = Qt + i * ld;
+        const acc_t* dor = dOt + i * ld;
+#pragma unroll
+        for (int t = 0; t < DPL; ++t) {
+          const int d = lane + 32 * t;
+          if (d < D) {
+            dv[r][t] += pi * dor[d];
+            dk[r][t] += dsi * qr[d];
+          }
+        }
+      }
+    }
+  }
+
+#pragma unroll
+  for (int r = 0; r < kRowsPerWarp; ++r) {
+    const int64_t j = k0 + warp * kRowsPerWarp + r;
+    if (j >= a.Lk) continue;
+    scalar_t* dkr = a.dk.head(b, h) + j * a.dk.sl;
+    scalar_t* dvr = a.dv.head(b, h) + j * a.dv.sl;
+#pragma unroll
+    for (int t = 0; t < DPL; ++t) {
+      const int d = lane + 32 * t;
+      if (d < D) {
+        dkr[d * a.dk.sd] = static_cast<scalar_t>(dk[r][t] * a.scale);
+        dvr[d * a.dv.sd] = static_cast<scalar_t>(dv[r][t]);
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Host side.
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+unsigned grid_of(int64_t blocks, const char* op) {
+  TORCH_CHECK(blocks <= std::numeric_limits<int32_t>::max(), op, ": input too large for one launch");
+  return static_cast<unsigned>(blocks);
+}
+
+// Opts the kernel into more than the default 48 KiB of dynamic shared memory when it needs it.
+template <typename Kernel>
+void set_smem(Kernel kernel, size_t bytes, const char* op) {
+  if (bytes <= 48 * 1024) return;
+  int dev = 0, max_optin = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&dev));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&max_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+  TORCH_CHECK(bytes <= static_cast<size_t>(max_optin), op, ": needs ", bytes,
+              " bytes of shared memory per block for this dtype and head_dim; the device allows ", max_optin);
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+}
+
+// head_dim bucket -> outputs per lane of the "rows" kernels.
+template <typename F>
+void dispatch_dpl(int64_t D, F&& f) {
+  if (D <= 64) f(std::integral_constant<int, 2>{});
+  else if (D <= 128) f(std::integral_constant<int, 4>{});
+  else f(std::integral_constant<int, 8>{});
+}
+
+MaskView mask_view(const at::Tensor& mask, const at::Tensor& q) {
+  MaskView m{nullptr, kNoMask, 0, 0, 0, 0};
+  if (!mask.defined()) return m;
+  m.p = mask.const_data_ptr();
+  m.kind = mask.scalar_type() == at::kBool ? kBoolMask
+           : mask.scalar_type() == at::kFloat && q.scalar_type() != at::kFloat ? kFloatMask
+                                                                                 : kInputTypeMask;
+  m.sb = mask.stride(0);
+  m.sh = mask.stride(1);
+  m.sq = mask.stride(2);
+  m.sk = mask.stride(3);
+  return m;
+}
+
+// Row stride of the "rows" kernels' tiles: a whole number of 16-byte vectors, an odd number of them
+// (so 8 lanes reading 8 rows hit distinct banks), at least D.
+template <typename acc_t>
+int smem_ld(int64_t D) {
+  constexpr int64_t V = 16 / sizeof(acc_t);
+  return static_cast<int>((D + 2 * V - 1) / (2 * V) * (2 * V) + V);
+}
+
+at::ScalarType lse_dtype(const at::Tensor& q) { return q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat; }
+
+// The tensor-core kernel reads 16-byte chunks of rows: unit stride along D, every row start aligned.
+bool mma_layout_ok(const at::Tensor& t) {
+  if (t.stride(3) != 1 || reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 != 0) return false;
+  for (int i = 0; i < 3; ++i)
+    if (t.size(i) > 1 && t.stride(i) % 8 != 0) return false;
+  return true;
+}
+
+at::Tensor mma_ready(const at::Tensor& t) {
+  if (mma_layout_ok(t)) return t;
+  at::Tensor c = at::empty(t.sizes(), t.options());
+  c.copy_(t);
+  return c;
+}
+
+template <typename scalar_t, typename acc_t>
+AttnArgs<scalar_t, acc_t> base_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                    const at::Tensor& mask, double scale) {
+  AttnArgs<scalar_t, acc_t> a{};
+  a.q = view_of<const scalar_t>(q);
+  a.k = view_of<const scalar_t>(k);
+  a.v = view_of<const scalar_t>(v);
+  a.mask = mask_view(mask, q);
+  a.B = q.size(0);
+  a.H = q.size(1);
+  a.Lq = q.size(2);
+  a.Lk = k.size(2);
+  a.D = static_cast<int>(q.size(3));
+  a.ld = smem_ld<acc_t>(a.D);
+  a.scale = static_cast<acc_t>(scale);
+  return a;
+}
+
+// Tensor cores for fp16 / bf16 once there is more than one key tile and a few query rows to
+// share it; returns false where the "rows" kernel is used instead.
+template <typename scalar_t>
+bool mma_forward(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                 const at::Tensor& mask, double scale, at::Tensor& out, at::Tensor& lse, cudaStream_t stream) {
+  if constexpr (!std::is_same_v<scalar_t, at::Half> && !std::is_same_v<scalar_t, at::BFloat16>) {
+    return false;
+  } else {
+    const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), Lk = k.size(2), D = q.size(3);
+    if (D % 8 != 0 || Lk <= kTile || Lq <= kRowBlock) return false;
+    const at::Tensor q2 = mma_ready(q), k2 = mma_ready(k), v2 = mma_ready(v);
+    auto a = base_args<scalar_t, float>(q2, k2, v2, mask, scale);
+    a.out = out.mutable_data_ptr<scalar_t>();
+    a.lse_out = lse.mutable_data_ptr<float>();
+    const unsigned blocks = grid_of(B * H * ceil_div(Lq, kMmaRows), op);
+    auto launch = [&](auto kernel, size_t smem) {
+      set_smem(kernel, smem, op);
+      kernel<<<blocks, kMmaThreads, smem, stream>>>(a);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    };
+    if (D <= 64) launch(attn_fwd_mma_kernel<scalar_t, 64>, MmaTile<64>::smem_bytes);
+    else if (D <= 128) launch(attn_fwd_mma_kernel<scalar_t, 128>, MmaTile<128>::smem_bytes);
+    else launch(attn_fwd_mma_kernel<scalar_t, 256>, MmaTile<256>::smem_bytes);
+    return true;
+  }
+}
+
+// q, k, v already validated; mask undefined or expanded to (B, H, Lq, Lk).
+std::tuple<at::Tensor, at::Tensor> attention_forward(const char* op, const at::Tensor& q, const at::Tensor& k,
+                                                     const at::Tensor& v, const at::Tensor& mask, double scale) {
+  const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), D = q.size(3);
+  at::Tensor out = at::empty({B, H, Lq, D}, q.options());
+  at::Tensor lse = at::empty({B, H, Lq}, q.options().dtype(lse_dtype(q)));
+  if (B * H == 0) return {out, lse};
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "fused_attention_cuda", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    if (mma_forward<scalar_t>(op, q, k, v, mask, scale, out, lse, stream)) return;
+    auto a = base_args<scalar_t, acc_t>(q, k, v, mask, scale);
+    a.out = out.mutable_data_ptr<scalar_t>();
+    a.lse_out = lse.mutable_data_ptr<acc_t>();
+    const size_t smem = static_cast<size_t>(kRowBlock + 2 * kTile) * a.ld * sizeof(acc_t);
+    const unsigned blocks = grid_of(B * H * ceil_div(Lq, kRowBlock), op);
+    dispatch_dpl(D, [&](auto dpl) {
+      auto kernel = attn_fwd_rows_kernel<scalar_t, acc_t, decltype(dpl)::value>;
+      set_smem(kernel, smem, op);
+      kernel<<<blocks, kRowThreads, smem, stream>>>(a);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+  });
+  return {out, lse};
+}
+
+// Checks of the backward's extra arguments (q, k, v are checked by check_attention).
+void check_attention_grads(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& out,
+                           const at::Tensor& lse, const std::optional<at::Tensor>& grad_lse, const char* op) {
+  check_same_device(q, grad_out, op, "q", "grad_out");
+  check_same_device(q, out, op, "q", "out");
+  check_same_device(q, lse, op, "q", "lse");
+  check_same_dtype(q, grad_out, op, "q", "grad_out");
+  check_same_dtype(q, out, op, "q", "out");
+  TORCH_CHECK(grad_out.sizes() == q.sizes(), op, ": grad_out must have q's shape ", q.sizes(), ", got ",
+              grad_out.sizes());
+  TORCH_CHECK(out.sizes() == q.sizes(), op, ": out must have q's shape ", q.sizes(), ", got ", out.sizes());
+  const std::vector<int64_t> rows = {q.size(0), q.size(1), q.size(2)};
+  TORCH_CHECK(lse.sizes() == at::IntArrayRef(rows), op, ": lse must have shape ", at::IntArrayRef(rows), ", got ",
+              lse.sizes());
+  check_float_dtype(lse, op, "lse");
+  if (grad_lse.has_value()) {
+    check_same_device(q, *grad_lse, op, "q", "grad_lse");
+    check_float_dtype(*grad_lse, op, "grad_lse");
+    TORCH_CHECK(grad_lse->sizes() == at::IntArrayRef(rows), op, ": grad_lse must have shape ", at::IntArrayRef(rows),
+                ", got ", grad_lse->sizes());
+  }
+}
+
+// Writes dq (returned, contiguous) and dk / dv into the given (B, H, Lk, D) views.
+at::Tensor attention_backward(const char* op, const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
+                              const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse_in,
+                              const at::Tensor& mask, double scale, const std::optional<at::Tensor>& grad_lse_in,
+                              at::Tensor& dk, at::Tensor& dv) {
+  const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), Lk = k.size(2), D = q.size(3);
+  at::Tensor dq = at::empty({B, H, Lq, D}, q.options());
+  if (B * H == 0) return dq;
+  const auto acc_type = lse_dtype(q);
+  const at::Tensor lse = lse_in.to(acc_type).contiguous();
+  const at::Tensor grad_lse = grad_lse_in.has_value() ? grad_lse_in->to(acc_type).contiguous() : at::Tensor();
+  at::Tensor delta = at::empty({B, H, Lq}, q.options().dtype(acc_type));
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "fused_attention_backward_cuda", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    auto a = base_args<scalar_t, acc_t>(q, k, v, mask, scale);
+    a.dout = view_of<const scalar_t>(grad_out);
+    a.o = view_of<const scalar_t>(out);
+    a.lse = lse.const_data_ptr<acc_t>();
+    a.grad_lse = grad_lse.defined() ? grad_lse.const_data_ptr<acc_t>() : nullptr;
+    a.delta = delta.mutable_data_ptr<acc_t>();
+    a.dq = dq.mutable_data_ptr<scalar_t>();
+    a.dk = view_of<scalar_t>(dk);
+    a.dv = view_of<scalar_t>(dv);
+
+    attn_bwd_delta_kernel<scalar_t, acc_t><<<grid_of(ceil_div(B * H * Lq, kRowWarps), op), kRowThreads, 0, stream>>>(a);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+
+    const size_t smem = (static_cast<size_t>(2 * kRowBlock + 2 * kTile) * a.ld + 2 * kTile) * sizeof(acc_t);
+    dispatch_dpl(D, [&](auto dpl) {
+      constexpr int DPL = decltype(dpl)::value;
+      auto dq_kernel = attn_bwd_dq_kernel<scalar_t, acc_t, DPL>;
+      set_smem(dq_kernel, smem, op);
+      dq_kernel<<<grid_of(B * H * ceil_div(Lq, kRowBlock), op), kRowThreads, smem, stream>>>(a);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      auto dkdv_kernel = attn_bwd_dkdv_kernel<scalar_t, acc_t, DPL>;
+      set_smem(dkdv_kernel, smem, op);
+      dkdv_kernel<<<grid_of(B * H * ceil_div(Lk, kRowBlock), op), kRowThreads, smem, stream>>>(a);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+  });
+  return dq;
+}
+
+std::tuple<at::Tensor, at::Tensor> fused_attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                        const std::optional<at::Tensor>& attn_mask,
+                                                        std::optional<double> scale) {
+  check_attention(q, k, v, kFusedOp);
+  const c10::cuda::CUDAGuard guard(q.device());
+  const at::Tensor mask = attn_mask.has_value() ? expand_attention_mask(*attn_mask, q, k, kFusedOp) : at::Tensor();
+  return attention_forward(kFusedOp, q, k, v, mask, attention_scale(scale, q.size(3)));
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_attention_backward_cuda(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, const std::optional<at::Tensor>& attn_mask, std::optional<double> scale,
+    const std::optional<at::Tensor>& grad_lse) {
+  check_attention(q, k, v, kFusedBwdOp);
+  check_attention_grads(grad_out, q, out, lse, grad_lse, kFusedBwdOp);
+  const c10::cuda::CUDAGuard guard(q.device());
+  const at::Tensor mask = attn_mask.has_value() ? expand_attention_mask(*attn_mask, q, k, kFusedBwdOp) : at::Tensor();
+  at::Tensor dk = at::empty(k.sizes(), q.options());
+  at::Tensor dv = at::empty(v.sizes(), q.options());
+  at::Tensor dq = attention_backward(kFusedBwdOp, grad_out, q, k, v, out, lse, mask, attention_scale(scale, q.size(3)),
+                                     grad_lse, dk, dv);
+  return {dq, dk, dv};
+}
+
+std::tuple<at::Tensor, at::Tensor> strided_attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                          int64_t stride, std::optional<double> scale) {
+  check_attention(q, k, v, kStridedOp);
+  check_stride(stride, kStridedOp);
+  const c10::cuda::CUDAGuard guard(q.device());
+  const int64_t Lk = k.size(2);
+  return attention_forward(kStridedOp, q, k.slice(2, 0, Lk, stride), v.slice(2, 0, Lk, stride), at::Tensor(),
+                           attention_scale(scale, q.size(3)));
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> strided_attention_backward_cuda(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, int64_t stride, std::optional<double> scale, const std::optional<at::Tensor>& grad_lse) {
+  check_attention(q, k, v, kStridedBwdOp);
+  check_stride(stride, kStridedBwdOp);
+  check_attention_grads(grad_out, q, out, lse, grad_lse, kStridedBwdOp);
+  const c10::cuda::CUDAGuard guard(q.device());
+  const int64_t Lk = k.size(2);
+  // Keys off the stride get no gradient: zero-filled, the kernel writes the strided rows.
+  at::Tensor dk = at::zeros(k.sizes(), q.options());
+  at::Tensor dv = at::zeros(v.sizes(), q.options());
+  at::Tensor dk_s = dk.slice(2, 0, Lk, stride), dv_s = dv.slice(2, 0, Lk, stride);
+  at::Tensor dq = attention_backward(kStridedBwdOp, grad_out, q, k.slice(2, 0, Lk, stride), v.slice(2, 0, Lk, stride),
+                                     out, lse, at::Tensor(), attention_scale(scale, q.size(3)), grad_lse, dk_s, dv_s);
+  return {dq, dk, dv};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(vd, CUDA, m) {
+  m.impl("fused_attention", &fused_attention_cuda);
+  m.impl("fused_attention_backward", &fused_attention_backward_cuda);
+  m.impl("strided_attention", &strided_attention_cuda);
+  m.impl("strided_attention_backward", &strided_attention_backward_cuda);
+}
+
+}  // namespace vd

@@ -1,0 +1,114 @@
+// CUDA kernels for vd::conv_bn_silu: the folded convolution runs through ATen (cuDNN) with the shared
+// code of csrc/conv_gemm.h; the bias + SiLU epilogue is one in-place pass over the output, and the
+// backward's dz = g * silu'(z) another.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include "../conv_gemm.h"
+
+namespace vd {
+namespace {
+
+template <typename T>
+__device__ __forceinline__ T sigmoid_of(T z) {
+  return T(1) / (T(1) + exp(-z));
+}
+
+// Channel of flat element i: NCHW planes of S elements, or NHWC rows of C elements.
+__device__ __forceinline__ int64_t channel_of(int64_t i, int64_t C, int64_t S, bool channels_last) {
+  return channels_last ? i % C : (i / S) % C;
+}
+
+template <typename scalar_t, typename acc_t>
+__global__ void bias_act_kernel(scalar_t* __restrict__ y, const acc_t* __restrict__ shift, int64_t n,
+                                int64_t C, int64_t S, bool channels_last, bool silu) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
+    const acc_t z = static_cast<acc_t>(y[i]) + shift[channel_of(i, C, S, channels_last)];
+    y[i] = static_cast<scalar_t>(silu ? z * sigmoid_of(z) : z);
+  }
+}
+
+// y (the folded conv without bias) <- dz = g * silu'(y + shift).
+template <typename scalar_t, typename acc_t>
+__global__ void grad_z_kernel(scalar_t* __restrict__ y, const scalar_t* __restrict__ g,
+                              const acc_t* __restrict__ shift, int64_t n, int64_t C, int64_t S,
+                              bool channels_last) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
+    const acc_t z = static_cast<acc_t>(y[i]) + shift[channel_of(i, C, S, channels_last)];
+    const acc_t sg = sigmoid_of(z);
+    y[i] = static_cast<scalar_t>(static_cast<acc_t>(g[i]) * sg * (acc_t(1) + z * (acc_t(1) - sg)));
+  }
+}
+
+unsigned grid_for(int64_t n, int threads) {
+  return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>((n + threads - 1) / threads, 65535)));
+}
+
+void bias_act_cuda_(at::Tensor& y, const at::Tensor& shift, bool silu, const ConvShape& s) {
+  const int64_t n = y.numel();
+  if (n == 0) return;
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, y.scalar_type(), "conv_bn_silu_cuda", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    at::Tensor sh = shift.to(c10::CppTypeToScalarType<acc_t>::value).contiguous();
+    bias_act_kernel<scalar_t, acc_t><<<grid_for(n, 256), 256, 0, stream>>>(
+        y.mutable_data_ptr<scalar_t>(), sh.const_data_ptr<acc_t>(), n, s.C_out, s.H_out * s.W_out,
+        s.channels_last, silu);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+
+// Returns sum(dz) per output channel in float (double for float64); dz is written into y when silu.
+at::Tensor grad_z_cuda_(at::Tensor& y, const at::Tensor& g, const at::Tensor& shift, bool silu,
+                        const ConvShape& s) {
+  const auto acc = acc_dtype(g);
+  if (!silu) return g.sum({0, 2, 3}, /*keepdim=*/false, acc);
+  const int64_t n = y.numel();
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, y.scalar_type(), "conv_bn_silu_backward_cuda", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    at::Tensor sh = shift.to(c10::CppTypeToScalarType<acc_t>::value).contiguous();
+    grad_z_kernel<scalar_t, acc_t><<<grid_for(n, 256), 256, 0, stream>>>(
+        y.mutable_data_ptr<scalar_t>(), g.const_data_ptr<scalar_t>(), sh.const_data_ptr<acc_t>(), n,
+        s.C_out, s.H_out * s.W_out, s.channels_last);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return y.sum({0, 2, 3}, /*keepdim=*/false, acc);
+}
+
+at::Tensor conv_bn_silu_cuda(const at::Tensor& x, const at::Tensor& weight,
+                             const std::optional<at::Tensor>& bias, const at::Tensor& bn_weight,
+                             const at::Tensor& bn_bias, const at::Tensor& bn_mean,
+                             const at::Tensor& bn_var, double eps, at::IntArrayRef stride,
+                             at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups,
+                             bool silu) {
+  c10::cuda::CUDAGuard guard(x.device());
+  return conv_bn_silu_forward(x, weight, bias, bn_weight, bn_bias, bn_mean, bn_var, eps, stride,
+                              padding, dilation, groups, silu, bias_act_cuda_);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> conv_bn_silu_backward_cuda(
+    const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight,
+    const std::optional<at::Tensor>& bias, const at::Tensor& bn_weight, const at::Tensor& bn_bias,
+    const at::Tensor& bn_mean, const at::Tensor& bn_var, double eps, at::IntArrayRef stride,
+    at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups, bool silu) {
+  c10::cuda::CUDAGuard guard(x.device());
+  return conv_bn_silu_backward(grad_out, x, weight, bias, bn_weight, bn_bias, bn_mean, bn_var, eps,
+                               stride, padding, dilation, groups, silu, grad_z_cuda_);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(vd, CUDA, m) {
+  m.impl("conv_bn_silu", &conv_bn_silu_cuda);
+  m.impl("conv_bn_silu_backward", &conv_bn_silu_backward_cuda);
+}
+
+}  // namespace vd

@@ -1,0 +1,788 @@
+// CUDA kernels for vd::group_norm_silu, with the semantics of csrc/cpu/group_norm_silu.cpp.
+//
+// Both layouts are read in place (csrc/layout.h):
+//   NC*  (contiguous):    a (n, c) row is S contiguous elements, a group is cpg * S contiguous ones;
+//                         work is split into chunks handled by one warp each ("rows" kernels).
+//   N*C  (channels_last): each spatial position holds C contiguous channels; a block walks a range
+//                         of positions with its threads laid over the channels ("cols" kernels).
+// Statistics: each lane runs Welford states over a few vectors in float (double for fp64); those
+// states are merged with Chan's formula in double, so a group of millions of elements keeps its
+// variance even when the mean dwarfs the spread. The mean is handed on as a float pair (hi, lo) and
+// x - mean is taken as (x - hi) - lo, which keeps it exact to float rounding where x is close to the
+// mean. Partial states are written per chunk and merged in a fixed order: results are deterministic
+// (no atomics), and so are the backward's per-channel sums and grad_weight / grad_bias.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <initializer_list>
+#include <limits>
+
+#include "../norm.h"
+
+namespace vd {
+namespace {
+
+constexpr const char* kOp = kGroupNormOp;
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr unsigned kFullMask = 0xffffffffu;
+// Vectors each lane handles per chunk in the "rows" kernels, and rows each thread walks per block in
+// the "cols" kernels: enough work per partial state that the partial buffers stay small.
+constexpr int kVecsPerLane = 8;
+constexpr int kRowsPerThread = 32;
+
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Vec {
+  T v[N];
+};
+
+// 16-byte vectors: 8 halves, 4 floats or 2 doubles.
+template <typename T>
+constexpr int max_vec() {
+  return 16 / static_cast<int>(sizeof(T));
+}
+
+__device__ __forceinline__ float exp_(float x) { return expf(x); }
+__device__ __forceinline__ double exp_(double x) { return exp(x); }
+
+template <typename T>
+__device__ __forceinline__ T silu_fn(T z) {
+  return z / (T(1) + exp_(-z));
+}
+// d silu / dz
+template <typename T>
+__device__ __forceinline__ T silu_grad(T z) {
+  const T sg = T(1) / (T(1) + exp_(-z));
+  return sg * (T(1) + z * (T(1) - sg));
+}
+
+template <typename T>
+struct Welford {
+  T mean, m2, n;
+};
+
+template <typename T>
+__device__ __forceinline__ Welford<T> combine(const Welford<T>& a, const Welford<T>& b) {
+  if (b.n == T(0)) return a;
+  if (a.n == T(0)) return b;
+  const T n = a.n + b.n;
+  const T wb = b.n / n;
+  const T delta = b.mean - a.mean;
+  return {a.mean + delta * wb, a.m2 + b.m2 + delta * delta * a.n * wb, n};
+}
+
+// Tree merge across the warp; lane 0 ends up with the whole warp's state. The order is fixed.
+template <typename T>
+__device__ __forceinline__ Welford<T> warp_combine(Welford<T> s) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    Welford<T> t{__shfl_down_sync(kFullMask, s.mean, o), __shfl_down_sync(kFullMask, s.m2, o),
+                 __shfl_down_sync(kFullMask, s.n, o)};
+    s = combine(s, t);
+  }
+  return s;
+}
+
+template <typename T>
+__device__ __forceinline__ T warp_sum(T v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(kFullMask, v, o);
+  return v;
+}
+
+// VEC running Welford states that see one value each per push: they share the count, so a push
+// costs one division for the whole vector.
+template <typename T, int VEC>
+struct LaneWelford {
+  T mean[VEC], m2[VEC];
+  int n = 0;
+  __device__ LaneWelford() {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) mean[j] = m2[j] = T(0);
+  }
+  __device__ __forceinline__ void push(const T (&v)[VEC]) {
+    ++n;
+    const T inv = T(1) / T(n);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      const T d = v[j] - mean[j];
+      mean[j] += d * inv;
+      m2[j] += d * (v[j] - mean[j]);
+    }
+  }
+  __device__ __forceinline__ Welford<double> get(int j) const {
+    return {static_cast<double>(mean[j]), static_cast<double>(m2[j]), static_cast<double>(n)};
+  }
+};
+
+template <int VEC, typename scalar_t, typename acc_t>
+__device__ __forceinline__ void load_vec(const scalar_t* p, acc_t (&v)[VEC]) {
+  const Vec<scalar_t, VEC> raw = *reinterpret_cast<const Vec<scalar_t, VEC>*>(p);
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) v[j] = static_cast<acc_t>(raw.v[j]);
+}
+
+template <int VEC, typename scalar_t, typename acc_t>
+__device__ __forceinline__ void store_vec(scalar_t* p, const acc_t (&v)[VEC]) {
+  Vec<scalar_t, VEC> raw;
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) raw.v[j] = static_cast<scalar_t>(v[j]);
+  *reinterpret_cast<Vec<scalar_t, VEC>*>(p) = raw;
+}
+
+// One warp visits the flat range [lo, hi): fv(i) for each VEC-aligned vector starting at i, fs(i)
+// for the single elements before the first and after the last aligned vector. The host only picks
+// VEC > 1 when every array involved starts 16-byte aligned, so alignment is a property of i.
+template <int VEC, typename FV, typename FS>
+__device__ __forceinline__ void warp_visit(int64_t lo, int64_t hi, int lane, FV&& fv, FS&& fs) {
+  int64_t a0 = hi, a1 = hi;
+  if constexpr (VEC > 1) {
+    const int64_t mis = lo % VEC;
+    a0 = mis ? lo + (VEC - mis) : lo;
+    if (a0 > hi) a0 = hi;
+    a1 = a0 + (hi - a0) / VEC * VEC;
+  }
+  for (int64_t i = lo + lane; i < a0; i += 32) fs(i);
+  for (int64_t i = a0 + static_cast<int64_t>(lane) * VEC; i < a1; i += 32 * VEC) fv(i);
+  for (int64_t i = a1 + lane; i < hi; i += 32) fs(i);
+}
+
+// Per (n, c) parameters of z = (x - mean) * (rstd * gamma) + beta; the mean is mean + mean_lo.
+template <typename acc_t>
+struct ChannelParams {
+  acc_t mean, mean_lo, rstd, gamma, beta;
+  template <typename A>
+  __device__ __forceinline__ ChannelParams(const A& a, int64_t n, int64_t c) {
+    const int64_t ng = n * a.G + c / a.cpg;
+    mean = a.mean[ng];
+    mean_lo = a.mean_lo[ng];
+    rstd = a.rstd[ng];
+    gamma = a.w ? static_cast<acc_t>(a.w[c]) : acc_t(1);
+    beta = a.b ? static_cast<acc_t>(a.b[c]) : acc_t(0);
+  }
+};
+
+template <typename acc_t>
+__device__ __forceinline__ acc_t centered(acc_t x, acc_t mean, acc_t mean_lo) {
+  return (x - mean) - mean_lo;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Problem description shared by the kernels.
+template <typename scalar_t, typename acc_t>
+struct GNArgs {
+  const scalar_t* x;
+  const scalar_t* dy;     // backward only
+  scalar_t* out;          // y (forward) or dx (backward)
+  const scalar_t* w;      // nullptr: gamma = 1
+  const scalar_t* b;      // nullptr: beta = 0
+  const acc_t* mean;      // (N * G) mean rounded to acc_t
+  const acc_t* mean_lo;   // (N * G) the rest of the mean
+  const acc_t* rstd;      // (N * G)
+  const acc_t* m1;        // (N * G) backward: group means of dxhat
+  const acc_t* m2;        // (N * G) backward: group means of dxhat * xhat
+  int64_t N, C, G, S, cpg;
+  // "rows" split: items of CH elements; P items per row (or per group for the statistics).
+  int64_t CH, P, items;
+  // "cols" split: TCV vector columns per block tile, R row lanes, RB positions per block.
+  int TCV, R;
+  int64_t ctiles, RB;
+  bool silu;
+};
+
+// Block decomposition of the "cols" kernels: blockIdx.x -> (n, p, column tile).
+struct ColBlock {
+  int64_t n, p, ct, cv;  // cv: this thread's vector column
+  int rowlane;
+  bool active;
+  int64_t s0, s1;        // positions [s0, s1) of this block, walked from s0 + rowlane in steps of R
+};
+
+template <typename A>
+__device__ __forceinline__ ColBlock col_block(const A& a, int vec) {
+  ColBlock cb;
+  int64_t blk = blockIdx.x;
+  cb.ct = blk % a.ctiles;
+  blk /= a.ctiles;
+  cb.p = blk % a.P;
+  cb.n = blk / a.P;
+  const int tid = threadIdx.x;
+  cb.rowlane = tid / a.TCV;
+  cb.cv = cb.ct * a.TCV + tid % a.TCV;
+  cb.active = cb.rowlane < a.R && cb.cv * vec < a.C;
+  cb.s0 = cb.p * a.RB;
+  cb.s1 = cb.s0 + a.RB < a.S ? cb.s0 + a.RB : a.S;
+  return cb;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Statistics: partial Welford states, then one merge per (n, g).
+
+// NC*: item w covers chunk p of group ng's cpg * S contiguous elements.
+template <typename scalar_t, typename acc_t, int VEC>
+__global__ void __launch_bounds__(kThreads) stats_rows_kernel(GNArgs<scalar_t, acc_t> a,
+                                                              Welford<double>* __restrict__ part) {
+  const int lane = threadIdx.x & 31;
+  const int64_t w = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
+  if (w >= a.items) return;  // uniform per warp
+  const int64_t M = a.cpg * a.S;
+  const int64_t ng = w / a.P, p = w % a.P;
+  const int64_t lo = ng * M + p * a.CH;
+  const int64_t hi = lo + a.CH < (ng + 1) * M ? lo + a.CH : (ng + 1) * M;
+  LaneWelford<acc_t, VEC> lw;
+  Welford<double> single{0.0, 0.0, 0.0};
+  warp_visit<VEC>(
+      lo, hi, lane,
+      [&](int64_t i) {
+        acc_t v[VEC];
+        load_vec<VEC>(a.x + i, v);
+        lw.push(v);
+      },
+      [&](int64_t i) { single = combine(single, Welford<double>{static_cast<double>(a.x[i]), 0.0, 1.0}); });
+  Welford<double> s = single;
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) s = combine(s, lw.get(j));
+  s = warp_combine(s);
+  if (lane == 0) part[w] = s;
+}
+
+// N*C: one state per (n, c, p), stored at part[(n * C + c) * P + p].
+template <typename scalar_t, typename acc_t, int VEC>
+__global__ void __launch_bounds__(kThreads) stats_cols_kernel(GNArgs<scalar_t, acc_t> a,
+                                                              Welford<double>* __restrict__ part) {
+  __shared__ acc_t sh_mean[kThreads * VEC];
+  __shared__ acc_t sh_m2[kThreads * VEC];
+  __shared__ int sh_n[kThreads];
+  const ColBlock cb = col_block(a, VEC);
+  LaneWelford<acc_t, VEC> lw;
+  if (cb.active) {
+    for (int64_t s = cb.s0 + cb.rowlane; s < cb.s1; s += a.R) {
+      acc_t v[VEC];
+      load_vec<VEC>(a.x + (cb.n * a.S + s) * a.C + cb.cv * VEC, v);
+      lw.push(v);
+    }
+  }
+  const int tid = threadIdx.x;
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) {
+    sh_mean[tid * VEC + j] = lw.mean[j];
+    sh_m2[tid * VEC + j] = lw.m2[j];
+  }
+  sh_n[tid] = cb.active ? lw.n : 0;
+  __syncthreads();
+  // Channel cc of the tile merges its R row lanes in order.
+  for (int cc = tid; cc < a.TCV * VEC; cc += kThreads) {
+    const int64_t c = cb.ct * a.TCV * VEC + cc;
+    if (c >= a.C) continue;
+    Welford<double> st{0.0, 0.0, 0.0};
+    for (int r = 0; r < a.R; ++r) {
+      const int t = r * a.TCV + cc / VEC, slot = t * VEC + cc % VEC;
+      st = combine(st, Welford<double>{static_cast<double>(sh_mean[slot]), static_cast<double>(sh_m2[slot]),
+                                       static_cast<double>(sh_n[t])});
+    }
+    part[(cb.n * a.C + c) * a.P + cb.p] = st;
+  }
+}
+
+// One warp per (n, g) merges the K partial states part[ng * K, (ng + 1) * K).
+template <typename acc_t>
+__global__ void __launch_bounds__(kThreads) stats_finalize_kernel(const Welford<double>* __restrict__ part,
+                                                                  int64_t K, int64_t NG, double eps,
+                                                                  acc_t* __restrict__ mean,
+                                                                  acc_t* __restrict__ mean_lo,
+                                                                  acc_t* __restrict__ rstd) {
+  const int lane = threadIdx.x & 31;
+  const int64_t ng = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
+  if (ng >= NG) return;
+  Welford<double> s{0.0, 0.0, 0.0};
+  for (int64_t j = lane; j < K; j += 32) s = combine(s, part[ng * K + j]);
+  s = warp_combine(s);
+  if (lane == 0) {
+    const double var = s.n > 0.0 && s.m2 > 0.0 ? s.m2 / s.n : 0.0;
+    const acc_t hi = static_cast<acc_t>(s.mean);
+    mean[ng] = hi;
+    mean_lo[ng] = static_cast<acc_t>(s.mean - static_cast<double>(hi));
+    rstd[ng] = static_cast<acc_t>(1.0 / sqrt(var + eps));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Forward: y = silu((x - mean) * rstd * gamma + beta).
+
+template <typename scalar_t, typename acc_t, int VEC>
+__global__ void __launch_bounds__(kThreads) apply_rows_kernel(GNArgs<scalar_t, acc_t> a) {
+  const int lane = threadIdx.x & 31;
+  const int64_t w = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
+  if (w >= a.items) return;
+  const int64_t row = w / a.P, p = w % a.P;
+  const int64_t lo = row * a.S + p * a.CH;
+  const int64_t hi = lo + a.CH < (row + 1) * a.S ? lo + a.CH : (row + 1) * a.S;
+  const ChannelParams<acc_t> cp(a, row / a.C, row % a.C);
+  const acc_t sc = cp.rstd * cp.gamma;
+  auto f = [&](acc_t v) {
+    const acc_t z = centered(v, cp.mean, cp.mean_lo) * sc + cp.beta;
+    return a.silu ? silu_fn(z) : z;
+  };
+  warp_visit<VEC>(
+      lo, hi, lane,
+      [&](int64_t i) {
+        acc_t v[VEC];
+        load_vec<VEC>(a.x + i, v);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) v[j] = f(v[j]);
+        store_vec<VEC>(a.out + i, v);
+      },
+      [&](int64_t i) { a.out[i] = static_cast<scalar_t>(f(static_cast<acc_t>(a.x[i]))); });
+}
+
+template <typename scalar_t, typename acc_t, int VEC>
+__global__ void __launch_bounds__(kThreads) apply_cols_kernel(GNArgs<scalar_t, acc_t> a) {
+  const ColBlock cb = col_block(a, VEC);
+  if (!cb.active) return;  // no barrier below
+  acc_t mu[VEC], lo[VEC], sc[VEC], be[VEC];
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) {
+    const ChannelParams<acc_t> cp(a, cb.n, cb.cv * VEC + j);
+    mu[j] = cp.mean;
+    lo[j] = cp.mean_lo;
+    sc[j] = cp.rstd * cp.gamma;
+    be[j] = cp.beta;
+  }
+  for (int64_t s = cb.s0 + cb.rowlane; s < cb.s1; s += a.R) {
+    const int64_t i = (cb.n * a.S + s) * a.C + cb.cv * VEC;
+    acc_t v[VEC];
+    load_vec<VEC>(a.x + i, v);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      const acc_t z = centered(v[j], mu[j], lo[j]) * sc[j] + be[j];
+      v[j] = a.silu ? silu_fn(z) : z;
+    }
+    store_vec<VEC>(a.out + i, v);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backward. dz = dy * silu'(z) (dy without SiLU), xhat = (x - mean) * rstd; per (n, c) sums of dz
+// and dz * xhat give grad_bias / grad_weight and the group means m1, m2 of dxhat = dz * gamma and
+// dxhat * xhat; then dx = rstd * (dxhat - m1 - xhat * m2).
+
+template <typename acc_t>
+struct Sum2 {
+  acc_t dz, dzx;
+};
+
+// xc: x - mean (see centered()).
+template <typename acc_t>
+__device__ __forceinline__ void grad_terms(acc_t xc, acc_t dy, acc_t rstd, acc_t sc, acc_t beta, bool silu,
+                                           acc_t& dz, acc_t& xhat) {
+  dz = silu ? dy * silu_grad(xc * sc + beta) : dy;
+  xhat = xc * rstd;
+}
+
+// NC*: item w covers chunk p of row (n, c); partial sums at part[w] = part[nc * P + p].
+template <typename scalar_t, typename acc_t, int VEC>
+__global__ void __launch_bounds__(kThreads) grad_sums_rows_kernel(GNArgs<scalar_t, acc_t> a,
+                                                                  Sum2<acc_t>* __restrict__ part) {
+  const int lane = threadIdx.x & 31;
+  const int64_t w = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
+  if (w >= a.items) return;
+  const int64_t row = w / a.P, p = w % a.P;
+  const int64_t lo = row * a.S + p * a.CH;
+  const int64_t hi = lo + a.CH < (row + 1) * a.S ? lo + a.CH : (row + 1) * a.S;
+  const ChannelParams<acc_t> cp(a, row / a.C, row % a.C);
+  const acc_t sc = cp.rstd * cp.gamma;
+  acc_t sdz = 0, sdzx = 0;
+  auto acc = [&](acc_t x, acc_t dy) {
+    acc_t dz, xhat;
+    grad_terms(centered(x, cp.mean, cp.mean_lo), dy, cp.rstd, sc, cp.beta, a.silu, dz, xhat);
+    sdz += dz;
+    sdzx += dz * xhat;
+  };
+  warp_visit<VEC>(
+      lo, hi, lane,
+      [&](int64_t i) {
+        acc_t x[VEC], dy[VEC];
+        load_vec<VEC>(a.x + i, x);
+        load_vec<VEC>(a.dy + i, dy);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) acc(x[j], dy[j]);
+      },
+      [&](int64_t i) { acc(static_cast<acc_t>(a.x[i]), static_cast<acc_t>(a.dy[i])); });
+  sdz = warp_sum(sdz);
+  sdzx = warp_sum(sdzx);
+  if (lane == 0) part[w] = Sum2<acc_t>{sdz, sdzx};
+}
+
+// N*C: partial sums per (n, c, p) at part[(n * C + c) * P + p].
+template <typename scalar_t, typename acc_t, int VEC>
+__global__ void __launch_bounds__(kThreads) grad_sums_cols_kernel(GNArgs<scalar_t, acc_t> a,
+                                                                  Sum2<acc_t>* __restrict__ part) {
+  __shared__ acc_t sh_dz[kThreads * VEC];
+  __shared__ acc_t sh_dzx[kThreads * VEC];
+  const ColBlock cb = col_block(a, VEC);
+  acc_t sdz[VEC], sdzx[VEC];
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) sdz[j] = sdzx[j] = acc_t(0);
+  if (cb.active) {
+    acc_t mu[VEC], lo[VEC], rs[VEC], sc[VEC], be[VEC];
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      const ChannelParams<acc_t> cp(a, cb.n, cb.cv * VEC + j);
+      mu[j] = cp.mean;
+      lo[j] = cp.mean_lo;
+      rs[j] = cp.rstd;
+      sc[j] = cp.rstd * cp.gamma;
+      be[j] = cp.beta;
+    }
+    for (int64_t s = cb.s0 + cb.rowlane; s < cb.s1; s += a.R) {
+      const int64_t i = (cb.n * a.S + s) * a.C + cb.cv * VEC;
+      acc_t x[VEC], dy[VEC];
+      load_vec<VEC>(a.x + i, x);
+      load_vec<VEC>(a.dy + i, dy);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        acc_t dz, xhat;
+        grad_terms(centered(x[j], mu[j], lo[j]), dy[j], rs[j], sc[j], be[j], a.silu, dz, xhat);
+        sdz[j] += dz;
+        sdzx[j] += dz * xhat;
+      }
+    }
+  }
+  const int tid = threadIdx.x;
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) {
+    sh_dz[tid * VEC + j] = sdz[j];
+    sh_dzx[tid * VEC + j] = sdzx[j];
+  }
+  __syncthreads();
+  for (int cc = tid; cc < a.TCV * VEC; cc += kThreads) {
+    const int64_t c = cb.ct * a.TCV * VEC + cc;
+    if (c >= a.C) continue;
+    acc_t t_dz = 0, t_dzx = 0;
+    for (int r = 0; r < a.R; ++r) {
+      const int slot = (r * a.TCV + cc / VEC) * VEC + cc % VEC;
+      t_dz += sh_dz[slot];
+      t_dzx += sh_dzx[slot];
+    }
+    part[(cb.n * a.C + c) * a.P + cb.p] = Sum2<acc_t>{t_dz, t_dzx};
+  }
+}
+
+// Threads [0, NG) compute m1, m2 of group (n, g); threads [NG, NG + C) grad_weight / grad_bias of
+// channel c (summed over n). part holds P partial sums per (n, c).
+template <typename scalar_t, typename acc_t>
+__global__ void __launch_bounds__(kThreads) grad_reduce_kernel(GNArgs<scalar_t, acc_t> a,
+                                                               const Sum2<acc_t>* __restrict__ part,
+                                                               acc_t* __restrict__ m1,
+                                                               acc_t* __restrict__ m2,
+                                                               acc_t* __restrict__ dw,
+                                                               acc_t* __restrict__ db) {
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  const int64_t NG = a.N * a.G;
+  if (t < NG) {
+    const int64_t n = t / a.G, g = t % a.G;
+    acc_t s1 = 0, s2 = 0;
+    for (int64_t c = g * a.cpg; c < (g + 1) * a.cpg; ++c) {
+      const acc_t gamma = a.w ? static_cast<acc_t>(a.w[c]) : acc_t(1);
+      acc_t dz = 0, dzx = 0;
+      for (int64_t p = 0; p < a.P; ++p) {
+        const Sum2<acc_t> v = part[(n * a.C + c) * a.P + p];
+        dz += v.dz;
+        dzx += v.dzx;
+      }
+      s1 += gamma * dz;
+      s2 += gamma * dzx;
+    }
+    const acc_t M = static_cast<acc_t>(a.cpg * a.S);
+    m1[t] = s1 / M;
+    m2[t] = s2 / M;
+  } else if (t < NG + a.C) {
+    const int64_t c = t - NG;
+    acc_t dz = 0, dzx = 0;
+    for (int64_t n = 0; n < a.N; ++n)
+      for (int64_t p = 0; p < a.P; ++p) {
+        const Sum2<acc_t> v = part[(n * a.C + c) * a.P + p];
+        dz += v.dz;
+        dzx += v.dzx;
+      }
+    dw[c] = dzx;
+    db[c] = dz;
+  }
+}
+
+template <typename acc_t>
+__device__ __forceinline__ acc_t dx_of(acc_t xc, acc_t dy, acc_t rstd, acc_t gamma, acc_t sc, acc_t beta,
+                                       acc_t m1, acc_t m2, bool silu) {
+  acc_t dz, xhat;
+  grad_terms(xc, dy, rstd, sc, beta, silu, dz, xhat);
+  return rstd * (dz * gamma - m1 - xhat * m2);
+}
+
+template <typename scalar_t, typename acc_t, int VEC>
+__global__ void __launch_bounds__(kThreads) dx_rows_kernel(GNArgs<scalar_t, acc_t> a) {
+  const int lane = threadIdx.x & 31;
+  const int64_t w = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
+  if (w >= a.items) return;
+  const int64_t row = w / a.P, p = w % a.P;
+  const int64_t lo = row * a.S + p * a.CH;
+  const int64_t hi = lo + a.CH < (row + 1) * a.S ? lo + a.CH : (row + 1) * a.S;
+  const int64_t n = row / a.C, c = row % a.C, ng = n * a.G + c / a.cpg;
+  const ChannelParams<acc_t> cp(a, n, c);
+  const acc_t sc = cp.rstd * cp.gamma, m1 = a.m1[ng], m2 = a.m2[ng];
+  auto f = [&](acc_t x, acc_t dy) {
+    return dx_of(centered(x, cp.mean, cp.mean_lo), dy, cp.rstd, cp.gamma, sc, cp.beta, m1, m2, a.silu);
+  };
+  warp_visit<VEC>(
+      lo, hi, lane,
+      [&](int64_t i) {
+        acc_t x[VEC], dy[VEC];
+        load_vec<VEC>(a.x + i, x);
+        load_vec<VEC>(a.dy + i, dy);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) x[j] = f(x[j], dy[j]);
+        store_vec<VEC>(a.out + i, x);
+      },
+      [&](int64_t i) {
+        a.out[i] = static_cast<scalar_t>(f(static_cast<acc_t>(a.x[i]), static_cast<acc_t>(a.dy[i])));
+      });
+}
+
+template <typename scalar_t, typename acc_t, int VEC>
+__global__ void __launch_bounds__(kThreads) dx_cols_kernel(GNArgs<scalar_t, acc_t> a) {
+  const ColBlock cb = col_block(a, VEC);
+  if (!cb.active) return;
+  acc_t mu[VEC], lo[VEC], rs[VEC], ga[VEC], sc[VEC], be[VEC], g1[VEC], g2[VEC];
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) {
+    const int64_t c = cb.cv * VEC + j, ng = cb.n * a.G + c / a.cpg;
+    const ChannelParams<acc_t> cp(a, cb.n, c);
+    mu[j] = cp.mean;
+    lo[j] = cp.mean_lo;
+    rs[j] = cp.rstd;
+    ga[j] = cp.gamma;
+    sc[j] = cp.rstd * cp.gamma;
+    be[j] = cp.beta;
+    g1[j] = a.m1[ng];
+    g2[j] = a.m2[ng];
+  }
+  for (int64_t s = cb.s0 + cb.rowlane; s < cb.s1; s += a.R) {
+    const int64_t i = (cb.n * a.S + s) * a.C + cb.cv * VEC;
+    acc_t x[VEC], dy[VEC];
+    load_vec<VEC>(a.x + i, x);
+    load_vec<VEC>(a.dy + i, dy);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j)
+      x[j] = dx_of(centered(x[j], mu[j], lo[j]), dy[j], rs[j], ga[j], sc[j], be[j], g1[j], g2[j], a.silu);
+    store_vec<VEC>(a.out + i, x);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Host side.
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+unsigned grid_of(int64_t blocks) {
+  TORCH_CHECK(blocks <= std::numeric_limits<int32_t>::max(), kOp, ": input too large for one launch");
+  return static_cast<unsigned>(blocks);
+}
+
+// Fills the split fields of a: "rows" chunks over runs of `run` elements, or the "cols" tiling.
+template <typename A>
+void plan(A& a, int vec, int64_t run, bool channels_last) {
+  if (!channels_last) {
+    a.CH = static_cast<int64_t>(32) * vec * kVecsPerLane;
+    a.P = ceil_div(run, a.CH);
+    a.items = ceil_div(a.N * a.C * a.S, run) * a.P;  // runs * chunks per run
+  } else {
+    const int64_t CV = a.C / vec;
+    a.TCV = static_cast<int>(std::min<int64_t>(CV, kThreads));
+    a.R = kThreads / a.TCV;
+    a.ctiles = ceil_div(CV, a.TCV);
+    a.RB = static_cast<int64_t>(a.R) * kRowsPerThread;
+    a.P = ceil_div(a.S, a.RB);
+    a.items = a.N * a.P * a.ctiles;  // blocks
+  }
+}
+
+template <typename scalar_t>
+struct Launcher {
+  using acc_t = at::opmath_type<scalar_t>;
+  using Args = GNArgs<scalar_t, acc_t>;
+  static constexpr int kVec = max_vec<scalar_t>();
+
+  // VEC > 1 needs every array 16-byte aligned and, for N*C, whole vectors of channels.
+  static bool can_vectorize(const Args& a, bool channels_last, std::initializer_list<const void*> ptrs) {
+    for (const void* p : ptrs)
+      if (p && !aligned16(p)) return false;
+    return !channels_last || a.C % kVec == 0;
+  }
+
+  // mean (hi, lo) / rstd per (n, g): mean is (2, N * G), rstd (N * G); a points at them afterwards.
+  static void stats(Args& a, bool channels_last, bool vec, double eps, at::Tensor& mean, at::Tensor& rstd,
+                    cudaStream_t stream) {
+    const int v = vec ? kVec : 1;
+    Args s = a;
+    plan(s, v, s.cpg * s.S, channels_last);
+    const int64_t K = channels_last ? s.cpg * s.P : s.P;
+    const int64_t NG = s.N * s.G;
+    at::Tensor part = at::empty({NG * K * 3}, mean.options().dtype(at::kDouble));
+    auto* pp = reinterpret_cast<Welford<double>*>(part.mutable_data_ptr<double>());
+    const unsigned blocks = grid_of(channels_last ? s.items : ceil_div(s.items, kWarps));
+    if (!channels_last) {
+      if (vec) stats_rows_kernel<scalar_t, acc_t, kVec><<<blocks, kThreads, 0, stream>>>(s, pp);
+      else stats_rows_kernel<scalar_t, acc_t, 1><<<blocks, kThreads, 0, stream>>>(s, pp);
+    } else {
+      if (vec) stats_cols_kernel<scalar_t, acc_t, kVec><<<blocks, kThreads, 0, stream>>>(s, pp);
+      else stats_cols_kernel<scalar_t, acc_t, 1><<<blocks, kThreads, 0, stream>>>(s, pp);
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    stats_finalize_kernel<acc_t><<<grid_of(ceil_div(NG, kWarps)), kThreads, 0, stream>>>(
+        pp, K, NG, eps, mean.mutable_data_ptr<acc_t>(), mean.mutable_data_ptr<acc_t>() + NG,
+        rstd.mutable_data_ptr<acc_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    a.mean = mean.const_data_ptr<acc_t>();
+    a.mean_lo = a.mean + NG;
+    a.rstd = rstd.const_data_ptr<acc_t>();
+  }
+};
+
+template <typename scalar_t>
+GNArgs<scalar_t, at::opmath_type<scalar_t>> make_args(const GNShape& s, const at::Tensor& w, const at::Tensor& b,
+                                                      bool silu) {
+  GNArgs<scalar_t, at::opmath_type<scalar_t>> a{};
+  a.N = s.N;
+  a.C = s.C;
+  a.G = s.G;
+  a.S = s.S;
+  a.cpg = s.C / s.G;
+  a.w = w.defined() ? w.const_data_ptr<scalar_t>() : nullptr;
+  a.b = b.defined() ? b.const_data_ptr<scalar_t>() : nullptr;
+  a.silu = silu;
+  return a;
+}
+
+at::Tensor group_norm_silu_cuda(const at::Tensor& x_in, int64_t num_groups, const std::optional<at::Tensor>& weight,
+                                const std::optional<at::Tensor>& bias, double eps, bool silu) {
+  GNShape s = check_group_norm(x_in, num_groups, weight, bias, eps);
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  at::Tensor x = x_in.contiguous(layout_memory_format(x_in));
+  at::Tensor out = at::empty_like(x);
+  if (x.numel() == 0) return out;
+  // Like the CPU kernel, weight and bias are used in x's dtype.
+  at::Tensor w = weight.has_value() ? weight->to(x.scalar_type()).contiguous() : at::Tensor();
+  at::Tensor b = bias.has_value() ? bias->to(x.scalar_type()).contiguous() : at::Tensor();
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "group_norm_silu_cuda", [&] {
+    using L = Launcher<scalar_t>;
+    using acc_t = typename L::acc_t;
+    auto a = make_args<scalar_t>(s, w, b, silu);
+    a.x = x.const_data_ptr<scalar_t>();
+    a.out = out.mutable_data_ptr<scalar_t>();
+    const bool vec = L::can_vectorize(a, s.channels_last, {a.x, a.out});
+    const auto acc_opts = x.options().dtype(c10::CppTypeToScalarType<acc_t>::value);
+    at::Tensor mean = at::empty({2, s.N * s.G}, acc_opts), rstd = at::empty({s.N * s.G}, acc_opts);
+    L::stats(a, s.channels_last, vec, eps, mean, rstd, stream);
+    const int v = vec ? L::kVec : 1;
+    plan(a, v, a.S, s.channels_last);
+    const unsigned blocks = grid_of(s.channels_last ? a.items : ceil_div(a.items, kWarps));
+    if (!s.channels_last) {
+      if (vec) apply_rows_kernel<scalar_t, acc_t, L::kVec><<<blocks, kThreads, 0, stream>>>(a);
+      else apply_rows_kernel<scalar_t, acc_t, 1><<<blocks, kThreads, 0, stream>>>(a);
+    } else {
+      if (vec) apply_cols_kernel<scalar_t, acc_t, L::kVec><<<blocks, kThreads, 0, stream>>>(a);
+      else apply_cols_kernel<scalar_t, acc_t, 1><<<blocks, kThreads, 0, stream>>>(a);
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_silu_backward_cuda(
+    const at::Tensor& grad_out, const at::Tensor& x_in, int64_t num_groups, const std::optional<at::Tensor>& weight,
+    const std::optional<at::Tensor>& bias, double eps, bool silu) {
+  GNShape s = check_group_norm(x_in, num_groups, weight, bias, eps);
+  TORCH_CHECK(grad_out.sizes() == x_in.sizes(), kOp, "_backward: grad_out must have x's shape ", x_in.sizes(),
+              ", got ", grad_out.sizes());
+  check_same_dtype(x_in, grad_out, kOp, "x", "grad_out");
+  check_same_device(x_in, grad_out, kOp, "x", "grad_out");
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const auto fmt = layout_memory_format(x_in);
+  at::Tensor x = x_in.contiguous(fmt);
+  at::Tensor dy = grad_out.contiguous(fmt);
+  at::Tensor dx = at::empty_like(x);
+  const auto wdtype = weight.has_value() ? weight->scalar_type() : x.scalar_type();
+  const auto bdtype = bias.has_value() ? bias->scalar_type() : wdtype;
+  if (x.numel() == 0)
+    return {dx, at::zeros({s.C}, x.options().dtype(wdtype)), at::zeros({s.C}, x.options().dtype(bdtype))};
+  at::Tensor w = weight.has_value() ? weight->to(x.scalar_type()).contiguous() : at::Tensor();
+  at::Tensor b = bias.has_value() ? bias->to(x.scalar_type()).contiguous() : at::Tensor();
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  at::Tensor dw, db;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "group_norm_silu_backward_cuda", [&] {
+    using L = Launcher<scalar_t>;
+    using acc_t = typename L::acc_t;
+    auto a = make_args<scalar_t>(s, w, b, silu);
+    a.x = x.const_data_ptr<scalar_t>();
+    a.dy = dy.const_data_ptr<scalar_t>();
+    a.out = dx.mutable_data_ptr<scalar_t>();
+    const bool vec = L::can_vectorize(a, s.channels_last, {a.x, a.dy, a.out});
+    const auto acc_opts = x.options().dtype(c10::CppTypeToScalarType<acc_t>::value);
+    const int64_t NG = s.N * s.G;
+    at::Tensor mean = at::empty({2, NG}, acc_opts), rstd = at::empty({NG}, acc_opts);
+    L::stats(a, s.channels_last, vec, eps, mean, rstd, stream);
+
+    // Per (n, c) partial sums of dz and dz * xhat.
+    const int v = vec ? L::kVec : 1;
+    plan(a, v, a.S, s.channels_last);
+    at::Tensor part = at::empty({s.N * s.C * a.P * 2}, acc_opts);
+    auto* pp = reinterpret_cast<Sum2<acc_t>*>(part.mutable_data_ptr<acc_t>());
+    const unsigned blocks = grid_of(s.channels_last ? a.items : ceil_div(a.items, kWarps));
+    if (!s.channels_last) {
+      if (vec) grad_sums_rows_kernel<scalar_t, acc_t, L::kVec><<<blocks, kThreads, 0, stream>>>(a, pp);
+      else grad_sums_rows_kernel<scalar_t, acc_t, 1><<<blocks, kThreads, 0, stream>>>(a, pp);
+    } else {
+      if (vec) grad_sums_cols_kernel<scalar_t, acc_t, L::kVec><<<blocks, kThreads, 0, stream>>>(a, pp);
+      else grad_sums_cols_kernel<scalar_t, acc_t, 1><<<blocks, kThreads, 0, stream>>>(a, pp);
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+
+    at::Tensor m1 = at::empty({NG}, acc_opts), m2 = at::empty({NG}, acc_opts);
+    at::Tensor dw_acc = at::empty({s.C}, acc_opts), db_acc = at::empty({s.C}, acc_opts);
+    grad_reduce_kernel<scalar_t, acc_t><<<grid_of(ceil_div(NG + s.C, kThreads)), kThreads, 0, stream>>>(
+        a, pp, m1.mutable_data_ptr<acc_t>(), m2.mutable_data_ptr<acc_t>(), dw_acc.mutable_data_ptr<acc_t>(),
+        db_acc.mutable_data_ptr<acc_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    a.m1 = m1.const_data_ptr<acc_t>();
+    a.m2 = m2.const_data_ptr<acc_t>();
+
+    if (!s.channels_last) {
+      if (vec) dx_rows_kernel<scalar_t, acc_t, L::kVec><<<blocks, kThreads, 0, stream>>>(a);
+      else dx_rows_kernel<scalar_t, acc_t, 1><<<blocks, kThreads, 0, stream>>>(a);
+    } else {
+      if (vec) dx_cols_kernel<scalar_t, acc_t, L::kVec><<<blocks, kThreads, 0, stream>>>(a);
+      else dx_cols_kernel<scalar_t, acc_t, 1><<<blocks, kThreads, 0, stream>>>(a);
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    dw = dw_acc.to(wdtype);
+    db = db_acc.to(bdtype);
+  });
+  return {dx, dw, db};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(vd, CUDA, m) {
+  m.impl("group_norm_silu", &group_norm_silu_cuda);
+  m.impl("group_norm_silu_backward", &group_norm_silu_backward_cuda);
+}
+
+}  // namespace vd

@@ -1,0 +1,304 @@
+"""vd::conv_bn_silu: opcheck, equivalence with the reference, gradients, layouts, bad inputs."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from tests.common import assert_close_to, device_params, run_opcheck
+from vdcompile.ops import conv_bn_silu, reference_conv_bn_silu
+
+OP = torch.ops.vd.conv_bn_silu.default
+BACKWARD = torch.ops.vd.conv_bn_silu_backward.default
+DEVICES = device_params("conv_bn_silu")
+
+
+def make_params(c_in, c_out, k, groups=1, bias=True, device="cpu", dtype=torch.float32, param_dtype=None,
+                requires_grad=False):
+    """weight, bias, bn_weight, bn_bias, bn_mean, bn_var; running stats never require grad (buffers)."""
+    kh, kw = (k, k) if isinstance(k, int) else k
+    pd = param_dtype or dtype
+    fan_in = c_in // groups * kh * kw
+    w = (torch.randn(c_out, c_in // groups, kh, kw, device=device) / fan_in**0.5).to(dtype)
+    b = torch.randn(c_out, device=device).to(pd) if bias else None
+    gamma = (torch.rand(c_out, device=device) + 0.5).to(pd)
+    beta = torch.randn(c_out, device=device).to(pd)
+    mean = (torch.randn(c_out, device=device) * 0.5).to(pd)
+    var = (torch.rand(c_out, device=device) + 0.5).to(pd)
+    if requires_grad:
+        for t in (w, b, gamma, beta):
+            if t is not None:
+                t.requires_grad_()
+    return w, b, gamma, beta, mean, var
+
+
+@pytest.fixture
+def one_thread():
+    # gradcheck makes thousands of calls on tiny tensors, where starting a parallel region costs far
+    # more than the work (and stalls on a busy machine); the threaded paths are tested elsewhere.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def sample_inputs(device, requires_grad):
+    def x_(*shape, cl=False):
+        x = torch.randn(*shape, device=device)
+        if cl:
+            x = x.to(memory_format=torch.channels_last)
+        return x.requires_grad_(requires_grad)
+
+    def p(*a, **kw):
+        return make_params(*a, device=device, requires_grad=requires_grad, **kw)
+
+    one, zero = [1, 1], [0, 0]
+    xs = torch.randn(2, 4, 6, 10, device=device)[:, :, :, ::2].requires_grad_(requires_grad)
+    return [
+        (x_(2, 4, 6, 5), *p(4, 6, 3), 1e-5, one, one, one, 1, True),
+        (x_(2, 4, 6, 5, cl=True), *p(4, 6, 3), 1e-5, one, one, one, 1, True),                     # channels_last
+        (x_(2, 4, 7, 6), *p(4, 6, 3, groups=2), 1e-5, [2, 2], [1, 0], one, 2, True),             # groups, stride 2
+        (x_(1, 3, 9, 8), *p(3, 4, (3, 2), bias=False), 1e-3, one, [2, 1], [2, 2], 1, False),     # dilation, no bias
+        (xs, *p(4, 6, 1), 1e-5, one, zero, one, 1, True),                                         # non-contiguous
+        (x_(2, 4, 5, 5, cl=True), *p(4, 4, 3, groups=4), 1e-5, [2, 1], one, one, 4),             # depthwise, silu default
+        (x_(1, 2, 4, 4), *p(2, 3, 3, param_dtype=torch.float64), 1e-5, one, one, one, 1, True),   # float64 BN params
+    ]
+
+
+def assert_fake_matches_real(op, args):
+    """Shape, dtype, device and strides of every output agree between the kernel and the fake kernel
+    (opcheck compares strides on CUDA only). Strides of size-1 dims carry no meaning and are skipped."""
+    real = op(*args)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = op(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args))
+    real, fake = (real, fake) if isinstance(real, tuple) else ((real,), (fake,))
+    for i, (r, f) in enumerate(zip(real, fake)):
+        assert (r.shape, r.dtype, r.device) == (f.shape, f.dtype, f.device), f"output {i}"
+        dims = [d for d in range(r.dim()) if r.shape[d] > 1]
+        assert [r.stride(d) for d in dims] == [f.stride(d) for d in dims], f"output {i}: {r.stride()} vs {f.stride()}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_opcheck(device, requires_grad):
+    for args in sample_inputs(device, requires_grad):
+        run_opcheck(OP, args)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fake_metadata_and_backward_opcheck(device):
+    for args in sample_inputs(device, requires_grad=False):
+        assert_fake_matches_real(OP, args)
+        out = OP(*args)
+        full = args if len(args) == 13 else (*args, True)
+        for grad in (torch.randn_like(out), torch.randn_like(out, memory_format=torch.channels_last)):
+            bargs = (grad, *full)
+            assert_fake_matches_real(BACKWARD, bargs)
+        run_opcheck(BACKWARD, bargs)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@settings(max_examples=30, deadline=None)
+@given(
+    n=st.integers(1, 2), groups=st.sampled_from([1, 2, 3]), cin_g=st.integers(1, 3), cout_g=st.integers(1, 3),
+    k=st.tuples(st.integers(1, 3), st.integers(1, 3)), stride=st.tuples(st.integers(1, 2), st.integers(1, 2)),
+    padding=st.tuples(st.integers(0, 2), st.integers(0, 2)), dilation=st.tuples(st.integers(1, 2), st.integers(1, 2)),
+    extra=st.tuples(st.integers(0, 7), st.integers(0, 7)),
+    dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16, torch.float64]),
+    fp32_params=st.booleans(), has_bias=st.booleans(), silu=st.booleans(), channels_last=st.booleans(),
+    seed=st.integers(0, 2**31),
+)
+def test_matches_reference(device, n, groups, cin_g, cout_g, k, stride, padding, dilation, extra, dtype,
+                           fp32_params, has_bias, silu, channels_last, seed):
+    torch.manual_seed(seed)
+    c_in, c_out = groups * cin_g, groups * cout_g
+    # Smallest input that still gives one output pixel, plus a few (often odd) extra rows/columns.
+    hw = [max(1, dilation[i] * (k[i] - 1) + 1 - 2 * padding[i]) + extra[i] for i in range(2)]
+    x = (torch.randn(n, c_in, *hw, device=device) * 2).to(dtype)
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    params = make_params(c_in, c_out, k, groups, has_bias, device, dtype, torch.float32 if fp32_params else dtype)
+    args = (*params, 1e-5, stride, padding, dilation, groups, silu)
+    out = conv_bn_silu(x, *args)
+    ref = reference_conv_bn_silu(x.double(), *(None if t is None else t.double() for t in params), *args[6:])
+    assert out.dtype == dtype
+    assert_close_to(out, ref, dtype)
+    if channels_last and not x.is_contiguous():
+        assert out.is_contiguous(memory_format=torch.channels_last)
+    else:
+        assert out.is_contiguous()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", ["nchw", "channels_last_groups_stride", "dilation_no_bias", "no_silu"])
+def test_gradcheck(one_thread, device, case):
+    cl, groups, stride, padding, dilation, bias, silu = {
+        "nchw": (False, 1, [1, 1], [1, 1], [1, 1], True, True),
+        "channels_last_groups_stride": (True, 2, [2, 1], [1, 0], [1, 1], True, True),
+        "dilation_no_bias": (False, 1, [1, 1], [2, 1], [2, 2], False, True),
+        "no_silu": (True, 1, [1, 2], [0, 1], [1, 1], True, False),
+    }[case]
+    x = torch.randn(1, 2, 5, 4, device=device, dtype=torch.float64)
+    if cl:
+        x = x.to(memory_format=torch.channels_last)
+    params = make_params(2, 4, 3, groups, bias, device, torch.float64)
+    tensors = [x, *(t for t in params if t is not None)]
+    for t in tensors:
+        t.requires_grad_()
+
+    def fn(x, *ps):
+        ps = list(ps)
+        if not bias:
+            ps.insert(1, None)
+        return conv_bn_silu(x, *ps, 1e-5, stride, padding, dilation, groups, silu)
+
+    # Every tensor input, the running statistics included.
+    assert torch.autograd.gradcheck(fn, tuple(tensors))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gradients_match_reference_low_precision(device):
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        torch.manual_seed(0)
+        x = torch.randn(2, 4, 7, 6, device=device, dtype=dtype).to(memory_format=torch.channels_last)
+        params = make_params(4, 6, 3, 2, True, device, dtype, requires_grad=True)
+        g = torch.randn(2, 6, 4, 6, device=device, dtype=dtype)
+        diff = (x.requires_grad_(), *params[:4])
+        args = (1e-5, [2, 1], [1, 1], [1, 1], 2)
+        grads = torch.autograd.grad(conv_bn_silu(x, *params, *args), diff, g)
+        ref_in = [t.detach().double().requires_grad_() for t in diff]
+        ref = torch.autograd.grad(reference_conv_bn_silu(*ref_in, *(t.double() for t in params[4:]), *args),
+                                  ref_in, g.double())
+        for got, want, name in zip(grads, ref, ["x", "weight", "bias", "bn_weight", "bn_bias"]):
+            assert got.dtype == dtype
+            assert_close_to(got, want, dtype, factor=4, what=f"grad {name}")
+        assert grads[0].is_contiguous(memory_format=torch.channels_last)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("cl", [False, True])
+def test_large_output_threaded_passes(device, cl):
+    # 131072 output elements: the fused passes split into several chunks run by different threads.
+    torch.manual_seed(0)
+    x = torch.randn(2, 8, 64, 64, device=device)
+    if cl:
+        x = x.to(memory_format=torch.channels_last)
+    params = make_params(8, 16, 3, device=device, requires_grad=True)
+    diff = (x.requires_grad_(), *params[:4])
+    out = conv_bn_silu(x, *params, 1e-5, 1, 1)
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, diff, g)
+    ref_in = [t.detach().double().requires_grad_() for t in diff]
+    ref = reference_conv_bn_silu(*ref_in, *(t.double() for t in params[4:]), 1e-5, 1, 1)
+    assert_close_to(out, ref, torch.float32)
+    ref_grads = torch.autograd.grad(ref, ref_in, g.double())
+    for got, want, name in zip(grads, ref_grads, ["x", "weight", "bias", "bn_weight", "bn_bias"]):
+        assert_close_to(got, want, torch.float32, factor=4, what=f"grad {name}")
+
+
+def test_bias_grad_dtype_and_missing_bias():
+    x = torch.randn(1, 2, 5, 5, requires_grad=True)
+    w, b, *bn = make_params(2, 3, 3, param_dtype=torch.float64, requires_grad=True)
+    conv_bn_silu(x, w, b, *bn).sum().backward()
+    assert b.grad.dtype == torch.float64 and bn[0].grad.dtype == torch.float64 and bn[1].grad.dtype == torch.float64
+    # The op itself returns a (C_out,) bias gradient even without a bias, equal to s * sum(dz).
+    g = torch.randn(1, 3, 3, 3)
+    _, _, db_none, _, _ = BACKWARD(g, x.detach(), w.detach(), None, *(t.detach() for t in bn), 1e-5,
+                                   [1, 1], [0, 0], [1, 1], 1, True)
+    zero_bias = torch.zeros(3, dtype=torch.float64)
+    _, _, db_zero, _, _ = BACKWARD(g, x.detach(), w.detach(), zero_bias, *(t.detach() for t in bn), 1e-5,
+                                   [1, 1], [0, 0], [1, 1], 1, True)
+    assert db_none.shape == (3,) and db_none.dtype == torch.float32
+    torch.testing.assert_close(db_none.double(), db_zero, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_empty_batch(device):
+    x = torch.randn(0, 2, 5, 5, device=device, requires_grad=True)
+    params = make_params(2, 3, 3, device=device, requires_grad=True)
+    out = conv_bn_silu(x, *params, 1e-5, 1, 1)
+    assert out.shape == (0, 3, 5, 5)
+    out.sum().backward()
+    assert x.grad.shape == x.shape
+    assert params[0].grad.abs().sum() == 0 and params[3].grad.abs().sum() == 0
+
+
+def test_fold_accuracy_tiny_variance():
+    # A tiny running variance gives a large s: folding must not lose the (b - mean) * s shift.
+    torch.manual_seed(0)
+    x = torch.randn(1, 3, 6, 6)
+    w, b, gamma, beta, mean, var = make_params(3, 4, 3)
+    var = torch.full((4,), 1e-4)
+    out = conv_bn_silu(x, w, b, gamma, beta, mean, var, 1e-5, 1, 1)
+    ref = reference_conv_bn_silu(x.double(), w.double(), b.double(), gamma.double(), beta.double(),
+                                 mean.double(), var.double(), 1e-5, 1, 1)
+    assert_close_to(out, ref, torch.float32, factor=4)
+
+
+def _bad_cases(device):
+    x = torch.randn(2, 4, 6, 6, device=device)
+    w, b, gamma, beta, mean, var = make_params(4, 6, 3, device=device)
+    ok = dict(x=x, weight=w, bias=b, bn_weight=gamma, bn_bias=beta, bn_mean=mean, bn_var=var, eps=1e-5,
+              stride=[1, 1], padding=[1, 1], dilation=[1, 1], groups=1)
+    cases = [
+        (dict(x=x[0]), RuntimeError, r"x must be 4-D \(N, C_in, H, W\), got 3-D"),
+        (dict(weight=w[0]), RuntimeError, r"weight must be 4-D"),
+        (dict(x=x.int()), TypeError, r"x must be float32, float16, bfloat16 or float64, got"),
+        (dict(weight=w.double()), TypeError, r"weight has dtype \S+ but x has dtype"),
+        (dict(weight=torch.randn(6, 3, 3, 3, device=device)), RuntimeError, r"weight.size\(1\) must be C_in / groups = 4 / 1"),
+        (dict(groups=3), RuntimeError, r"groups \(3\) must divide the input channels x.size\(1\) = 4"),
+        (dict(groups=4), RuntimeError, r"groups \(4\) must divide the output channels weight.size\(0\) = 6"),
+        (dict(groups=0), RuntimeError, r"groups must be >= 1, got 0"),
+        (dict(stride=[1, 1, 1]), RuntimeError, r"stride must have 2 elements \(height, width\)"),
+        (dict(padding=[1]), RuntimeError, r"padding must have 2 elements"),
+        (dict(stride=[0, 1]), RuntimeError, r"stride must be >= 1"),
+        (dict(padding=[-1, 0]), RuntimeError, r"padding must be >= 0"),
+        (dict(dilation=[1, 0]), RuntimeError, r"dilation must be >= 1"),
+        (dict(padding=[0, 0], dilation=[4, 1]), RuntimeError, r"output would be empty: input 6x6 .* dilated kernel 9x3"),
+        (dict(bias=torch.randn(5, device=device)), RuntimeError, r"bias must have shape \(6,\)"),
+        (dict(bn_var=torch.randn(6, 1, device=device)), RuntimeError, r"bn_var must have shape \(6,\)"),
+        (dict(bn_mean=mean.long()), TypeError, r"bn_mean must be float32"),
+        (dict(eps=-1.0), RuntimeError, r"eps must be >= 0"),
+        (dict(bn_weight=torch.rand(6, device="meta")), RuntimeError, r"bn_weight is on meta but x is on"),
+    ]
+    return ok, cases
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", ["kernel", "fake"])
+def test_bad_inputs(device, mode):
+    ok, cases = _bad_cases(device)
+    for change, exc, msg in cases:
+        args = {**ok, **change}
+        if mode == "fake":
+            if "meta" in [getattr(v, "device", torch.device("cpu")).type for v in change.values()]:
+                continue  # a meta tensor dispatches to the fake kernel in "kernel" mode already
+            with FakeTensorMode(allow_non_fake_inputs=True) as fm:
+                fake = {k: fm.from_tensor(v) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+                with pytest.raises(exc, match=msg):
+                    OP(*fake.values())
+        else:
+            with pytest.raises(exc, match=msg):
+                OP(*args.values())
+    # The typed wrapper expands ints to pairs, the op checks what it gets.
+    with pytest.raises(RuntimeError, match="stride must be >= 1"):
+        conv_bn_silu(*list(ok.values())[:8], stride=0)
+
+
+def test_mixed_devices_checked_by_kernel():
+    # Run the CPU kernel itself with a meta tensor (the dispatcher would pick the fake kernel).
+    ok, _ = _bad_cases("cpu")
+    args = {**ok, "bn_bias": torch.randn(6, device="meta")}
+    with pytest.raises(RuntimeError, match="bn_bias is on meta but x is on cpu"):
+        OP.redispatch(torch._C.DispatchKeySet(torch._C.DispatchKey.CPU), *args.values())
+
+
+def test_backward_bad_grad_out():
+    ok, _ = _bad_cases("cpu")
+    vals = list(ok.values())
+    with pytest.raises(RuntimeError, match=r"grad_out must have the output's shape \[2, 6, 6, 6\]"):
+        BACKWARD(torch.randn(2, 6, 5, 6), *vals, True)
+    with pytest.raises(TypeError, match="grad_out has dtype"):
+        BACKWARD(torch.randn(2, 6, 6, 6, dtype=torch.float64), *vals, True)
+

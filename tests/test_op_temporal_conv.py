@@ -1,0 +1,224 @@
+"""vd::temporal_conv: opcheck, equivalence with the reference, gradients, layouts, bad inputs."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from tests.common import assert_close_to, device_params, run_opcheck
+from vdcompile.ops import reference_temporal_conv, temporal_conv
+
+OP = torch.ops.vd.temporal_conv.default
+BACKWARD = torch.ops.vd.temporal_conv_backward.default
+DEVICES = device_params("temporal_conv")
+
+
+def make_weight(c_in, c_out, k, device="cpu", dtype=torch.float32):
+    return (torch.randn(c_out, c_in, k, 1, 1, device=device) / (c_in * k) ** 0.5).to(dtype)
+
+
+@pytest.fixture
+def one_thread():
+    # gradcheck makes thousands of calls on tiny tensors, where starting a parallel region costs far
+    # more than the work (and stalls on a busy machine); the threaded paths are tested elsewhere.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def sample_inputs(device, requires_grad):
+    def x_(*shape, cl=False):
+        x = torch.randn(*shape, device=device)
+        if cl:
+            x = x.to(memory_format=torch.channels_last_3d)
+        return x.requires_grad_(requires_grad)
+
+    def w_(c_in, c_out, k):
+        return make_weight(c_in, c_out, k, device).requires_grad_(requires_grad)
+
+    def b_(c, dtype=torch.float32):
+        return torch.randn(c, device=device, dtype=dtype).requires_grad_(requires_grad)
+
+    xs = torch.randn(2, 3, 5, 4, 6, device=device)[..., ::2].requires_grad_(requires_grad)
+    return [
+        (x_(2, 3, 5, 4, 3), w_(3, 4, 3), b_(4), 1),
+        (x_(2, 3, 5, 4, 3, cl=True), w_(3, 4, 3), b_(4), 1),        # channels_last_3d
+        (x_(1, 2, 4, 3, 3), w_(2, 5, 3), None, 0),                  # no bias, no padding
+        (x_(2, 3, 3, 2, 5), w_(3, 2, 2), b_(2), 3),                 # padding >= k: bias-only frames
+        (xs, w_(3, 4, 1), b_(4), 0),                                # non-contiguous input, k = 1
+        (x_(1, 3, 6, 2, 2, cl=True), w_(3, 3, 3)),                  # trailing defaults omitted
+        (x_(1, 2, 4, 3, 2), w_(2, 3, 3), b_(3, torch.float64), 2),  # float64 bias
+    ]
+
+
+def assert_fake_matches_real(op, args):
+    """Shape, dtype, device and strides of every output agree between the kernel and the fake kernel
+    (opcheck compares strides on CUDA only). Strides of size-1 dims carry no meaning and are skipped."""
+    real = op(*args)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = op(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args))
+    real, fake = (real, fake) if isinstance(real, tuple) else ((real,), (fake,))
+    for i, (r, f) in enumerate(zip(real, fake)):
+        assert (r.shape, r.dtype, r.device) == (f.shape, f.dtype, f.device), f"output {i}"
+        dims = [d for d in range(r.dim()) if r.shape[d] > 1]
+        assert [r.stride(d) for d in dims] == [f.stride(d) for d in dims], f"output {i}: {r.stride()} vs {f.stride()}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_opcheck(device, requires_grad):
+    for args in sample_inputs(device, requires_grad):
+        run_opcheck(OP, args)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fake_metadata_and_backward_opcheck(device):
+    for args in sample_inputs(device, requires_grad=False):
+        assert_fake_matches_real(OP, args)
+        out = OP(*args)
+        padding = args[3] if len(args) == 4 else 0
+        for grad in (torch.randn_like(out), torch.randn_like(out, memory_format=torch.channels_last_3d)):
+            bargs = (grad, args[0], args[1], padding)
+            assert_fake_matches_real(BACKWARD, bargs)
+        run_opcheck(BACKWARD, bargs)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@settings(max_examples=30, deadline=None)
+@given(
+    b=st.integers(1, 3), c_in=st.integers(1, 5), c_out=st.integers(1, 5), k=st.integers(1, 4),
+    padding=st.integers(0, 3), extra_frames=st.integers(0, 6), h=st.integers(1, 5), w=st.integers(1, 5),
+    dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16, torch.float64]),
+    has_bias=st.booleans(), channels_last=st.booleans(), seed=st.integers(0, 2**31),
+)
+def test_matches_reference(device, b, c_in, c_out, k, padding, extra_frames, h, w, dtype, has_bias,
+                           channels_last, seed):
+    torch.manual_seed(seed)
+    frames = max(1, k - 2 * padding) + extra_frames  # smallest clip with one output frame, plus extra
+    x = (torch.randn(b, c_in, frames, h, w, device=device) * 2).to(dtype)
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last_3d)
+    weight = make_weight(c_in, c_out, k, device, dtype)
+    bias = torch.randn(c_out, device=device, dtype=dtype) if has_bias else None
+    out = temporal_conv(x, weight, bias, padding)
+    ref = reference_temporal_conv(x.double(), weight.double(), None if bias is None else bias.double(), padding)
+    assert out.dtype == dtype
+    assert out.shape == (b, c_out, frames + 2 * padding - k + 1, h, w)
+    assert_close_to(out, ref, dtype)
+    if channels_last and not x.is_contiguous():
+        assert out.is_contiguous(memory_format=torch.channels_last_3d)
+    else:
+        assert out.is_contiguous()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("cl", [False, True])
+@pytest.mark.parametrize("k,padding,bias", [(3, 1, True), (2, 0, False), (1, 2, True), (3, 3, False)])
+def test_gradcheck(one_thread, device, cl, k, padding, bias):
+    x = torch.randn(2, 2, 3, 1, 2, device=device, dtype=torch.float64)
+    if cl:
+        x = x.to(memory_format=torch.channels_last_3d)
+        assert not x.is_contiguous()
+    x.requires_grad_()
+    w = make_weight(2, 3, k, device, torch.float64).requires_grad_()
+    if bias:
+        b = torch.randn(3, device=device, dtype=torch.float64, requires_grad=True)
+        assert torch.autograd.gradcheck(lambda x, w, b: temporal_conv(x, w, b, padding), (x, w, b))
+    else:
+        assert torch.autograd.gradcheck(lambda x, w: temporal_conv(x, w, None, padding), (x, w))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gradients_match_reference_low_precision(device):
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        torch.manual_seed(0)
+        x = torch.randn(2, 6, 7, 5, 3, device=device, dtype=dtype).to(memory_format=torch.channels_last_3d)
+        w = make_weight(6, 4, 3, device, dtype)
+        b = torch.randn(4, device=device, dtype=dtype)
+        g = torch.randn(2, 4, 9, 5, 3, device=device, dtype=dtype)
+        ins = (x.requires_grad_(), w.requires_grad_(), b.requires_grad_())
+        grads = torch.autograd.grad(temporal_conv(*ins, padding=2), ins, g)
+        ref_in = [t.detach().double().requires_grad_() for t in ins]
+        ref = torch.autograd.grad(reference_temporal_conv(*ref_in, padding=2), ref_in, g.double())
+        for got, want, name in zip(grads, ref, ["x", "weight", "bias"]):
+            assert got.dtype == dtype
+            assert_close_to(got, want, dtype, factor=4, what=f"grad {name}")
+        assert grads[0].is_contiguous(memory_format=torch.channels_last_3d)
+
+
+def test_bias_in_other_dtype_gets_grad_in_its_dtype():
+    x = torch.randn(1, 2, 4, 3, 3, requires_grad=True)
+    w = make_weight(2, 3, 3).requires_grad_()
+    b = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(1, 3, 4, 3, 3)
+    temporal_conv(x, w, b, 1).backward(g)
+    assert b.grad.dtype == torch.float64
+    torch.testing.assert_close(b.grad, g.double().sum((0, 2, 3, 4)), rtol=1e-5, atol=1e-5)  # summed in float32
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_empty_batch(device):
+    x = torch.randn(0, 2, 4, 3, 3, device=device, requires_grad=True)
+    w = make_weight(2, 3, 3, device).requires_grad_()
+    b = torch.randn(3, device=device, requires_grad=True)
+    out = temporal_conv(x, w, b, 1)
+    assert out.shape == (0, 3, 4, 3, 3)
+    out.sum().backward()
+    assert x.grad.shape == x.shape and w.grad.abs().sum() == 0 and b.grad.abs().sum() == 0
+
+
+def _bad_cases(device):
+    x = torch.randn(2, 3, 5, 4, 4, device=device)
+    w = make_weight(3, 4, 3, device)
+    ok = dict(x=x, weight=w, bias=torch.randn(4, device=device), padding=1)
+    return ok, [
+        (dict(x=x[0]), RuntimeError, r"x must be 5-D \(B, C_in, F, H, W\), got 4-D"),
+        (dict(weight=w[..., 0]), RuntimeError, r"weight must be 5-D \(C_out, C_in, k, 1, 1\)"),
+        (dict(weight=torch.randn(4, 3, 3, 3, 1, device=device)), RuntimeError, r"weight must have a \(k, 1, 1\) kernel"),
+        (dict(weight=torch.randn(4, 3, 0, 1, 1, device=device)), RuntimeError, r"weight must have a \(k, 1, 1\) kernel with k >= 1"),
+        (dict(weight=make_weight(2, 4, 3, device)), RuntimeError, r"weight.size\(1\) must equal the input channels x.size\(1\) = 3"),
+        (dict(x=x.to(torch.int64)), TypeError, r"x must be float32, float16, bfloat16 or float64"),
+        (dict(weight=w.half()), TypeError, r"weight has dtype \S+ but x has dtype"),
+        (dict(bias=torch.randn(3, device=device)), RuntimeError, r"bias must have shape \(4,\)"),
+        (dict(bias=torch.ones(4, dtype=torch.int32, device=device)), TypeError, r"bias must be float32"),
+        (dict(padding=-1), RuntimeError, r"padding must be >= 0, got -1"),
+        (dict(x=x[:, :, :1], padding=0), RuntimeError, r"output would have no frames: .* = 1 \+ 2 \* 0 - 3 \+ 1 = -1"),
+        (dict(bias=torch.randn(4, device="meta")), RuntimeError, r"bias is on meta but x is on cpu"),
+    ]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", ["kernel", "fake"])
+def test_bad_inputs(device, mode):
+    ok, cases = _bad_cases(device)
+    for change, exc, msg in cases:
+        args = {**ok, **change}
+        if mode == "fake":
+            if any(isinstance(v, torch.Tensor) and v.device.type == "meta" for v in change.values()):
+                continue  # a meta tensor dispatches to the fake kernel in "kernel" mode already
+            with FakeTensorMode(allow_non_fake_inputs=True) as fm:
+                fake = {k: fm.from_tensor(v) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+                with pytest.raises(exc, match=msg):
+                    OP(*fake.values())
+        else:
+            with pytest.raises(exc, match=msg):
+                OP(*args.values())
+
+
+def test_mixed_devices_checked_by_kernel():
+    # Run the CPU kernel itself with a meta tensor (the dispatcher would pick the fake kernel).
+    ok, _ = _bad_cases("cpu")
+    args = {**ok, "weight": make_weight(3, 4, 3, "meta")}
+    with pytest.raises(RuntimeError, match="weight is on meta but x is on cpu"):
+        OP.redispatch(torch._C.DispatchKeySet(torch._C.DispatchKey.CPU), *args.values())
+
+
+def test_backward_bad_grad_out():
+    ok, _ = _bad_cases("cpu")
+    x, w = ok["x"], ok["weight"]
+    with pytest.raises(RuntimeError, match=r"grad_out must have the output's shape \[2, 4, 5, 4, 4\]"):
+        BACKWARD(torch.randn(2, 4, 4, 4, 4), x, w, 1)
+    with pytest.raises(TypeError, match="grad_out has dtype"):
+        BACKWARD(torch.randn(2, 4, 5, 4, 4, dtype=torch.float64), x, w, 1)
