@@ -84,8 +84,11 @@ def vdcompile_backend(gm: fx.GraphModule, example_inputs, mode: str | None = Non
     from vdcompile.passes import _common, apply
 
     enabled, inner, patches = parse_options(mode, options)
-    freezing = inner == "inductor" and bool(patches.get("freezing", torch._inductor.config.freezing))
-    ctx = _common.Context(fake_mode=_common.graph_fake_mode(gm, example_inputs), freezing=freezing)
+    # Inductor folds weights into constants only when freezing is set globally (dynamo then treats
+    # parameters as constants); an options={"freezing": True} patch alone folds nothing.
+    freezing = inner == "inductor" and bool(torch._inductor.config.freezing)
+    ctx = _common.Context(fake_mode=_common.graph_fake_mode(gm, example_inputs), freezing=freezing,
+                          grad_enabled=torch.is_grad_enabled())
     report = _common.Report()
     gm = apply(gm, enabled, ctx, report)
     _publish(report, gm)

@@ -93,7 +93,7 @@ def graph_code(gm) -> str:
 
 def _input_name(name: str) -> str:
     name = re.sub(r"^[Ll]_", "", name).rstrip("_")
-    name = re.sub(r"^self_", "", name)
+    name = re.sub(r"^(self|fn)_", "", name)
     name = re.sub(r"_(modules|parameters|buffers)_", ".", name)
     return re.sub(r"^(modules|parameters|buffers)_", "", name)
 

@@ -40,12 +40,7 @@ _ORDER = (
 
 
 def _family_pass(family: str, module: str):
-    try:
-        mod = importlib.import_module(f"vdcompile.passes.{module}")
-    except ModuleNotFoundError as e:
-        if e.name != f"vdcompile.passes.{module}":
-            raise
-        return lambda gm, report, ctx: None
+    mod = importlib.import_module(f"vdcompile.passes.{module}")
     custom = getattr(mod, "RUN", {}).get(family)
     if custom is not None:
         return custom

@@ -122,6 +122,16 @@ _methods("pow", "input, exponent", ["pow", "__pow__"])
 _functions("split", "tensor, split_size_or_sections, dim=0", [torch.split])
 _methods("split", "tensor, split_size_or_sections, dim=0", ["split"])
 _functions("cat", "tensors, dim=0", [torch.cat])
+_functions("arange", "end, *, out=None, dtype=None, layout=None, device=None, pin_memory=None, requires_grad=False",
+           [torch.arange])
+_functions("remainder", "input, other", [operator.mod, torch.remainder])
+_methods("remainder", "input, other", ["remainder", "__mod__"])
+_functions("eq", "input, other", [operator.eq, torch.eq])
+_methods("eq", "input, other", ["eq", "__eq__"])
+_functions("bitwise_not", "input", [operator.invert, torch.bitwise_not])
+_methods("bitwise_not", "input", ["bitwise_not", "__invert__"])
+_functions("masked_fill", "input, mask, value", [torch.masked_fill])
+_methods("masked_fill", "input, mask, value", ["masked_fill"])
 
 
 def _to_dtype(args, kwargs):
@@ -269,9 +279,15 @@ class Rewrite:
         return self._graph
 
     @property
+    def outputs(self) -> list[fx.Node]:
+        """The pattern's results: its root, then any intermediate it also returns (such an
+        intermediate may be used outside the match; the replacement returns a value for it)."""
+        out = next(n for n in self.pattern_graph.nodes if n.op == "output").args[0]
+        return list(out) if isinstance(out, (tuple, list)) else [out]
+
+    @property
     def root(self) -> fx.Node:
-        out = next(n for n in self.pattern_graph.nodes if n.op == "output")
-        return out.args[0]
+        return self.outputs[0]
 
     @property
     def anchor(self) -> str:
@@ -284,6 +300,7 @@ class Match:
         self.bindings: dict[str, Any] = {}
         self.nodes: dict[fx.Node, fx.Node] = {}  # pattern node -> graph node
         self.extra: dict[str, Any] = {}
+        self.outputs: list[fx.Node] = [root]
 
     def __getitem__(self, name):
         return self.bindings[name]
@@ -371,6 +388,9 @@ def match(rewrite: Rewrite, node: fx.Node) -> Match | None:
     m = Match(node)
     if not _match_node(rewrite.root, node, m):
         return None
+    m.outputs = [m.nodes.get(p) for p in rewrite.outputs]
+    if any(o is None for o in m.outputs):
+        return None
     return m
 
 
@@ -387,8 +407,22 @@ def escaping_intermediate(m: Match) -> str | None:
             continue
         for u in g.users:
             if u not in inner:
+                if g in m.outputs:  # a returned intermediate: its users must follow the root
+                    if _before(u, m.root):
+                        return f"{u.name} uses the returned {g.name} before the root"
+                    continue
                 return f"intermediate {g.name} ({canonical_name(g)}) is also used by {u.name}"
     return None
+
+
+def _before(a: fx.Node, b: fx.Node) -> bool:
+    """a comes before b in the graph (walks back from b)."""
+    n = b.prev
+    while n.op != "root":
+        if n is a:
+            return True
+        n = n.prev
+    return False
 
 
 def mutation_between(m: Match) -> str | None:
@@ -516,6 +550,8 @@ class Context:
     fake_mode: Any = None
     # Weights may be treated as constants (inductor's freezing): concatenations of them are folded.
     freezing: bool = False
+    # Grad mode of the compile (inductor freezes, and folds constants, only without grad).
+    grad_enabled: bool = True
     # Set when a replacement's output has other strides than the call it replaced; the whole graph is
     # then re-checked on the example values before it is used.
     layout_changed: bool = False
@@ -635,15 +671,19 @@ def replace(gm: fx.GraphModule, rw: Rewrite, m: Match, ctx: Context) -> str | No
     while n is not m.root:
         new_nodes.append(n)
         n = n.next
-    out_node = out.node if isinstance(out, fx.Proxy) else out
+    outs = list(out) if isinstance(out, (tuple, list)) else [out]
+    out_nodes = [o.node if isinstance(o, fx.Proxy) else o for o in outs]
 
     def undo(reason):
         for x in reversed(new_nodes):
             graph.erase_node(x)
         return reason
 
-    if not isinstance(out_node, fx.Node):
+    if len(out_nodes) != len(m.outputs) or not all(isinstance(o, fx.Node) for o in out_nodes):
         return undo("replacement produced no node")
+    for x in new_nodes:  # a factory call without graph inputs would have run at rewrite time
+        if any(isinstance(a, torch.Tensor) for a in torch.utils._pytree.tree_leaves((x.args, x.kwargs))):
+            return undo("replacement captured a tensor constant")
     try:
         for x in new_nodes:
             for k in _COPIED_META:
@@ -652,22 +692,26 @@ def replace(gm: fx.GraphModule, rw: Rewrite, m: Match, ctx: Context) -> str | No
             x.meta["example_value"] = run_node(x, ctx.fake_mode)
     except Exception as e:  # the op's fake kernel refused the inputs
         return undo(f"replacement fails on the example inputs: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
-    old, new = value_of(m.root), value_of(out_node)
-    if not _same_meta(old, new):
-        return undo("replacement would change the output's shape, dtype or device")
-    if isinstance(old, torch.Tensor) and not _same_strides(old, new):
-        ctx.layout_changed = True
-    m.root.replace_all_uses_with(out_node)
+    for old_node, out_node in zip(m.outputs, out_nodes):
+        old, new = value_of(old_node), value_of(out_node)
+        if not _same_meta(old, new):
+            return undo("replacement would change the output's shape, dtype or device")
+        if isinstance(old, torch.Tensor) and not _same_strides(old, new):
+            ctx.layout_changed = True
+    for old_node, out_node in zip(m.outputs, out_nodes):
+        old_node.replace_all_uses_with(out_node)
     _erase_dead(m.graph_nodes)
     return None
 
 
 def run_rewrites(gm: fx.GraphModule, rewrites: list[Rewrite], report: Report, ctx: Context) -> None:
-    """One sweep over the graph: at each node, the rewrites anchored on its op are tried in order."""
+    """One sweep over the graph: at each node, the rewrites anchored on its op are tried in order.
+    The sweep runs from the output backwards, so a pattern's root is met before the smaller
+    patterns inside it (conv -> bn -> silu before conv -> bn)."""
     by_anchor: dict[str, list[Rewrite]] = {}
     for rw in rewrites:
         by_anchor.setdefault(rw.anchor, []).append(rw)
-    for node in list(gm.graph.nodes):
+    for node in reversed(list(gm.graph.nodes)):
         if getattr(node, "_erased", False):
             continue
         cands = by_anchor.get(canonical_name(node))

@@ -1,0 +1,57 @@
+"""Conv3d with a (k, 1, 1) kernel => vd::temporal_conv (a convolution over the frame axis only)."""
+from __future__ import annotations
+
+import torch
+
+from vdcompile.passes._common import SKIP, Match, Rewrite, kernel_missing, static_int
+
+FAMILY = "temporal_conv"
+
+
+# diffusers TemporalConvLayer (UNet3DConditionModel, text-to-video): nn.Conv3d(c, c, (3, 1, 1),
+# padding=(1, 0, 0)); TemporalResnetBlock (SVD's SpatioTemporalResBlock): nn.Conv3d(c, c,
+# kernel_size=(3, 1, 1), padding=(1, 0, 0)).
+def _pattern_1(x, weight, bias, stride, padding, dilation, groups):
+    return torch.conv3d(x, weight, bias, stride, padding, dilation, groups)
+
+
+def _replacement_1(x, weight, bias, pad):
+    return torch.ops.vd.temporal_conv.default(x, weight, bias, pad)
+
+
+def _triple(v):
+    if isinstance(v, int) and not isinstance(v, bool):
+        return (v, v, v)
+    if isinstance(v, (tuple, list)) and len(v) == 1:
+        return tuple(v) * 3
+    return tuple(v) if isinstance(v, (tuple, list)) else None
+
+
+def _check(m: Match):
+    x, w, b = m.val("x"), m.val("weight"), m.val("bias")
+    if not isinstance(x, torch.Tensor) or not isinstance(w, torch.Tensor) or w.dim() != 5:
+        return "weight is not a 5-D tensor"
+    if (static_int(w.shape[3]), static_int(w.shape[4])) != (1, 1):
+        return SKIP  # a conv3d with a spatial extent is no candidate: nothing to report
+    k = static_int(w.shape[2])
+    if x.dim() != 5:
+        return "input is not 5-D (B, C, F, H, W)"
+    if _triple(m["stride"]) != (1, 1, 1) or _triple(m["dilation"]) != (1, 1, 1):
+        return "stride or dilation is not 1"
+    if m["groups"] != 1:
+        return "groups != 1"
+    padding = m["padding"]
+    if padding == "valid":
+        padding = 0
+    elif padding == "same":
+        if k is None or k % 2 == 0:
+            return "padding='same' with an even kernel (asymmetric)"
+        padding = (k // 2, 0, 0)
+    pad = _triple(padding)
+    if pad is None or not all(isinstance(p, int) for p in pad) or pad[1:] != (0, 0):
+        return "padding is not (p, 0, 0)"
+    m.extra["pad"] = pad[0]
+    return kernel_missing("temporal_conv", x, w, b)
+
+
+REWRITES = [Rewrite(FAMILY, "conv3d_k11", _pattern_1, _replacement_1, _check)]
