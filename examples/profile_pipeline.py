@@ -41,7 +41,7 @@ def main() -> int:
         run_video(pipe, **kw)  # compile outside the profiled run
 
     prof = Profiler(device).instrument(pipe)
-    with prof.wall(), prof.ops():
+    with prof.ops(), prof.wall():
         result = run_video(pipe, **kw)
     prof.remove()
     report = prof.report()

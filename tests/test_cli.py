@@ -82,6 +82,26 @@ def test_bench_table_json_chart_and_disagreement(tmp_path, capsys):
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+def test_generate_profiles_and_saves(tmp_path, capsys):
+    rc = cli.main(["generate", "--preset", "tiny", "--device", "cpu", "--compile", "none", "--steps", "2",
+                   "--frames", "3", "--format", "gif", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "3 frames, 2 steps in" in out and "frames/s" in out
+    for region in ("unet forward", "vae decode", "scheduler step"):
+        assert region in out
+    assert "op family" in out and "bottlenecks:" in out
+    from PIL import Image
+    with Image.open(tmp_path / "generate_tiny_cpu.gif") as im:
+        assert im.n_frames == 3 and im.size == (32, 32)
+    data = json.load(open(tmp_path / "generate_tiny_cpu.json"))
+    assert data["run"]["frames"] == 3 and data["run"]["steps"] == 2
+    regions = {r["name"]: r for r in data["profile"]["regions"]}
+    assert regions["unet forward"]["calls"] == 2 and regions["scheduler step"]["calls"] == 2
+    assert regions["unet forward"]["total_ms"] <= data["profile"]["wall_ms"]
+    assert (tmp_path / "generate_tiny_cpu_profile.png").stat().st_size > 0
+
+
 @pytest.mark.parametrize("argv,msg", [
     (["bench", "--preset", "nope"], "unknown preset 'nope'; choose one of: tiny, small, svd"),
     (["bench", "--model", "/no/such/dir"], "--model /no/such/dir: no such directory"),

@@ -69,7 +69,7 @@ def test_op_families_and_report(tmp_path):
     m, x = _Toy().eval(), torch.randn(2, 4, 16, 16)
     prof = Profiler("cpu")
     prof.time_module(m, "toy forward")
-    with torch.no_grad(), prof.wall(), prof.ops():
+    with torch.no_grad(), prof.ops(), prof.wall():
         for _ in range(2):
             m(x)
     rep = prof.report()
@@ -79,8 +79,10 @@ def test_op_families_and_report(tmp_path):
     assert rep.wall_ms >= rep.regions[0].total_ms
     text = rep.table()
     assert "toy forward" in text and "op family" in text and "bottlenecks:" in text
-    ranked = rep.bottlenecks()
-    assert ranked == sorted(ranked, key=lambda r: -r[2])
+    regions, fams = rep.bottlenecks()
+    assert [r[0] for r in regions] == ["toy forward"] and 0 < regions[0][2] <= 1
+    assert [f[1] for f in fams] == sorted((f[1] for f in fams), reverse=True)
+    assert sum(f[2] for f in fams) == pytest.approx(1.0)
     d = rep.to_dict()
     assert d["regions"][0]["calls"] == 2 and d["op_families_ms"]
     png = rep.save_chart(str(tmp_path / "p.png"))

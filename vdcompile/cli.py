@@ -579,12 +579,12 @@ def cmd_generate(args) -> int:
         print(f"warmup run {i + 1}: {time.perf_counter() - t:.1f} s (includes compiles)")
     prof = Profiler(device).instrument(pipe)
     try:
-        with prof.wall():
-            if args.no_op_profile:
+        if args.no_op_profile:
+            with prof.wall():
                 result = run_video(pipe, **run_kw)
-            else:
-                with prof.ops():
-                    result = run_video(pipe, **run_kw)
+        else:
+            with prof.ops(), prof.wall():  # wall inside: the profiler's start and stop are not the run's
+                result = run_video(pipe, **run_kw)
     finally:
         prof.remove()
     report = prof.report()

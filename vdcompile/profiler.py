@@ -105,18 +105,16 @@ class ProfileReport:
     top_ops: list[tuple[str, float, int]]  # (name, self ms, calls)
     peak_mem_mb: float | None
 
-    def bottlenecks(self) -> list[tuple[str, float, float]]:
-        """(what, ms, share of the timed total) ranked; regions first, then op families."""
-        out = []
-        tot = sum(r.total_ms for r in self.regions)
-        if self.wall_ms:
-            tot = max(tot, self.wall_ms)
-        for r in self.regions:
-            out.append((f"region: {r.name}", r.total_ms, r.total_ms / tot if tot else 0.0))
+    def bottlenecks(self) -> tuple[list[tuple[str, float, float]], list[tuple[str, float, float]]]:
+        """(regions, op families), each ranked as (name, ms, share): a region's share of the run's
+        wall time (of the timed regions' sum when no wall time was taken), a family's share of
+        the op self time profiled."""
+        tot = max(sum(r.total_ms for r in self.regions), self.wall_ms or 0.0)
+        regions = sorted(((r.name, r.total_ms, r.total_ms / tot if tot else 0.0) for r in self.regions),
+                         key=lambda x: -x[1])
         ftot = sum(self.families.values())
-        for f, ms in self.families.items():
-            out.append((f"ops: {f}", ms, ms / ftot if ftot else 0.0))
-        return sorted(out, key=lambda x: -x[2])
+        fams = sorted(((f, ms, ms / ftot if ftot else 0.0) for f, ms in self.families.items()), key=lambda x: -x[1])
+        return regions, fams
 
     def to_dict(self) -> dict:
         return {
@@ -155,10 +153,15 @@ class ProfileReport:
             lines.append(f"{'top ops (self time)':<50}{'ms':>10}{'calls':>7}")
             for n, ms, c in self.top_ops:
                 lines.append(f"{n[:49]:<50}{ms:>10.1f}{c:>7}")
-        ranked = self.bottlenecks()
-        if ranked:
+        regions, fams = self.bottlenecks()
+        if regions or fams:
             lines.append("")
-            lines.append("bottlenecks: " + ", ".join(f"{w} {100 * s:.0f}%" for w, _, s in ranked[:4]))
+            parts = []
+            if regions:
+                parts.append(", ".join(f"{n} {100 * s:.0f}%" for n, _, s in regions[:3]) + " of the run")
+            if fams:
+                parts.append("by op family: " + ", ".join(f"{n} {100 * s:.0f}%" for n, _, s in fams[:3]))
+            lines.append("bottlenecks: " + "; ".join(parts))
         return "\n".join(lines)
 
     def save_chart(self, path: str) -> str | None:
@@ -183,6 +186,7 @@ class Profiler:
         self._wall_ms: float | None = None
         self._region_memory = region_memory and self.device.type == "cuda"
         self._peak: dict[str, float] = {}
+        self._pending_prof = None
 
     # -- regions -------------------------------------------------------------------------------
 
@@ -291,15 +295,25 @@ class Profiler:
         if on_gpu:
             acts.append(ProfilerActivity.CUDA)
         with profile(activities=acts, record_shapes=False) as prof:
-            yield
-        if on_gpu:
-            torch.cuda.synchronize(self.device)
+            try:
+                yield
+            finally:
+                if on_gpu:  # kernels still in flight when the profiler stops would be lost
+                    torch.cuda.synchronize(self.device)
+        # Aggregated in report(): key_averages() is slow and must not count as run time.
+        self._pending_prof = (prof, on_gpu, top)
+
+    def _aggregate(self) -> None:
+        pending, self._pending_prof = self._pending_prof, None
+        if pending is None:
+            return
+        prof, on_gpu, top = pending
         fam: dict[str, float] = defaultdict(float)
         rows = []
         for ev in prof.key_averages():
             # GPU time on a GPU (kernels), CPU self time on the CPU (aten ops).
             us = _self_device_us(ev) if on_gpu else ev.self_cpu_time_total
-            if us <= 0 or (not on_gpu and ev.key.startswith("ProfilerStep")):
+            if us <= 0 or ev.key.startswith("ProfilerStep"):
                 continue
             fam[op_family(ev.key)] += us / 1e3
             rows.append((ev.key, us / 1e3, ev.count))
@@ -309,6 +323,7 @@ class Profiler:
     # -- results -------------------------------------------------------------------------------
 
     def report(self) -> ProfileReport:
+        self._aggregate()
         done = self._timer.resolve()
         regions = []
         for name, st in done.items():
