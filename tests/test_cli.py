@@ -129,6 +129,27 @@ def test_cuda_requested_without_cuda(capsys):
     assert "--device cuda was asked for but" in err and "run with --device cpu" in err
 
 
+@pytest.mark.parametrize("layout", ["unet_dir", "pipeline_dir"])
+def test_bench_local_checkpoint(tmp_path, capsys, layout):
+    from vdcompile import models
+
+    ckpt = tmp_path / "ckpt"
+    models.build_unet("tiny").save_pretrained(ckpt if layout == "unet_dir" else ckpt / "unet")
+    if layout == "pipeline_dir":
+        models.build_vae("tiny").save_pretrained(ckpt / "vae")  # 2 levels: downsamples by 2
+    rc = cli.main(["bench", "--model", str(ckpt), "--device", "cpu", "--backends", "eager", "--frames", "2",
+                   "--height", "64", "--width", "64", "--steps", "1", "--iters", "1", "--warmup", "0",
+                   "--no-progress", "--out", str(tmp_path / "out")])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert f"model {ckpt}" in out and "UNetSpatioTemporalConditionModel" in out
+    (js,) = glob.glob(str(tmp_path / "out" / "bench_model_cpu_*.json"))
+    data = json.load(open(js))
+    assert data["config"]["model"] == str(ckpt)
+    latent = 8 if layout == "unet_dir" else 32  # no VAE to ask: SVD's factor 8
+    assert data["config"]["unet_input_shape"] == [2, 2, 8, latent, latent]
+
+
 def test_model_dir_without_config(tmp_path, capsys):
     assert cli.main(["bench", "--model", str(tmp_path)]) == 2
     assert "no config.json" in capsys.readouterr().err

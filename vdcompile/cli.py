@@ -343,7 +343,7 @@ def cmd_bench(args) -> int:
     if args.model:
         what = f"model {args.model}"
         unet = models.load_unet(args.model, dtype=dtype, device=device)
-        vsf = 8
+        vsf = models.vae_scale_factor_of_dir(args.model)
         frames = args.frames or getattr(unet.config, "num_frames", None) or 14
         height = args.height or 8 * 64
         width = args.width or 8 * 64
@@ -510,7 +510,7 @@ def cmd_explain(args) -> int:
     device = models.resolve_device(args.device)
     dtype = models.resolve_dtype(args.dtype, device)
     if args.model:
-        unet, vsf = models.load_unet(args.model, dtype=dtype, device=device), 8
+        unet, vsf = models.load_unet(args.model, dtype=dtype, device=device), models.vae_scale_factor_of_dir(args.model)
         frames, height, width = args.frames or 14, args.height or 512, args.width or 512
     else:
         p = models.get_preset(_default_preset(args.preset, device))

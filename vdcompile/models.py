@@ -201,7 +201,8 @@ def build_unet(preset: str | Preset = "small", *, seed: int = 0, dtype=torch.flo
 
     p = get_preset(preset) if isinstance(preset, str) else preset
     torch.manual_seed(seed)
-    with quiet_diffusers():
+    # Built on the target device: initialising the full SVD UNet on a CPU first takes a while.
+    with quiet_diffusers(), torch.device(device):
         unet = UNetSpatioTemporalConditionModel(**p.unet)
         return unet.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
@@ -211,7 +212,7 @@ def build_vae(preset: str | Preset = "small", *, seed: int = 1, dtype=torch.floa
 
     p = get_preset(preset) if isinstance(preset, str) else preset
     torch.manual_seed(seed)
-    with quiet_diffusers():
+    with quiet_diffusers(), torch.device(device):
         vae = AutoencoderKLTemporalDecoder(**p.vae)
         return vae.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
@@ -395,6 +396,15 @@ def unet_inputs(unet, *, batch: int = 1, frames: int | None = None, height: int 
     # UNet3DConditionModel / UNetMotionModel: (B, C, F, H, W) with per-frame-shared text states.
     return dict(sample=randn(b, cfg_u.in_channels, frames, h, w), timestep=t,
                 encoder_hidden_states=randn(b, 77, cross))
+
+
+def vae_scale_factor_of_dir(path: str) -> int:
+    """The VAE's downsampling of a local pipeline directory (vae/config.json), else SVD's 8."""
+    cfg = os.path.join(path, "vae", "config.json")
+    try:
+        return 2 ** (len(_read_config(cfg)["block_out_channels"]) - 1)
+    except (OSError, ValueError, KeyError, TypeError):
+        return 8
 
 
 def vae_scale_factor_of(preset: Preset | None) -> int:
