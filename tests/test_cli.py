@@ -111,6 +111,7 @@ def test_generate_profiles_and_saves(tmp_path, capsys):
     (["bench", "--backends", "eager,nonsense"], "unknown backend 'nonsense'"),
     (["bench", "--steps", "0"], "--steps and --iters must be >= 1"),
     (["bench", "--threads", "0"], "--threads must be >= 1"),
+    (["bench", "--device", "cpu", "--cuda-graphs"], "--cuda-graphs needs a CUDA device"),
     (["generate", "--model", "/no/such/dir"], "--model /no/such/dir: no such directory"),
     (["bench", "no_such_kernel"], "no kernel benchmark 'no_such_kernel'"),
 ])

@@ -129,7 +129,6 @@ class DenoiseLoop:
 
         from vdcompile.models import build_scheduler
 
-        self.unet_cfg = unet.config
         self.svd = type(unet).__name__ == "UNetSpatioTemporalConditionModel"
         self.sched = build_scheduler()
         self.steps = steps
@@ -180,11 +179,7 @@ def _rewrite_counters() -> dict[str, int]:
         from torch._dynamo.utils import counters
     except ImportError:
         return {}
-    snap = {}
-    for cat in ("vdcompile", "vd"):
-        for k, v in counters.get(cat, {}).items():
-            snap[str(k)] = int(v)
-    return snap
+    return {str(k): int(v) for k, v in counters.get("vdcompile", {}).items()}
 
 
 def _bench_one(name: str, unet, inputs: dict, ref_out, args, device, progress: _Progress, options: dict,
@@ -197,10 +192,12 @@ def _bench_one(name: str, unet, inputs: dict, ref_out, args, device, progress: _
 
     sync = _Sync(device)
     row: dict[str, Any] = {"backend": name}
-    torch._dynamo.reset()  # compile time and counters of this backend only
+    torch._dynamo.reset()  # each row compiles from scratch (inductor's on-disk kernel cache aside)
     before = _rewrite_counters()
+    # CUDA graphs (reduce-overhead) for the backends that implement that mode.
+    mode = "reduce-overhead" if args.cuda_graphs and name in ("inductor", "vdcompile") else None
     module = unet if name == "eager" else compile_module(
-        unet, name, options=options if name == "vdcompile" else None, dynamic=False)
+        unet, name, mode=mode, options=options if name == "vdcompile" else None, dynamic=False)
     loop = DenoiseLoop(unet, inputs, args.steps, seed=args.seed)
     if fused_step is not None:  # bound to the loop's own scheduler, as optimize() does
         loop.step_fn = functools.partial(fused_step, loop.sched)
@@ -234,7 +231,7 @@ def _bench_one(name: str, unet, inputs: dict, ref_out, args, device, progress: _
             per_step.append((time.perf_counter() - t) * 1e3 / args.steps)
             progress.advance()
     row["latents"] = lat
-    row["out"] = out
+    row["out"] = out if name == "eager" else None  # the reference for the rows after it
     row["ms_per_step"] = statistics.median(per_step)
     row["ms_per_step_min"] = min(per_step)
     row["ms_per_step_all"] = per_step
@@ -323,13 +320,15 @@ def cmd_bench(args) -> int:
     device = models.resolve_device(args.device)
     dtype = models.resolve_dtype(args.dtype, device)
     preset = None if args.model else models.get_preset(_default_preset(args.preset, device))
+    if args.cuda_graphs and device.type != "cuda":
+        raise models.UserError("--cuda-graphs needs a CUDA device; drop it or use --device cuda")
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     known = set(torch._dynamo.list_backends(exclude_tags=())) | {"eager", "inductor", "vdcompile", "aot_eager"}
     for b in backends:
         if b not in known:
             raise models.UserError(f"unknown backend {b!r}; choose from: {', '.join(sorted(known))}")
-    if "eager" not in backends:
-        backends.insert(0, "eager")  # the reference every other row is checked against
+    # eager runs first: the reference every other row is checked against
+    backends = ["eager"] + [b for b in dict.fromkeys(backends) if b != "eager"]
     options = {}
     for kv in args.backend_option or []:
         k, sep, v = kv.partition("=")
@@ -426,7 +425,8 @@ def cmd_bench(args) -> int:
         "unet_params": n_params, "frames": frames, "height": height, "width": width, "batch": args.batch,
         "cfg": True, "unet_input_shape": list(shape), "dtype": dtype_name(dtype), "steps": args.steps,
         "warmup": args.warmup, "iters": args.iters, "backends": backends, "backend_options": options,
-        "tolerance": rtol, "seed": args.seed,
+        "tolerance": rtol, "seed": args.seed, "cuda_graphs": args.cuda_graphs,
+        "fused_scheduler_in_vdcompile_row": fused is not None and not args.no_fused_scheduler,
     }
     payload = {
         "environment": _environment(device), "config": config,
@@ -674,6 +674,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--tol", type=float, help="max relative error vs eager (default: 1e-3 fp32, 5e-2 bf16, "
                    "1e-2 fp16)")
     b.add_argument("--no-fused-scheduler", action="store_true", help="vdcompile row: plain scheduler.step")
+    b.add_argument("--cuda-graphs", action="store_true",
+                   help="inductor and vdcompile rows with CUDA graphs (mode=reduce-overhead); CUDA only")
     b.add_argument("--no-progress", action="store_true")
     b.add_argument("--out", default="vdcompile-bench", help="directory for the JSON and PNG (default ./vdcompile-bench)")
     b.set_defaults(fn=cmd_bench)
