@@ -77,12 +77,15 @@ def test_save_gif_roundtrip(tmp_path):
         assert im.size == (24, 16)
 
 
-def test_save_mp4_or_clear_fallback(tmp_path, capsys):
-    path = runner.save_video(_frames(), str(tmp_path / "v.mp4"))
+@pytest.mark.parametrize("size", [(24, 16), (33, 17)])  # odd sizes: H.264 needs even ones
+def test_save_mp4_or_clear_fallback(tmp_path, capsys, size):
+    path = runner.save_video(_frames(size=size), str(tmp_path / "v.mp4"))
     try:
-        import imageio  # noqa: F401
+        import imageio.v2
         import imageio_ffmpeg  # noqa: F401
         assert path.endswith(".mp4")
+        frames = imageio.v2.mimread(path)
+        assert len(frames) == 3 and frames[0].shape[0] >= size[1] and frames[0].shape[1] >= size[0]
     except ImportError:
         # Without an mp4 encoder the frames still land on disk, as a gif, and the user is told how.
         assert path.endswith(".gif")

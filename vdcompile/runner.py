@@ -248,6 +248,12 @@ def _as_pil_frames(frames):
             yield Image.fromarray(a)
 
 
+def _even(a: np.ndarray) -> np.ndarray:
+    """Pad H and W to even sizes by repeating the last row/column: H.264 in yuv420p needs them."""
+    ph, pw = a.shape[0] % 2, a.shape[1] % 2
+    return np.pad(a, ((0, ph), (0, pw), (0, 0)), mode="edge") if ph or pw else a
+
+
 def save_video(frames, path: str, fps: int = 7) -> str:
     """Write frames (PIL images or HxWx3 arrays) as .mp4 (imageio with its ffmpeg plugin) or .gif
     (imageio, else Pillow). Returns the path written: an mp4 that cannot be encoded here becomes a
@@ -265,7 +271,9 @@ def save_video(frames, path: str, fps: int = 7) -> str:
 
             with imageio.get_writer(path, fps=fps, codec="libx264", quality=8, macro_block_size=1) as w:
                 for f in frames:
-                    w.append_data(np.asarray(f))
+                    w.append_data(_even(np.asarray(f)))
+            if os.path.getsize(path) == 0:  # ffmpeg reports some failures only on its stderr
+                raise RuntimeError("the encoder wrote nothing")
             return path
         except Exception as e:  # imageio or its ffmpeg plugin missing, or no encoder
             gif = os.path.splitext(path)[0] + ".gif"
