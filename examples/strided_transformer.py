@@ -129,13 +129,19 @@ def bench(model, x, device, backward: bool) -> None:
     rows.append(("vd::strided_attention", _time(lambda: run(model.set_impl("vd")), device)))
     model.set_impl("eager")
     backends = ["inductor"] + (["vdcompile"] if backend_status()[0] else [])
+    from torch._dynamo.utils import counters
+
     for b in backends:
         torch._dynamo.reset()
+        before = dict(counters["vdcompile"])
         c = torch.compile(model, backend=b)
         t = time.perf_counter()
         run(c)
         compile_s = time.perf_counter() - t
         rows.append((f"torch.compile {b} (compile {compile_s:.1f} s)", _time(lambda: run(c), device)))
+        if b == "vdcompile":
+            fired = {k: v - before.get(k, 0) for k, v in counters["vdcompile"].items() if v != before.get(k, 0)}
+            print("vdcompile rewrites fired:", ", ".join(f"{k} {v}" for k, v in sorted(fired.items())) or "none")
     base = rows[0][1]
     print(f"{'implementation':<44}{'ms':>10}{'x eager':>9}")
     for name, ms in rows:
