@@ -38,11 +38,12 @@ def _cuda_arch_flags() -> list[str]:
 
 def _extension():
     sources = [os.path.relpath(p, ROOT) for p in ["csrc/ops.cpp", *sorted(glob.glob("csrc/cpu/*.cpp"))]]
-    cxx = ["-O3", "-std=c++20", "-fopenmp"] if os.name != "nt" else ["/O2"]
+    # No -std flag: torch adds the standard it was built with (C++17 for 2.11, C++20 for 2.13).
+    cxx = ["-O3", "-fopenmp"] if os.name != "nt" else ["/O2"]
     define_macros = []
     if _want_cuda():
         sources += [os.path.relpath(p, ROOT) for p in sorted(glob.glob("csrc/cuda/*.cu"))]
-        nvcc = ["-O3", "-std=c++20", "-lineinfo", "--expt-relaxed-constexpr",
+        nvcc = ["-O3", "-lineinfo", "--expt-relaxed-constexpr",
                 "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
                 "-U__CUDA_NO_BFLOAT16_CONVERSIONS__", *_cuda_arch_flags()]
         define_macros.append(("VD_WITH_CUDA", None))

@@ -8,6 +8,12 @@ shift
 steps=${*:-"build tests sanitize bench-attention bench-ops"}
 mkdir -p "$logdir"
 PY=${PYTHON:-python3}
+# The extension must share libtorch's C++ runtime (libstdc++ linked dynamically): a compiler that links
+# it statically makes every C++ exception crossing into torch (any failed check) crash the process.
+# Prefer the system compiler when CC/CXX name another one.
+if [ -x /usr/bin/g++ ] && [ "${CXX:-/usr/bin/g++}" != /usr/bin/g++ ]; then
+  export CC=/usr/bin/gcc CXX=/usr/bin/g++
+fi
 status=0
 for step in $steps; do
   t0=$(date +%s)
@@ -15,6 +21,7 @@ for step in $steps; do
     build)
       MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a} \
         $PY setup.py build_ext --inplace > "$logdir/build.log" 2>&1 || { echo "build FAILED"; tail -40 "$logdir/build.log"; exit 1; }
+      ldd vdcompile/_C*.so | grep -q 'libstdc++' || echo "WARNING: vdcompile/_C links libstdc++ statically; C++ errors will crash"
       $PY -c "import vdcompile; print({op: sorted(vdcompile.built_backends(op)) for op in ['fused_attention','strided_attention','group_norm_silu','conv_bn_silu','temporal_conv','scheduler_step']})" ;;
     tests)
       $PY -m pytest -q -x tests -k "cuda" -p no:cacheprovider 2>&1 | tee "$logdir/tests_cuda.log" | tail -25 || status=1 ;;

@@ -46,8 +46,42 @@ inline at::Tensor expand_attention_mask(const at::Tensor& mask, const at::Tensor
   return mask.expand(target);
 }
 
-inline double attention_scale(std::optional<double> scale, int64_t head_dim) {
-  return scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(head_dim));
+// A NaN or infinite scale would turn every output into NaN; refuse it instead.
+inline double attention_scale(std::optional<double> scale, int64_t head_dim,
+                              const char* op = "vd::attention") {
+  if (!scale.has_value()) return 1.0 / std::sqrt(static_cast<double>(head_dim));
+  TORCH_CHECK(std::isfinite(*scale), op, ": scale must be finite, got ", *scale);
+  return *scale;
+}
+
+// lse is accumulated in float32, in float64 for float64 inputs.
+inline at::ScalarType attention_lse_dtype(const at::Tensor& q) {
+  return q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+// The tensors a backward op gets besides q, k, v (already checked by check_attention):
+// grad_out and out shaped and typed like q's output, lse and grad_lse (B, H, Lq) in lse's dtype.
+inline void check_attention_backward(const at::Tensor& grad_out, const at::Tensor& q,
+                                     const at::Tensor& out, const at::Tensor& lse,
+                                     const std::optional<at::Tensor>& grad_lse, const char* op) {
+  const std::vector<int64_t> lse_shape = {q.size(0), q.size(1), q.size(2)};
+  const auto lse_dtype = attention_lse_dtype(q);
+  for (auto [t, name] : {std::pair{&grad_out, "grad_out"}, std::pair{&out, "out"}}) {
+    check_same_device(q, *t, op, "q", name);
+    check_same_dtype(q, *t, op, "q", name);
+    TORCH_CHECK(t->sizes() == q.sizes(), op, ": ", name, " must have q's shape ", q.sizes(),
+                ", got ", t->sizes());
+  }
+  auto check_lse = [&](const at::Tensor& t, const char* name) {
+    check_same_device(q, t, op, "q", name);
+    TORCH_CHECK_TYPE(t.scalar_type() == lse_dtype, op, ": ", name, " must be ", lse_dtype,
+                     " for ", q.scalar_type(), " inputs, got ", t.scalar_type());
+    TORCH_CHECK(t.sizes() == at::IntArrayRef(lse_shape), op, ": ", name,
+                " must have shape (batch, heads, q_len) = ", at::IntArrayRef(lse_shape), ", got ",
+                t.sizes());
+  };
+  check_lse(lse, "lse");
+  if (grad_lse.has_value()) check_lse(*grad_lse, "grad_lse");
 }
 
 inline void check_stride(int64_t stride, const char* op) {

@@ -1,0 +1,468 @@
+"""vd::fused_attention: opcheck, equivalence with the float64 reference, gradients, properties, bad inputs."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from tests.common import DTYPES, device_params, run_opcheck
+from vdcompile.ops import fused_attention, reference_fused_attention
+
+OP = torch.ops.vd.fused_attention.default
+BWD = torch.ops.vd.fused_attention_backward.default
+DEVICES = device_params("fused_attention")
+
+# Accuracy bound, flash-attention style, against the float64 reference ref64:
+#   max|out - ref64| <= 2 * max|out_torch - ref64| + ULPS[dtype] * eps(dtype) * (1 + max|ref64|) + score_term
+# out_torch is the plain matmul-softmax-matmul in the input dtype (what a model computes without the
+# kernel). The ulp term covers cases where PyTorch's error happens to be ~0 (e.g. kv_len 1).
+# score_term = eps(float32) * max|S| * max|v| is one float32 rounding of the largest score carried
+# to the output (d out = sum_j P_j dS_j (v_j - out)): the kernel's scores are float32 sums in
+# another order than PyTorch's, so with large scores (scale * sqrt(head_dim) >> 1) the two errors
+# are independent and a single row of PyTorch's can be luckily small. It is ~1e-6 at usual scales.
+FACTOR = 2.0
+ULPS = {torch.float32: 8, torch.float16: 2, torch.bfloat16: 2}
+
+
+def score_term(q, k, v, attn_mask=None, scale=None):
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    s = ((q.double() @ k.double().transpose(-2, -1)) * scale).abs().max()
+    if attn_mask is not None and attn_mask.is_floating_point():
+        finite = attn_mask[torch.isfinite(attn_mask)]
+        s = s + (finite.abs().max() if finite.numel() else 0)
+    return torch.finfo(torch.float32).eps * s.item() * v.double().abs().max().item()
+
+
+def assert_within_torch_error(got, torch_lowprec, ref64, dtype, what, extra_atol=0.0):
+    got, torch_lowprec = got.double(), torch_lowprec.double()
+    assert torch.isfinite(got).all(), f"{what}: non-finite values"
+    if ref64.numel() == 0:
+        return
+    err = (got - ref64).abs().max().item()
+    torch_err = (torch_lowprec - ref64).abs().max().item()
+    bound = FACTOR * torch_err + ULPS[dtype] * torch.finfo(dtype).eps * (1 + ref64.abs().max().item()) + extra_atol
+    assert err <= bound, f"{what}: max error {err:.3e} > {bound:.3e} (torch {dtype} error {torch_err:.3e})"
+
+
+def lowprec_attention(q, k, v, attn_mask=None, scale=None):
+    """Plain PyTorch attention in the inputs' dtype: the accuracy baseline."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    s = (q @ k.transpose(-2, -1)) * scale
+    if attn_mask is not None:
+        s = s.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else s + attn_mask.to(q.dtype)
+    return torch.softmax(s, dim=-1) @ v, torch.logsumexp(s, dim=-1)
+
+
+def make_qkv(B, H, Lq, Lk, D, dtype=torch.float32, layout="contiguous", device="cpu", gen=None):
+    """q (B, H, Lq, D), k and v (B, H, Lk, D) in one of the layouts models hand to attention."""
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device=device).to(dtype)
+    if layout == "contiguous":
+        return randn(B, H, Lq, D), randn(B, H, Lk, D), randn(B, H, Lk, D)
+    if layout == "bnhd":  # diffusers' (B, N, H, D) -> (B, H, N, D) transpose
+        return (randn(B, Lq, H, D).transpose(1, 2), randn(B, Lk, H, D).transpose(1, 2),
+                randn(B, Lk, H, D).transpose(1, 2))
+    if layout == "packed_kv":  # k and v as slices of one (B, N, 2, H, D) projection
+        kv = randn(B, Lk, 2, H, D)
+        return randn(B, Lq, H, D).transpose(1, 2), kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
+    if layout == "d_strided":  # head_dim elements not adjacent
+        return randn(B, H, Lq, 2 * D)[..., ::2], randn(B, H, Lk, 2 * D)[..., ::2], randn(B, H, Lk, 2 * D)[..., 1::2]
+    raise ValueError(layout)
+
+
+def sample_inputs(device, requires_grad):
+    def rg(*ts):
+        return tuple(t.requires_grad_(requires_grad) if t.is_floating_point() else t for t in ts)
+
+    def qkv(*shape, layout="contiguous"):
+        q, k, v = make_qkv(*shape, layout=layout, device=device)
+        if layout != "contiguous":  # views must stay views: make the leaf first, then view it
+            q, k, v = (t.detach() for t in (q, k, v))
+        return rg(q, k, v)
+
+    q, k, v = qkv(2, 3, 17, 23, 16)
+    bool_mask = torch.rand(17, 23, device=device) > 0.3
+    bool_mask[4] = False  # one fully masked row
+    float_mask = torch.randn(2, 1, 1, 23, device=device)
+    head_mask = torch.randn(3, 17, 1, device=device)
+    samples = [
+        (q, k, v),
+        (*qkv(2, 3, 17, 23, 16, layout="bnhd"), None, 0.3),
+        (*qkv(1, 2, 9, 70, 8, layout="packed_kv"),),
+        (*qkv(1, 2, 9, 11, 8, layout="d_strided"),),
+        (q, k, v, bool_mask),
+        (q, k, v, *rg(float_mask)),
+        (q, k, v, *rg(head_mask), 0.5),
+        (*qkv(2, 2, 40, 1, 8),),                      # cross-attention with a single key
+        (*qkv(1, 2, 5, 7, 1),),                       # head_dim 1
+        (*qkv(1, 1, 33, 65, 256),),                   # head_dim 256, crosses both tile sizes
+    ]
+    k_bcast = torch.randn(2, 1, 23, 16, device=device).expand(2, 3, 23, 16)  # stride-0 heads
+    samples.append((q.detach(), k_bcast, v.detach()))
+    return samples
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_opcheck(device, requires_grad):
+    for args in sample_inputs(device, requires_grad):
+        run_opcheck(OP, args)
+
+
+@st.composite
+def attention_cases(draw):
+    dtype = draw(st.sampled_from(DTYPES))
+    Lq = draw(st.sampled_from([1, 2, 13, 32, 33, 127, 1000]))
+    Lk = draw(st.sampled_from([1, 2, 13, 64, 65, 127, 1000]))
+    D = draw(st.sampled_from([8, 13, 32, 64, 96, 256]))
+    B, H = draw(st.integers(1, 2)), draw(st.integers(1, 3))
+    if Lq * Lk > 20000:  # long sequences: one head of a moderate head_dim keeps CPU time low
+        B, H, D = 1, 1, min(D, 64)
+    layout = draw(st.sampled_from(["contiguous", "bnhd", "packed_kv", "d_strided"]))
+    mask = draw(st.sampled_from([None, "bool", "float", "float32"]))
+    keep_dims = draw(st.lists(st.booleans(), min_size=4, max_size=4))
+    drop_leading = draw(st.integers(0, 2))
+    scale = draw(st.one_of(st.none(), st.floats(0.05, 2.0)))
+    seed = draw(st.integers(0, 2**31 - 1))
+    return dict(dtype=dtype, shape=(B, H, Lq, Lk, D), layout=layout, mask=mask, keep_dims=keep_dims,
+                drop_leading=drop_leading, scale=scale, seed=seed)
+
+
+def make_mask(kind, full_shape, keep_dims, drop_leading, dtype, device, gen):
+    """A mask of a broadcastable shape: some dims of (B, H, Lq, Lk) set to 1, some leading ones dropped."""
+    if kind is None:
+        return None
+    shape = [s if keep else 1 for s, keep in zip(full_shape, keep_dims)][drop_leading:]
+    if kind == "bool":
+        return torch.rand(shape, generator=gen, device=device) < 0.8
+    m = torch.randn(shape, generator=gen, device=device) * 2
+    m = m.masked_fill(torch.rand(shape, generator=gen, device=device) < 0.1, float("-inf"))
+    return m.to(dtype if kind == "float" else torch.float32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@settings(max_examples=60, deadline=None)
+@given(case=attention_cases())
+def test_matches_reference(device, case):
+    dtype, (B, H, Lq, Lk, D) = case["dtype"], case["shape"]
+    gen = torch.Generator(device=device).manual_seed(case["seed"])
+    q, k, v = make_qkv(B, H, Lq, Lk, D, dtype, case["layout"], device, gen)
+    mask = make_mask(case["mask"], (B, H, Lq, Lk), case["keep_dims"], case["drop_leading"], dtype, device, gen)
+    scale = case["scale"]
+
+    out, lse = OP(q, k, v, mask, scale)
+    assert out.dtype == dtype and out.shape == (B, H, Lq, D) and out.is_contiguous()
+    assert lse.dtype == torch.float32 and lse.shape == (B, H, Lq)
+    ref_out, ref_lse = reference_fused_attention(q.double(), k.double(), v.double(), mask, scale)
+    torch_out, torch_lse = lowprec_attention(q, k, v, mask, scale)
+
+    # Rows with every key masked out: defined as 0 / -inf (plain softmax gives NaN there).
+    empty = torch.isneginf(ref_lse)
+    assert (out[empty] == 0).all() and torch.isneginf(lse[empty]).all()
+    live = ~empty
+    assert_within_torch_error(out[live], torch_out[live], ref_out[live], dtype, "out",
+                              score_term(q, k, v, mask, scale))
+    assert_within_torch_error(lse[live], torch_lse[live], ref_lse[live], dtype, "lse")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape,layout,mask_kind", [
+    ((2, 3, 37, 70, 16), "bnhd", None),
+    ((1, 2, 33, 1, 64), "contiguous", None),
+    ((2, 2, 20, 45, 32), "packed_kv", "bool"),
+    ((1, 2, 9, 130, 128), "contiguous", "float"),
+])
+def test_gradients_match_reference_low_precision(device, dtype, shape, layout, mask_kind):
+    B, H, Lq, Lk, D = shape
+    gen = torch.Generator(device=device).manual_seed(sum(shape))
+    q, k, v = (t.requires_grad_() for t in make_qkv(*shape, dtype, layout, device, gen))
+    mask = make_mask(mask_kind, (B, H, Lq, Lk), [False, True, True, True], 1, dtype, device, gen)
+    if mask is not None and mask.dtype == torch.bool:
+        mask[..., 0] = True  # no fully masked rows: the baseline would be NaN there
+    if mask is not None and mask.is_floating_point():
+        mask[..., 0] = 0.0
+    g_out = torch.randn(B, H, Lq, D, generator=gen, device=device).to(dtype)
+    g_lse = torch.randn(B, H, Lq, generator=gen, device=device)
+
+    out, lse = OP(q, k, v, mask)
+    got = torch.autograd.grad((out, lse), (q, k, v), (g_out, g_lse))
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = torch.autograd.grad(reference_fused_attention(q64, k64, v64, mask), (q64, k64, v64),
+                              (g_out.double(), g_lse.double()))
+    t_out, t_lse = lowprec_attention(q, k, v, mask)
+    base = torch.autograd.grad((t_out, t_lse), (q, k, v), (g_out, g_lse.to(t_lse.dtype)))
+    for name, g, r, b in zip("qkv", got, ref, base):
+        assert g.dtype == dtype and g.shape == r.shape
+        assert_within_torch_error(g, b, r, dtype, f"grad {name}")
+
+
+# ---- float64 gradcheck (q, k, v, float masks, lse used downstream) ----
+
+def _f64(*shape, layout="contiguous"):
+    q, k, v = make_qkv(*shape, torch.float64, layout, gen=torch.Generator().manual_seed(7))
+    return tuple(t.detach().requires_grad_() for t in (q, k, v))
+
+
+@pytest.mark.parametrize("shape,layout", [
+    ((2, 2, 5, 7, 4), "contiguous"),
+    ((1, 2, 33, 70, 3), "bnhd"),       # several query and key tiles
+    ((2, 1, 6, 1, 5), "packed_kv"),    # a single key
+])
+def test_gradcheck_qkv_out_and_lse(shape, layout):
+    q, k, v = _f64(*shape, layout=layout)
+    fast = q.numel() + k.numel() > 500
+    assert torch.autograd.gradcheck(lambda q, k, v: OP(q, k, v), (q, k, v), fast_mode=fast)
+    # lse alone downstream: the output's gradient is then all zeros.
+    assert torch.autograd.gradcheck(lambda q, k, v: OP(q, k, v, None, 0.7)[1], (q, k, v), fast_mode=fast)
+
+
+@pytest.mark.parametrize("mask_shape", [(5, 7), (2, 1, 1, 7), (1, 2, 5, 1), (2, 2, 5, 7), (7,)])
+def test_gradcheck_float_mask(mask_shape):
+    q, k, v = _f64(2, 2, 5, 7, 4)
+    mask = torch.randn(mask_shape, dtype=torch.float64, requires_grad=True)
+    # Full Jacobians for one broadcast shape; random projections (fast mode) for the others.
+    fast = mask_shape != (5, 7)
+    assert torch.autograd.gradcheck(lambda q, k, v, m: OP(q, k, v, m), (q, k, v, mask), fast_mode=fast)
+
+
+def test_gradcheck_mask_only_requires_grad():
+    q, k, v = (t.detach() for t in _f64(2, 2, 5, 7, 4))
+    mask = torch.randn(2, 1, 5, 7, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda m: fused_attention(q, k, v, m), (mask,))
+
+
+def test_gradcheck_bool_mask():
+    q, k, v = _f64(1, 2, 6, 9, 4)
+    mask = torch.rand(2, 6, 9, generator=torch.Generator().manual_seed(3)) > 0.4
+    mask[:, :, 0] = True  # lse of a fully masked row is -inf: finite differences are undefined there
+    assert torch.autograd.gradcheck(lambda q, k, v: OP(q, k, v, mask), (q, k, v))
+
+
+def test_float32_mask_grad_with_half_inputs():
+    """A float32 mask on half inputs gets a float32 gradient equal to the float64 reference's."""
+    q, k, v = (t.half() for t in make_qkv(1, 2, 6, 9, 8, gen=torch.Generator().manual_seed(5)))
+    mask = torch.randn(6, 9, requires_grad=True)
+    g = torch.randn(1, 2, 6, 8).half()
+    (dm,) = torch.autograd.grad(fused_attention(q, k, v, mask), mask, g)
+    m64 = mask.detach().double().requires_grad_()
+    (dm_ref,) = torch.autograd.grad(reference_fused_attention(q.double(), k.double(), v.double(), m64)[0], m64,
+                                    g.double())
+    assert dm.dtype == torch.float32
+    torch.testing.assert_close(dm.double(), dm_ref, atol=2e-3, rtol=2e-2)
+
+
+# ---- properties ----
+
+def _forward_backward(q, k, v, mask=None, g_seed=0):
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out, lse = OP(q, k, v, mask)
+    gen = torch.Generator().manual_seed(g_seed)
+    g_out, g_lse = torch.randn(out.shape, generator=gen).to(out.dtype), torch.randn(lse.shape, generator=gen)
+    grads = torch.autograd.grad((out, lse), (q, k, v), (g_out, g_lse))
+    return (out, lse, *grads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_no_cross_contamination(dtype):
+    """Changing one (batch, head)'s q, k, v changes that head's outputs and gradients only."""
+    B, H, Lq, Lk, D = 3, 4, 37, 45, 16
+    gen = torch.Generator().manual_seed(11)
+    q, k, v = make_qkv(B, H, Lq, Lk, D, dtype, "bnhd", gen=gen)
+    mask = torch.randn(Lq, Lk, generator=gen)  # shared by every (batch, head)
+    before = _forward_backward(q, k, v, mask)
+    q2, k2, v2 = (t.clone() for t in (q, k, v))
+    for t in (q2, k2, v2):
+        t[1, 2] = torch.randn(t[1, 2].shape, generator=gen).to(dtype)
+    after = _forward_backward(q2, k2, v2, mask)
+    other = torch.ones(B, H, dtype=torch.bool)
+    other[1, 2] = False
+    for name, x, y in zip(["out", "lse", "dq", "dk", "dv"], before, after):
+        assert torch.equal(x[other], y[other]), f"{name} of an untouched head changed"
+        assert not torch.equal(x[1, 2], y[1, 2]), f"{name} of the changed head did not change"
+
+
+def test_deterministic_and_thread_count_independent():
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = make_qkv(2, 3, 70, 130, 32, torch.float32, "bnhd", gen=gen)
+    mask = torch.randn(2, 1, 70, 130, generator=gen)
+    first = _forward_backward(q, k, v, mask)
+    second = _forward_backward(q, k, v, mask)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = _forward_backward(q, k, v, mask)
+    finally:
+        torch.set_num_threads(threads)
+    for a, b, c in zip(first, second, single):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_large_scores_stay_finite(dtype):
+    """Scores far outside the low-precision range (|S| ~ 1e5) and finfo.min masks: finite, one-hot-like."""
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = make_qkv(1, 2, 20, 50, 64, torch.float32, gen=gen)
+    q, k, v = (q * 40).to(dtype), (k * 40).to(dtype), v.to(dtype)
+    mask = torch.zeros(20, 50, dtype=dtype)
+    mask[:, 25:] = torch.finfo(dtype).min
+    for m in (None, mask):
+        out, lse, dq, dk, dv = _forward_backward(q, k, v, m)
+        for t in (out, lse, dq, dk, dv):
+            assert torch.isfinite(t).all()
+        ref_out, ref_lse = reference_fused_attention(q.double(), k.double(), v.double(), m, scale=1 / 8)
+        assert lse.abs().max() > 1e3  # the scores really are large
+        torch.testing.assert_close(out.double(), ref_out.double(), atol=torch.finfo(dtype).eps * 4, rtol=0)
+        torch.testing.assert_close(lse.double(), ref_lse.double(), atol=0, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_fully_masked_rows(dtype, kind):
+    """All-False / all -inf rows: out 0, lse -inf, zero gradients; other rows as if those were absent."""
+    B, H, Lq, Lk, D = 2, 2, 40, 70, 8
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = make_qkv(B, H, Lq, Lk, D, dtype, "bnhd", gen=gen)
+    keep = torch.rand(B, 1, Lq, Lk, generator=gen) > 0.3
+    keep[..., 0] = True
+    dead = torch.zeros(Lq, dtype=torch.bool)
+    dead[[0, 5, 33, 39]] = True  # in both query tiles
+    keep[:, :, dead] = False
+    if kind == "bool":
+        mask = keep
+    else:
+        mask = torch.zeros(keep.shape, dtype=dtype).masked_fill(~keep, float("-inf")).requires_grad_()
+    out, lse, dq, dk, dv = _forward_backward(q, k, v, mask)
+    assert (out[:, :, dead] == 0).all() and torch.isneginf(lse[:, :, dead]).all()
+    assert torch.isfinite(out).all() and torch.isfinite(lse[:, :, ~dead]).all()
+    assert (dq[:, :, dead] == 0).all()
+    for g in (dq, dk, dv):
+        assert torch.isfinite(g).all()
+    # dk, dv: the dead rows contribute nothing, so they match attention over the live rows alone.
+    ql, ml = q[:, :, ~dead].detach().requires_grad_(), mask[:, :, ~dead].detach()
+    kl, vl = k.detach().requires_grad_(), v.detach().requires_grad_()
+    out_l, lse_l = OP(ql, kl, vl, ml)
+    gen = torch.Generator().manual_seed(0)  # the same upstream gradients as _forward_backward drew
+    g_out = torch.randn(out.shape, generator=gen).to(dtype)
+    g_lse = torch.randn(lse.shape, generator=gen)
+    g_lse = g_lse.to(lse.dtype)
+    dkl, dvl = torch.autograd.grad((out_l, lse_l), (kl, vl), (g_out[:, :, ~dead], g_lse[:, :, ~dead]))
+    tol = dict(atol=1e-12, rtol=1e-10) if dtype == torch.float64 else dict(atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(dk, dkl, **tol)
+    torch.testing.assert_close(dv, dvl, **tol)
+    if kind == "float":
+        out, lse = OP(q, k, v, mask)
+        (dmask,) = torch.autograd.grad((out, lse), mask, (g_out, g_lse))
+        assert torch.isfinite(dmask).all() and (dmask[:, :, dead] == 0).all()
+        assert (dmask[:, :, ~dead] != 0).any()
+
+
+def test_reads_views_without_copies():
+    """Transposed, packed and broadcast inputs are read in place: no copy is recorded."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = make_qkv(2, 3, 40, 50, 16, torch.float32, "packed_kv", gen=gen)
+    q, k, v = (t.requires_grad_() for t in (q.detach(), k.detach(), v.detach()))
+    mask = torch.randn(40, 50, generator=gen)
+    out, lse = OP(q, k, v, mask)
+    g = torch.randn(out.shape, generator=gen).transpose(1, 2).contiguous().transpose(1, 2)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        OP(q.detach(), k.detach(), v.detach(), mask)
+        BWD(g, q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(), mask, None, None)
+    names = {e.name for e in prof.events()}
+    assert "vd::fused_attention" in names and "vd::fused_attention_backward" in names
+    assert not names & {"aten::copy_", "aten::clone", "aten::contiguous", "aten::to", "aten::_to_copy"}, names
+
+
+def test_wrapper_returns_op_output():
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = make_qkv(1, 2, 5, 6, 8, gen=gen)
+    assert torch.equal(fused_attention(q, k, v, None, 0.3), OP(q, k, v, None, 0.3)[0])
+
+
+def test_float64_precision():
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = make_qkv(2, 2, 50, 90, 24, torch.float64, "bnhd", gen=gen)
+    out, lse = OP(q, k, v)
+    assert lse.dtype == torch.float64
+    ref_out, ref_lse = reference_fused_attention(q, k, v)
+    torch.testing.assert_close(out, ref_out, atol=1e-13, rtol=0)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-13, rtol=0)
+
+
+# ---- bad inputs (the CPU kernel and, on meta tensors, the fake kernel give the same errors) ----
+
+@pytest.mark.parametrize("device", [*DEVICES, "meta"])
+def test_bad_inputs(device):
+    def t(*shape, dtype=torch.float32):
+        return torch.randn(*shape).to(dtype=dtype, device=device)
+
+    q, k, v = t(2, 3, 5, 8), t(2, 3, 7, 8), t(2, 3, 7, 8)
+    cases = [
+        ((t(3, 5, 8), k, v), RuntimeError, r"q must be 4-D \(batch, heads, q_len, head_dim\), got 3-D"),
+        ((q, t(2, 3, 7), v), RuntimeError, r"k must be 4-D"),
+        ((q, k, t(2, 3, 7, 8, 1)), RuntimeError, r"v must be 4-D"),
+        ((q, t(2, 3, 7, 8, dtype=torch.float16), v), TypeError, r"k has dtype .* but q has dtype"),
+        ((q, k, t(2, 3, 7, 8, dtype=torch.float64)), TypeError, r"v has dtype .* but q has dtype"),
+        ((q.int(), k.int(), v.int()), TypeError, r"q must be float32, float16, bfloat16 or float64"),
+        ((t(2, 3, 5, 257), t(2, 3, 7, 257), t(2, 3, 7, 257)), RuntimeError, r"head_dim \(q.size\(3\)\) must be in 1..256, got 257"),
+        ((t(2, 3, 5, 0), t(2, 3, 7, 0), t(2, 3, 7, 0)), RuntimeError, r"head_dim .* got 0"),
+        ((q, t(2, 4, 7, 8), t(2, 4, 7, 8)), RuntimeError, r"k must have shape \(2, 3, kv_len, 8\)"),
+        ((q, t(1, 3, 7, 8), t(1, 3, 7, 8)), RuntimeError, r"k must have shape \(2, 3, kv_len, 8\)"),
+        ((q, t(2, 3, 7, 4), t(2, 3, 7, 4)), RuntimeError, r"k must have shape"),
+        ((q, k, t(2, 3, 6, 8)), RuntimeError, r"v must have the same shape as k"),
+        ((t(2, 3, 0, 8), k, v), RuntimeError, r"q_len and kv_len must be >= 1"),
+        ((q, t(2, 3, 0, 8), t(2, 3, 0, 8)), RuntimeError, r"q_len and kv_len must be >= 1"),
+        ((q, k, v, t(5, 7).int()), TypeError, r"attn_mask must be bool \(True = keep\) or a float mask"),
+        ((q, k, v, t(5, 7, dtype=torch.float64)), TypeError, r"attn_mask must be bool"),
+        ((q, k, v, t(5, 6)), RuntimeError, r"attn_mask of shape \[5, 6\] is not broadcastable to \(batch, heads, q_len, kv_len\)"),
+        ((q, k, v, t(3, 2, 5, 7)), RuntimeError, r"attn_mask of shape .* is not broadcastable"),
+        ((q, k, v, t(1, 2, 3, 5, 7)), RuntimeError, r"attn_mask must have at most 4 dims"),
+        ((q, k, v, None, float("nan")), RuntimeError, r"scale must be finite, got nan"),
+        ((q, k, v, None, float("inf")), RuntimeError, r"scale must be finite, got inf"),
+    ]
+    for args, exc, msg in cases:
+        with pytest.raises(exc, match="vd::fused_attention: " + msg):
+            OP(*args)
+    with pytest.raises(TypeError, match="attn_mask must be bool"):  # a half mask on float32 inputs
+        OP(q, k, v, t(5, 7, dtype=torch.float16))
+
+
+@pytest.mark.parametrize("device", [*DEVICES, "meta"])
+def test_bad_backward_inputs(device):
+    def t(*shape, dtype=torch.float32):
+        return torch.randn(*shape).to(dtype=dtype, device=device)
+
+    q, k, v, out, lse = t(2, 3, 5, 8), t(2, 3, 7, 8), t(2, 3, 7, 8), t(2, 3, 5, 8), t(2, 3, 5)
+    cases = [
+        ((t(2, 3, 5, 4), q, k, v, out, lse, None, None, None), RuntimeError, r"grad_out must have q's shape"),
+        ((q.half(), q, k, v, out, lse, None, None, None), TypeError, r"grad_out has dtype"),
+        ((q, q, k, v, t(2, 3, 6, 8), lse, None, None, None), RuntimeError, r"out must have q's shape"),
+        ((q, q, k, v, out, t(2, 3, 4), None, None, None), RuntimeError, r"lse must have shape \(batch, heads, q_len\)"),
+        ((q, q, k, v, out, lse.double(), None, None, None), TypeError, r"lse must be"),
+        ((q, q, k, v, out, lse, None, None, t(2, 3)), RuntimeError, r"grad_lse must have shape"),
+        ((q, q, k, v, out, lse, t(5, 6), None, None), RuntimeError, r"attn_mask of shape \[5, 6\] is not broadcastable"),
+        ((q, q, k, t(2, 3, 6, 8), out, lse, None, None, None), RuntimeError, r"v must have the same shape as k"),
+        ((q, q, k, v, out, lse, None, float("nan"), None), RuntimeError, r"scale must be finite"),
+    ]
+    for args, exc, msg in cases:
+        with pytest.raises(exc, match="vd::fused_attention_backward: " + msg):
+            BWD(*args)
+
+
+def test_mixed_devices():
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(RuntimeError, match="k is on meta but q is on cpu; all tensors must be on the same device"):
+        OP(q, q.to("meta"), q)
+    with pytest.raises(RuntimeError, match="attn_mask is on meta but q is on cpu"):
+        OP(q, q, q, torch.ones(4, 4, dtype=torch.bool, device="meta"))
+    if torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="is on cuda"):
+            OP(q, q, q.cuda())
+
+
+def test_empty_batch():
+    q = torch.randn(0, 2, 5, 8)
+    out, lse = OP(q, torch.randn(0, 2, 3, 8), torch.randn(0, 2, 3, 8))
+    assert out.shape == (0, 2, 5, 8) and lse.shape == (0, 2, 5)
