@@ -247,3 +247,32 @@ def test_explain_table(capsys):
     torch.testing.assert_close(out.output, m(x))
     for fam in FAMILIES:
         assert fam in printed
+
+
+def test_parameters_as_get_attr():
+    """Graphs whose parameters are get_attr nodes (not placeholders) are rewritten the same way."""
+    from torch._subclasses import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    from vdcompile.passes import apply
+    from vdcompile.passes._common import Context, Report
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w, self.b = nn.Parameter(torch.randn(8)), nn.Parameter(torch.randn(8))
+
+        def forward(self, x):
+            return F.silu(F.group_norm(x, 4, self.w, self.b))
+
+    m = M()
+    gm = torch.fx.symbolic_trace(m)
+    assert any(n.op == "get_attr" for n in gm.graph.nodes)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    x = torch.randn(2, 8, 5)
+    FakeTensorProp(gm, mode).propagate(mode.from_tensor(x))
+    report = Report()
+    apply(gm, {"group_norm_silu"}, Context(fake_mode=mode), report)
+    assert report.fired["group_norm_silu"] == 1
+    assert "vd.group_norm_silu" in gm.code
+    torch.testing.assert_close(gm(x), m(x), atol=1e-5, rtol=1e-5)

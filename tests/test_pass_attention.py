@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from diffusers.models.attention_processor import Attention, AttnProcessor, AttnProcessor2_0
 from expecttest import TestCase
 
-from tests.backend_checks import assert_fired, assert_rejected, code, compare_with_eager, rewrite
+from tests.backend_checks import BACKEND, assert_fired, assert_rejected, code, compare_with_eager, rewrite
 from vdcompile import built_backends
 
 pytestmark = pytest.mark.skipif("CPU" not in built_backends("fused_attention"),
@@ -262,3 +262,30 @@ def forward(encoder_hidden_states, hidden_states, to_k.weight, to_out.0.bias, to
         with torch.no_grad():
             out, _ = rewrite(a, x, ctx, attention_mask=torch.zeros(2, 1, 1))
         assert_rejected(out, "single_key_attention", "mask")
+
+
+class TestDynamicShapes(TestCase):
+    def test_symbolic_lengths(self):
+        # Sequence lengths are symbolic: the checks use what holds for every shape, and the single
+        # key rewrite reads the query length from q in the graph.
+        from vdcompile import backend
+
+        for cross, family in ((None, "attention"), (16, "single_key_attention")):
+            a = _attn(cross=cross).eval()
+            torch._dynamo.reset()
+            sink: list = []
+            backend._SINKS.append(sink)
+            try:
+                c = torch.compile(a, backend=BACKEND, dynamic=True, fullgraph=True,
+                                  options={"inner_compiler": "aot_eager"})
+                with torch.no_grad():
+                    for n in (10, 13, 17):
+                        args = (torch.randn(2, n, 32),) + (() if cross is None else (torch.randn(2, 1, 16),))
+                        torch.testing.assert_close(c(*args), a(*args), atol=1e-5, rtol=1e-5)
+            finally:
+                backend._SINKS.remove(sink)
+            self.assertTrue(sink)
+            for report, gm in sink:
+                self.assertEqual(report.fired[family], 1, family)
+                self.assertTrue(any(isinstance(n.meta.get("example_value"), torch.SymInt) for n in gm.graph.nodes))
+        torch._dynamo.reset()

@@ -112,3 +112,40 @@ def forward(norm.bias, norm.weight, x):
         m, x = NormAct(), _x(2, 32, 4, 4)
         out, _ = rewrite(m, x, options={"group_norm_silu": False})
         assert_fired(out, {})
+
+    def test_autocast_refused(self):
+        # Under autocast group_norm runs in float32 while the op would keep bfloat16.
+        m, x = NormAct(c=16, groups=4), torch.randn(2, 16, 4, 4)
+
+        def f(x):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return m(torch.nn.functional.linear(x.transpose(1, 3), torch.eye(16)).transpose(1, 3))
+
+        out = compare_with_eager(f, x, grad=False)
+        assert_fired(out, {})
+        assert_rejected(out, "group_norm_silu", "autocast")
+
+    def test_dynamic_shapes(self):
+        m, x = NormAct(), _x(2, 32, 6, 5)
+        from tests.backend_checks import BACKEND
+
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        c = torch.compile(m, backend=BACKEND, dynamic=True, fullgraph=True, options={"inner_compiler": "aot_eager"})
+        for shape in ((2, 32, 6, 5), (3, 32, 4, 7)):
+            x = torch.randn(*shape)
+            torch.testing.assert_close(c(x), m(x), atol=1e-5, rtol=1e-5)
+        self.assertEqual(torch._dynamo.utils.counters["vdcompile"]["group_norm_silu"], 1)  # one graph, both shapes
+        torch._dynamo.reset()
+
+    def test_positional_inplace_between(self):
+        # F.relu_(x) / F.dropout(x, p, training, True) mutate x: a write between the matched nodes.
+        def f(x, w):
+            h = F.group_norm(x, 4, w)
+            F.dropout(x, 0.0, True, True)
+            F.hardtanh(x, -1.0, 1.0, True)
+            return F.silu(h) + x
+
+        out = compare_with_eager(f, torch.randn(2, 8, 5) * 3, torch.randn(8), grad=False)
+        assert_fired(out, {})
+        assert_rejected(out, "group_norm_silu", "mutates")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from diffusers.models.attention_processor import Attention
 from expecttest import TestCase
 
@@ -105,3 +106,18 @@ def forward(hidden_states, to_k.weight, to_out.0.bias, to_out.0.weight, to_q.wei
         out = compare_with_eager(m, x, grad=False)
         assert_fired(out, {})
         assert_rejected(out, "qkv_projection", "mutates")
+
+    def test_strides_break_a_later_view(self):
+        # The fused projections are strided slices; merging their last two dims with .view fails
+        # on them (it worked on the dense linear outputs): the rewrite is dropped for the graph
+        # after re-validation, the other rewrites stay.
+        lins = Proj(n=2)
+
+        def f(x):
+            a, b = lins.lins[0](x), lins.lins[1](x)
+            return a.view(a.shape[0], -1), F.silu(F.group_norm(b, 1))
+
+        out = compare_with_eager(f, _x(300, 2, 8))
+        assert_fired(out, {"group_norm_silu": 1})
+        assert_rejected(out, "qkv_projection", "re-validation")
+        self.assertTrue(any("qkv_projection dropped" in n for n in out.report.notes))

@@ -49,30 +49,37 @@ def _family_pass(family: str, module: str):
 
 
 def apply(gm: fx.GraphModule, enabled, ctx: Context, report: Report) -> fx.GraphModule:
-    """Rewrites a copy of gm's graph; returns gm with the rewritten graph installed, or gm unchanged
-    (with a note in the report) when the rewritten graph fails re-validation."""
-    work = fx.GraphModule(gm, _copy_graph(gm))
-    ctx.autocast_reason = autocast_reason(work.graph)
-    local = Report()
-    for family, module in _ORDER:
-        if family in enabled:
-            _family_pass(family, module)(work, local, ctx)
+    """Rewrites a copy of gm's graph and installs it in gm.
+
+    When a rewrite changed a value's strides, the whole rewritten graph is re-run on the example
+    values first; if that fails (a later view no longer fits), the families that changed strides
+    are dropped for this graph, with the reason in the report, and the others applied again."""
+    enabled = set(enabled)
+    ctx.autocast_reason = autocast_reason(gm.graph)
+    abandoned = Report()
+    while True:
+        work = fx.GraphModule(gm, _copy_graph(gm))
+        ctx.layout_families = set()
+        local = Report()
+        for family, module in _ORDER:
+            if family in enabled:
+                _family_pass(family, module)(work, local, ctx)
+        err = revalidate(work, ctx) if ctx.layout_families and sum(local.fired.values()) else None
+        if err is None:
+            break
+        dropped = sorted(ctx.layout_families)
+        abandoned.notes.append(f"{', '.join(dropped)} dropped for this graph: {err}")
+        for fam in dropped:
+            for _ in range(local.fired.get(fam, 0)):
+                abandoned.reject(fam, "the rewritten graph failed re-validation (strides)")
+        enabled -= ctx.layout_families
+    report.merge(local)
+    report.merge(abandoned)
     if sum(local.fired.values()) == 0:
-        report.merge(local)
         return gm
-    if ctx.layout_changed:
-        err = revalidate(work, ctx)
-        if err is not None:
-            local.notes.append(f"rewrites of this graph abandoned: {err}")
-            for fam, c in local.fired.items():
-                local.reject(fam, "graph re-validation failed")
-            local.fired.clear()
-            report.merge(local)
-            return gm
     work.graph.lint()
     gm.graph = work.graph
     gm.recompile()
-    report.merge(local)
     return gm
 
 

@@ -11,6 +11,7 @@ one pattern covers all spellings.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import operator
 from collections import Counter
@@ -229,6 +230,28 @@ def _get_attr(node: fx.Node):
     return obj
 
 
+@functools.lru_cache(maxsize=None)
+def _signature(fn):
+    try:
+        return inspect.signature(fn)
+    except (TypeError, ValueError):  # builtins without one
+        return None
+
+
+def _inplace_flag(node: fx.Node) -> bool:
+    """inplace=True given by keyword or by position (F.dropout(x, 0.1, True, True), F.silu(x, True))."""
+    if node.kwargs.get("inplace") is True:
+        return True
+    sig = _signature(node.target) if callable(node.target) else None
+    if sig is None or "inplace" not in sig.parameters:
+        return False
+    try:
+        bound = sig.bind(*node.args, **node.kwargs)
+    except TypeError:
+        return False
+    return bound.arguments.get("inplace") is True
+
+
 def is_mutating(node: fx.Node) -> bool:
     """Conservative: does this call write into one of its arguments?"""
     if node.op == "call_method":
@@ -236,7 +259,7 @@ def is_mutating(node: fx.Node) -> bool:
         return (name.endswith("_") and not name.startswith("__")) or name.startswith("__i") or "out" in node.kwargs
     if node.op == "call_function":
         t = node.target
-        if t in _MUTATING_FUNCTIONS or node.kwargs.get("inplace") is True or "out" in node.kwargs:
+        if t in _MUTATING_FUNCTIONS or _inplace_flag(node) or "out" in node.kwargs:
             return True
         if isinstance(t, torch._ops.OpOverload):
             return t._schema.is_mutable
@@ -552,9 +575,9 @@ class Context:
     freezing: bool = False
     # Grad mode of the compile (inductor freezes, and folds constants, only without grad).
     grad_enabled: bool = True
-    # Set when a replacement's output has other strides than the call it replaced; the whole graph is
-    # then re-checked on the example values before it is used.
-    layout_changed: bool = False
+    # Families whose replacements gave a value other strides than the call it replaced; the whole
+    # graph is then re-checked on the example values before it is used.
+    layout_families: set = dataclasses.field(default_factory=set)
     autocast_reason: str | None = None
 
 
@@ -697,7 +720,7 @@ def replace(gm: fx.GraphModule, rw: Rewrite, m: Match, ctx: Context) -> str | No
         if not _same_meta(old, new):
             return undo("replacement would change the output's shape, dtype or device")
         if isinstance(old, torch.Tensor) and not _same_strides(old, new):
-            ctx.layout_changed = True
+            ctx.layout_families.add(rw.family)
     for old_node, out_node in zip(m.outputs, out_nodes):
         old_node.replace_all_uses_with(out_node)
     _erase_dead(m.graph_nodes)
@@ -726,8 +749,10 @@ def run_rewrites(gm: fx.GraphModule, rewrites: list[Rewrite], report: Report, ct
             reason = rw.check(m)
             if reason is SKIP:
                 continue
+            # Autocast is the root cause of any dtype refusal it brings: it is reported first.
+            reason = ctx.autocast_reason or reason
             if reason is None:
-                reason = ctx.autocast_reason or escaping_intermediate(m) or mutation_between(m)
+                reason = escaping_intermediate(m) or mutation_between(m)
             if reason is None:
                 reason = replace(gm, rw, m, ctx)
             if reason is None:

@@ -70,14 +70,18 @@ def _shapes(q, k, v) -> str | None:
 
 def _mask_ok(mask, q, k) -> str | None:
     """SDPA's masks as the op takes them: bool (True = keep) or additive float of q's dtype or
-    float32, broadcastable to (B, H, Lq, Lk). A row with every key masked out gives 0 from both
-    (SDPA's safe softmax), so SDPA's masks carry over unchanged."""
+    float32, broadcastable to (B, H, Lq, Lk). A row with every key masked out gives 0 from the op
+    and from SDPA's math, flash (CPU) and efficient backends, so those masks carry over unchanged;
+    the cuDNN backend disagrees for boolean masks in half precision, which are refused."""
     if mask is None:
         return None
     if not isinstance(mask, torch.Tensor):
         return "attn_mask is not a tensor"
     if mask.dtype not in (torch.bool, q.dtype, torch.float32):
         return f"attn_mask dtype {mask.dtype} (the op takes bool, q's dtype or float32)"
+    if mask.dtype == torch.bool and q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16):
+        # SDPA's cuDNN backend (the default there) gives a fully masked row a nonzero output.
+        return "boolean attn_mask in half precision on CUDA (eager's cuDNN SDPA differs on fully masked rows)"
     if mask.dim() > 4:
         return "attn_mask has more than 4 dims"
     target = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])

@@ -134,7 +134,7 @@ def _fuse(graph: fx.Graph, group, ctx: Context) -> str | None:
         lin.replace_all_uses_with(out)
         graph.erase_node(lin)
     # The splits are strided views where the linears gave dense tensors: re-check the graph.
-    ctx.layout_changed = True
+    ctx.layout_families.add(FAMILY)
     return None
 
 
