@@ -680,8 +680,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated torch.compile backends (default: eager,inductor,vdcompile)")
     b.add_argument("--backend-option", action="append", metavar="KEY=VALUE",
                    help="option for the vdcompile backend (repeatable)")
-    b.add_argument("--tol", type=float, help="max relative error vs eager (default: 1e-3 fp32, 5e-2 bf16, "
-                   "1e-2 fp16)")
+    b.add_argument("--tol", type=float, help="max relative error vs eager (default: 1e-3 fp32 (1e-2 with TF32 "
+                   "on a GPU), 5e-2 bf16, 1e-2 fp16)")
     b.add_argument("--no-fused-scheduler", action="store_true", help="vdcompile row: plain scheduler.step")
     b.add_argument("--cuda-graphs", action="store_true",
                    help="inductor and vdcompile rows with CUDA graphs (mode=reduce-overhead); CUDA only")
