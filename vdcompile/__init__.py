@@ -13,7 +13,8 @@ from vdcompile._build_info import built_backends, has_cuda_kernels
 from vdcompile.backend import vdcompile_backend
 # Binds the name to the function (the submodule vdcompile.explain stays in sys.modules).
 from vdcompile.explain import explain
+from vdcompile.optimize import optimize
 
 __version__ = "0.1.0"
 
-__all__ = ["ops", "built_backends", "has_cuda_kernels", "vdcompile_backend", "explain", "__version__"]
+__all__ = ["ops", "built_backends", "has_cuda_kernels", "vdcompile_backend", "explain", "optimize", "__version__"]
