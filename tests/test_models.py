@@ -8,6 +8,8 @@ float32/float64 in another order than eager: observed differences are ~1e-6).
 """
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from diffusers import (AutoencoderKLTemporalDecoder, UNet2DConditionModel, UNet3DConditionModel, UNetMotionModel,
@@ -20,9 +22,10 @@ from vdcompile.passes import FAMILIES
 from vdcompile.passes._common import Report
 
 ATOL = RTOL = 1e-4
-# bf16 on CUDA: eager and the rewritten graph round differently; the relative error of the whole
-# output (||out - ref|| / ||ref||) is held under this bound instead.
-BF16_REL = 2e-2
+# bf16 on CUDA: eager bf16 is no exact reference either. Both are measured against the float32
+# model on the same inputs; the compiled model's relative error (||out - ref32|| / ||ref32||) must
+# stay within BF16_FACTOR times eager bf16's own, plus BF16_SLACK.
+BF16_FACTOR, BF16_SLACK = 2.0, 1e-3
 
 
 def _cuda_reason():
@@ -68,10 +71,17 @@ def _to(x, device, dtype):
     return x
 
 
-def _run(model, make_args, expected: dict, steps=(999.0, 500.0, 1.0), dd=("cpu", torch.float32)):
-    """Compiles once, calls with three timesteps, compares each call with eager."""
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def _run(model, make_args, expected: dict, steps=(999.0, 500.0, 1.0), dd=("cpu", torch.float32), model32=None):
+    """Compiles once, calls with three timesteps, compares each call with eager (and, in bf16, both
+    with the float32 model ``model32``: by default a float32 copy of ``model``)."""
     device, dtype = dd
     if isinstance(model, torch.nn.Module):
+        if dtype != torch.float32 and model32 is None:
+            model32 = copy.deepcopy(model).to(device)
         model.to(device, dtype)
     torch._dynamo.reset()
     sink: list = []
@@ -88,8 +98,11 @@ def _run(model, make_args, expected: dict, steps=(999.0, 500.0, 1.0), dd=("cpu",
                     torch.testing.assert_close(out, ref, atol=ATOL, rtol=RTOL)
                 else:
                     assert out.dtype == ref.dtype and torch.isfinite(out).all()
-                    rel = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-                    assert rel <= BF16_REL, f"relative error {rel:.3e} > {BF16_REL}"
+                    args32 = tuple(_to(a, device, torch.float32) for a in args)
+                    ref32 = _sample(model32(*args32, **kwargs))
+                    ours, theirs = _rel(out, ref32), _rel(ref, ref32)
+                    assert ours <= BF16_FACTOR * theirs + BF16_SLACK, (
+                        f"bf16 relative error vs float32: compiled {ours:.3e}, eager {theirs:.3e}")
     finally:
         backend._SINKS.remove(sink)
         torch._dynamo.reset()
@@ -178,16 +191,20 @@ def test_svd_temporal_vae_decoder(dd):
         in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2, block_out_channels=(32, 64),
         layers_per_block=1, latent_channels=4).eval()
 
+    vae32 = copy.deepcopy(vae).to(dd[0])
     vae.to(*dd)
 
     def decode(z, scale):
         return vae.decode(z * scale, num_frames=3).sample
 
+    def decode32(z, scale):
+        return vae32.decode(z * scale, num_frames=3).sample
+
     def args(t, seed):
         # No timestep in a VAE: the scalar argument plays its part (a 0-d tensor changing per call).
         return (torch.randn(3, 4, 4, 4, generator=_gen(seed)), t / 1000), {}
 
-    _run(decode, args, {"group_norm_silu": 21, "temporal_conv": 11}, dd=dd)
+    _run(decode, args, {"group_norm_silu": 21, "temporal_conv": 11}, dd=dd, model32=decode32)
 
 
 @pytest.mark.skipif("CPU" not in built_backends("fused_attention"), reason="no CPU fused_attention kernel")
