@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.library import opcheck
 
 import vdcompile  # noqa: F401  (registers torch.ops.vd)
@@ -52,3 +53,16 @@ def assert_close_to(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, fa
 def run_opcheck(op, args, kwargs=None):
     result = opcheck(op, args, kwargs or {}, test_utils=OPCHECK_UTILS)
     assert all(v == "SUCCESS" for v in result.values()), result
+
+
+def assert_fake_matches_real(op, args):
+    """Shape, dtype, device and strides of every output agree between the kernel and the fake kernel
+    (opcheck compares strides on CUDA only). Strides of size-1 dims carry no meaning and are skipped."""
+    real = op(*args)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = op(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args))
+    real, fake = (real, fake) if isinstance(real, tuple) else ((real,), (fake,))
+    for i, (r, f) in enumerate(zip(real, fake)):
+        assert (r.shape, r.dtype, r.device) == (f.shape, f.dtype, f.device), f"output {i}"
+        dims = [d for d in range(r.dim()) if r.shape[d] > 1]
+        assert [r.stride(d) for d in dims] == [f.stride(d) for d in dims], f"output {i}: {r.stride()} vs {f.stride()}"

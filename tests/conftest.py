@@ -11,3 +11,13 @@ def _full_fp32_precision():
     torch.backends.cuda.matmul.allow_tf32 = False
     yield
     torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = cudnn, matmul
+
+
+@pytest.fixture
+def one_thread():
+    # gradcheck makes thousands of calls on tiny tensors, where starting a parallel region costs far
+    # more than the work (and stalls on a busy machine); the threaded paths are tested elsewhere.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

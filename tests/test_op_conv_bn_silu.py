@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from tests.common import assert_close_to, device_params, run_opcheck
+from tests.common import assert_close_to, assert_fake_matches_real, device_params, run_opcheck
 from vdcompile.ops import conv_bn_silu, reference_conv_bn_silu
 
 OP = torch.ops.vd.conv_bn_silu.default
@@ -33,16 +33,6 @@ def make_params(c_in, c_out, k, groups=1, bias=True, device="cpu", dtype=torch.f
     return w, b, gamma, beta, mean, var
 
 
-@pytest.fixture
-def one_thread():
-    # gradcheck makes thousands of calls on tiny tensors, where starting a parallel region costs far
-    # more than the work (and stalls on a busy machine); the threaded paths are tested elsewhere.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def sample_inputs(device, requires_grad):
     def x_(*shape, cl=False):
         x = torch.randn(*shape, device=device)
@@ -64,19 +54,6 @@ def sample_inputs(device, requires_grad):
         (x_(2, 4, 5, 5, cl=True), *p(4, 4, 3, groups=4), 1e-5, [2, 1], one, one, 4),             # depthwise, silu default
         (x_(1, 2, 4, 4), *p(2, 3, 3, param_dtype=torch.float64), 1e-5, one, one, one, 1, True),   # float64 BN params
     ]
-
-
-def assert_fake_matches_real(op, args):
-    """Shape, dtype, device and strides of every output agree between the kernel and the fake kernel
-    (opcheck compares strides on CUDA only). Strides of size-1 dims carry no meaning and are skipped."""
-    real = op(*args)
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        fake = op(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args))
-    real, fake = (real, fake) if isinstance(real, tuple) else ((real,), (fake,))
-    for i, (r, f) in enumerate(zip(real, fake)):
-        assert (r.shape, r.dtype, r.device) == (f.shape, f.dtype, f.device), f"output {i}"
-        dims = [d for d in range(r.dim()) if r.shape[d] > 1]
-        assert [r.stride(d) for d in dims] == [f.stride(d) for d in dims], f"output {i}: {r.stride()} vs {f.stride()}"
 
 
 @pytest.mark.parametrize("device", DEVICES)

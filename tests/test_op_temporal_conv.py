@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from tests.common import assert_close_to, device_params, run_opcheck
+from tests.common import assert_close_to, assert_fake_matches_real, device_params, run_opcheck
 from vdcompile.ops import reference_temporal_conv, temporal_conv
 
 OP = torch.ops.vd.temporal_conv.default
@@ -16,16 +16,6 @@ DEVICES = device_params("temporal_conv")
 
 def make_weight(c_in, c_out, k, device="cpu", dtype=torch.float32):
     return (torch.randn(c_out, c_in, k, 1, 1, device=device) / (c_in * k) ** 0.5).to(dtype)
-
-
-@pytest.fixture
-def one_thread():
-    # gradcheck makes thousands of calls on tiny tensors, where starting a parallel region costs far
-    # more than the work (and stalls on a busy machine); the threaded paths are tested elsewhere.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def sample_inputs(device, requires_grad):
@@ -51,19 +41,6 @@ def sample_inputs(device, requires_grad):
         (x_(1, 3, 6, 2, 2, cl=True), w_(3, 3, 3)),                  # trailing defaults omitted
         (x_(1, 2, 4, 3, 2), w_(2, 3, 3), b_(3, torch.float64), 2),  # float64 bias
     ]
-
-
-def assert_fake_matches_real(op, args):
-    """Shape, dtype, device and strides of every output agree between the kernel and the fake kernel
-    (opcheck compares strides on CUDA only). Strides of size-1 dims carry no meaning and are skipped."""
-    real = op(*args)
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        fake = op(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args))
-    real, fake = (real, fake) if isinstance(real, tuple) else ((real,), (fake,))
-    for i, (r, f) in enumerate(zip(real, fake)):
-        assert (r.shape, r.dtype, r.device) == (f.shape, f.dtype, f.device), f"output {i}"
-        dims = [d for d in range(r.dim()) if r.shape[d] > 1]
-        assert [r.stride(d) for d in dims] == [f.stride(d) for d in dims], f"output {i}: {r.stride()} vs {f.stride()}"
 
 
 @pytest.mark.parametrize("device", DEVICES)
