@@ -41,7 +41,10 @@ def assert_within_torch_error(got, torch_lowprec, ref64, dtype, what, extra_atol
     if ref64.numel() == 0:
         return
     err = (got - ref64).abs().max().item()
-    torch_err = (torch_lowprec - ref64).abs().max().item()
+    # Plain PyTorch gives NaN on fully masked rows (the op defines them as 0): its error is taken over
+    # the rows it does define, and ours must hold everywhere.
+    finite = torch.isfinite(torch_lowprec)
+    torch_err = (torch_lowprec - ref64)[finite].abs().max().item() if finite.any() else 0.0
     bound = FACTOR * torch_err + ULPS[dtype] * torch.finfo(dtype).eps * (1 + ref64.abs().max().item()) + extra_atol
     assert err <= bound, f"{what}: max error {err:.3e} > {bound:.3e} (torch {dtype} error {torch_err:.3e})"
 
