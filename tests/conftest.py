@@ -15,8 +15,8 @@ def _full_fp32_precision():
 
 @pytest.fixture
 def one_thread():
-    # gradcheck makes thousands of calls on tiny tensors, where starting a parallel region costs far
-    # more than the work (and stalls on a busy machine); the threaded paths are tested elsewhere.
+    # Tiny tensors (gradcheck's thousands of calls, tiny models): starting a parallel region costs far
+    # more than the work and stalls on a busy machine; the threaded paths are tested elsewhere.
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

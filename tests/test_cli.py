@@ -19,11 +19,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread_fresh_dynamo(one_thread):  # one_thread: tests/conftest.py
     yield
-    torch.set_num_threads(n)
     torch._dynamo.reset()
 
 

@@ -12,11 +12,8 @@ from vdcompile.optimize import backend_status, fused_scheduler_step, optimize
 
 
 @pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread_fresh_dynamo(one_thread):  # one_thread: tests/conftest.py
     yield
-    torch.set_num_threads(n)
     torch._dynamo.reset()
 
 

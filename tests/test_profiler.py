@@ -11,12 +11,7 @@ from vdcompile import models, runner
 from vdcompile.profiler import Profiler, bar_chart, op_family
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.mark.parametrize("name,family", [

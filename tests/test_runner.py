@@ -9,13 +9,7 @@ from PIL import Image
 from vdcompile import models, runner
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Small ops on a shared 2-core box: one thread avoids OpenMP spin-wait stalls.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

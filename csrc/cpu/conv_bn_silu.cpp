@@ -13,20 +13,11 @@
 #include <vector>
 
 #include "../conv_gemm.h"
+#include "../activation.h"
 
 namespace vd {
 namespace {
 
-template <typename T>
-inline T silu_fn(T z) {
-  return z / (T(1) + std::exp(-z));
-}
-// d silu / dz
-template <typename T>
-inline T silu_grad(T z) {
-  T sg = T(1) / (T(1) + std::exp(-z));
-  return sg * (T(1) + z * (T(1) - sg));
-}
 
 // Calls fn(chunk, offset, count, channel) for every run of elements of one channel: whole (n, c)
 // planes for NCHW, single elements of each pixel's row for NHWC. The work is cut into n_chunks

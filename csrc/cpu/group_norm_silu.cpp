@@ -10,22 +10,13 @@
 #include <vector>
 
 #include "../norm.h"
+#include "../activation.h"
 
 namespace vd {
 namespace {
 
 constexpr const char* kOp = kGroupNormOp;
 
-template <typename T>
-inline T silu_fn(T z) {
-  return z / (T(1) + std::exp(-z));
-}
-// d silu / dz
-template <typename T>
-inline T silu_grad(T z) {
-  T sg = T(1) / (T(1) + std::exp(-z));
-  return sg * (T(1) + z * (T(1) - sg));
-}
 
 // Per (n, g): mean and rstd, accumulated in double.
 template <typename scalar_t>

@@ -9,15 +9,11 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include "../activation.h"
 #include "../conv_gemm.h"
 
 namespace vd {
 namespace {
-
-template <typename T>
-__device__ __forceinline__ T sigmoid_of(T z) {
-  return T(1) / (T(1) + exp(-z));
-}
 
 // Channel of flat element i: NCHW planes of S elements, or NHWC rows of C elements.
 __device__ __forceinline__ int64_t channel_of(int64_t i, int64_t C, int64_t S, bool channels_last) {
@@ -30,7 +26,7 @@ __global__ void bias_act_kernel(scalar_t* __restrict__ y, const acc_t* __restric
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
     const acc_t z = static_cast<acc_t>(y[i]) + shift[channel_of(i, C, S, channels_last)];
-    y[i] = static_cast<scalar_t>(silu ? z * sigmoid_of(z) : z);
+    y[i] = static_cast<scalar_t>(silu ? silu_fn(z) : z);
   }
 }
 
@@ -42,8 +38,7 @@ __global__ void grad_z_kernel(scalar_t* __restrict__ y, const scalar_t* __restri
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
     const acc_t z = static_cast<acc_t>(y[i]) + shift[channel_of(i, C, S, channels_last)];
-    const acc_t sg = sigmoid_of(z);
-    y[i] = static_cast<scalar_t>(static_cast<acc_t>(g[i]) * sg * (acc_t(1) + z * (acc_t(1) - sg)));
+    y[i] = static_cast<scalar_t>(static_cast<acc_t>(g[i]) * silu_grad(z));
   }
 }
 

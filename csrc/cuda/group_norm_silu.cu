@@ -23,6 +23,7 @@
 #include <initializer_list>
 #include <limits>
 
+#include "../activation.h"
 #include "../norm.h"
 
 namespace vd {
@@ -48,19 +49,6 @@ constexpr int max_vec() {
   return 16 / static_cast<int>(sizeof(T));
 }
 
-__device__ __forceinline__ float exp_(float x) { return expf(x); }
-__device__ __forceinline__ double exp_(double x) { return exp(x); }
-
-template <typename T>
-__device__ __forceinline__ T silu_fn(T z) {
-  return z / (T(1) + exp_(-z));
-}
-// d silu / dz
-template <typename T>
-__device__ __forceinline__ T silu_grad(T z) {
-  const T sg = T(1) / (T(1) + exp_(-z));
-  return sg * (T(1) + z * (T(1) - sg));
-}
 
 template <typename T>
 struct Welford {
