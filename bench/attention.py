@@ -162,20 +162,28 @@ def main():
     p.add_argument("--backward", action="store_true")
     p.add_argument("--strided", action="store_true")
     p.add_argument("--no-ceilings", action="store_true")
+    p.add_argument("--shapes", default="", help="comma-separated name prefixes, e.g. temporal,spatial-2304")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/attention.py needs a CUDA device")
     dev = torch.device("cuda")
     dtype = DTYPES[args.dtype]
     shapes = [s for s in SHAPES if not args.quick or s[0] in QUICK]
+    if args.shapes:
+        shapes = [s for s in shapes if any(s[0].startswith(pre) for pre in args.shapes.split(","))]
     env = environment(dev)
     ceilings = {} if args.no_ceilings else measure_ceilings(dev)
     print(env, ceilings)
     fwd = bench_forward(shapes, dtype, dev, budget_bytes=8 * 2**30)
+    if ceilings.get("copy_GBps"):
+        for row in fwd:
+            if row.get("vd_gbps"):
+                row["vd_pct_copy"] = 100 * row["vd_gbps"] / ceilings["copy_GBps"]
     cols = [("shape", "shape", "")]
     for pname in ["sdpa_default", "cudnn", "flash", "efficient", "naive", "sage", "vd"]:
         cols.append((f"{pname}_ms", f"{pname} ms", ".3f"))
-    cols += [("vd_tflops", "vd TFLOP/s", ".0f"), ("vd_gbps", "vd GB/s", ".0f"), ("vd_x_default", "vd x default", ".2f")]
+    cols += [("vd_tflops", "vd TFLOP/s", ".0f"), ("vd_gbps", "vd GB/s", ".0f"), ("vd_pct_copy", "vd % copy", ".0f"),
+             ("vd_x_default", "vd x default", ".2f")]
     print_table(fwd, cols)
     payload = {"environment": env, "ceilings": ceilings, "dtype": args.dtype, "forward": fwd}
     if args.backward:

@@ -73,7 +73,7 @@ def test_unknown_option_lists_valid_ones():
     with pytest.raises(ValueError) as e:
         backend.parse_options(None, {"atention": True})
     msg = str(e.value)
-    assert "'atention'" in msg and "inner_compiler" in msg and all(f in msg for f in FAMILIES)
+    assert "'atention'" in msg and "inner_compiler" in msg and "attention_kernels" in msg and all(f in msg for f in FAMILIES)
     # Raised at compile time through torch.compile as well.
     m, x = _inputs()
     with pytest.raises(Exception, match="unknown vdcompile option 'atention'"):
@@ -83,6 +83,7 @@ def test_unknown_option_lists_valid_ones():
 @pytest.mark.parametrize("opts, fragment", [
     ({"attention": "yes"}, "takes a bool"),
     ({"inner_compiler": "tvm"}, "inner_compiler must be one of"),
+    ({"attention_kernels": "cudnn"}, "attention_kernels must be one of"),
     ({"inner_compiler": "eager", "max_autotune": True}, "need inner_compiler='inductor'"),
 ])
 def test_bad_option_values(opts, fragment):
@@ -91,9 +92,9 @@ def test_bad_option_values(opts, fragment):
 
 
 def test_modes_map_to_inductor_modes():
-    _, inner, patches = backend.parse_options("reduce-overhead", None)
+    _, inner, patches, _ = backend.parse_options("reduce-overhead", None)
     assert inner == "inductor" and patches == {"triton.cudagraphs": True}
-    _, _, patches = backend.parse_options("max-autotune-no-cudagraphs", {"epilogue_fusion": False})
+    _, _, patches, _ = backend.parse_options("max-autotune-no-cudagraphs", {"epilogue_fusion": False})
     assert patches["max_autotune"] is True and patches["epilogue_fusion"] is False
     assert "triton.cudagraphs" not in patches
     assert backend.parse_options("default", None)[2] == {}
@@ -104,8 +105,9 @@ def test_modes_map_to_inductor_modes():
 
 
 def test_switches(monkeypatch):
-    enabled, _, _ = backend.parse_options(None, {"attention": False, "qkv_projection": False})
-    assert enabled == set(FAMILIES) - {"attention", "qkv_projection"}
+    enabled, _, _, kernels = backend.parse_options(None, {"attention": False, "qkv_projection": False})
+    assert enabled == set(FAMILIES) - {"attention", "qkv_projection"} and kernels == "auto"
+    assert backend.parse_options(None, {"attention_kernels": "vd"})[3] == "vd"
 
 
 def test_inductor_receives_mode_options_and_cache_key(monkeypatch):

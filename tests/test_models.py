@@ -87,7 +87,10 @@ def _run(model, make_args, expected: dict, steps=(999.0, 500.0, 1.0), dd=("cpu",
     sink: list = []
     backend._SINKS.append(sink)
     try:
-        compiled = torch.compile(model, backend=BACKEND, fullgraph=True, options={"inner_compiler": "eager"})
+        # attention_kernels="vd": every attention goes to the vd op, on CUDA too, so the counts and
+        # the kernels under test are the same on both devices.
+        compiled = torch.compile(model, backend=BACKEND, fullgraph=True,
+                                 options={"inner_compiler": "eager", "attention_kernels": "vd"})
         with torch.no_grad(), torch._dynamo.config.patch(error_on_recompile=True):
             for i, t in enumerate(steps):
                 args, kwargs = make_args(torch.tensor(t), seed=i)

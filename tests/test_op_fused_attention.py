@@ -469,3 +469,53 @@ def test_empty_batch():
     q = torch.randn(0, 2, 5, 8)
     out, lse = OP(q, torch.randn(0, 2, 3, 8), torch.randn(0, 2, 3, 8))
     assert out.shape == (0, 2, 5, 8) and lse.shape == (0, 2, 5)
+
+
+_CUDA = "CUDA" in torch._C._dispatch_dump("vd::fused_attention") and torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not _CUDA, reason="vd::fused_attention has no CUDA kernel in this build, or no GPU")
+
+
+# The short-sequence CUDA kernel (fp16/bf16, q_len and kv_len <= 32, head_dim <= 128, multiple of 8):
+# both tile heights, padded head dims, the projections' strided views, masks, and more (b, h)
+# problems than the persistent grid has warps.
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape,layout,mask_kind", [
+    ((1152, 20, 14, 14, 64), "bnhd", None),      # SVD temporal attention: 23040 problems
+    ((64, 5, 14, 14, 64), "contiguous", "bool"),
+    ((8, 4, 25, 25, 40), "bnhd", None),          # SVD-XT frames, AnimateDiff head_dim 40
+    ((4, 3, 16, 17, 128), "packed_kv", "float"),  # crosses the 16-row tile
+    ((4, 3, 32, 32, 128), "contiguous", "float32"),
+    ((3, 2, 1, 32, 8), "contiguous", None),
+    ((3, 2, 32, 1, 96), "bnhd", None),
+])
+def test_short_kernel_cuda_matches_reference(dtype, shape, layout, mask_kind):
+    B, H, Lq, Lk, D = shape
+    gen = torch.Generator(device="cuda").manual_seed(sum(shape))
+    q, k, v = make_qkv(B, H, Lq, Lk, D, dtype, layout, "cuda", gen)
+    mask = make_mask(mask_kind, (B, H, Lq, Lk), [True, False, True, True], 0, dtype, "cuda", gen)
+    out, lse = OP(q, k, v, mask)
+    ref_out, ref_lse = reference_fused_attention(q.double(), k.double(), v.double(), mask)
+    torch_out, torch_lse = lowprec_attention(q, k, v, mask)
+    empty = torch.isneginf(ref_lse)
+    assert (out[empty] == 0).all() and torch.isneginf(lse[empty]).all()
+    live = ~empty
+    assert_within_torch_error(out[live], torch_out[live], ref_out[live], dtype, "out", score_term(q, k, v, mask))
+    assert_within_torch_error(lse[live], torch_lse[live], ref_lse[live], dtype, "lse")
+
+
+@needs_cuda
+def test_short_kernel_cuda_over_2_31_elements():
+    # 64-bit offsets: q, k, v and out each hold more than 2^31 elements (4.3 GB apiece in bf16).
+    free, _ = torch.cuda.mem_get_info()
+    if free < 24 * 2**30:
+        pytest.skip("needs 24 GiB of free GPU memory")
+    L, D = 14, 64
+    P = 2**31 // (L * D) + 1024
+    q, k, v = (torch.randn(P, 1, L, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    assert q.numel() > 2**31
+    out, lse = OP(q, k, v)
+    tail = slice(P - 8, P)
+    ref_out, ref_lse = reference_fused_attention(q[tail].double(), k[tail].double(), v[tail].double())
+    torch.testing.assert_close(out[tail].double(), ref_out, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse[tail].double(), ref_lse, atol=1e-3, rtol=1e-3)

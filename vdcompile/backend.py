@@ -10,6 +10,9 @@ Options (``torch.compile(..., options={...})``):
   - one boolean per rewrite family (vdcompile.passes.FAMILIES), all on by default;
   - ``inner_compiler``: "inductor" (default), "aot_eager" (AOTAutograd without inductor) or "eager"
     (the rewritten graph run as is: for debugging);
+  - ``attention_kernels``: "auto" (default: F.scaled_dot_product_attention calls are kept where
+    PyTorch's own CUDA kernels are measured faster than vd's, see vdcompile.passes.attention) or
+    "vd" (every matched attention goes to vd::fused_attention);
   - any other key must be an inductor option (torch._inductor.list_options()) and is applied as a
     config patch of this compile, like backend="inductor" does.
 ``mode`` maps to inductor's modes (torch._inductor.list_mode_options: reduce-overhead = CUDA graphs).
@@ -32,6 +35,7 @@ import torch.fx as fx
 __all__ = ["vdcompile_backend", "INNER_COMPILERS", "parse_options"]
 
 INNER_COMPILERS = ("inductor", "aot_eager", "eager")
+ATTENTION_KERNELS = ("auto", "vd")
 
 # Collectors of (report, rewritten graph) pairs, installed by vdcompile.explain.
 _SINKS: list[list] = []
@@ -44,10 +48,12 @@ def _families():
 
 
 def parse_options(mode: str | None, options: dict | None):
-    """(enabled families, inner compiler, inductor config patches); raises ValueError on a bad option."""
+    """(enabled families, inner compiler, inductor config patches, attention kernels); raises
+    ValueError on a bad option."""
     families = _families()
     enabled = set(families)
     inner = "inductor"
+    attention_kernels = "auto"
     inductor_opts: dict[str, Any] = {}
     valid_inductor = set(torch._inductor.list_options())
     for key, val in (options or {}).items():
@@ -60,12 +66,17 @@ def parse_options(mode: str | None, options: dict | None):
             if val not in INNER_COMPILERS:
                 raise ValueError(f"vdcompile option inner_compiler must be one of {INNER_COMPILERS}, got {val!r}")
             inner = val
+        elif key == "attention_kernels":
+            if val not in ATTENTION_KERNELS:
+                raise ValueError(f"vdcompile option attention_kernels must be one of {ATTENTION_KERNELS}, got {val!r}")
+            attention_kernels = val
         elif key.replace("-", "_") in valid_inductor:
             inductor_opts[key.replace("-", "_")] = val
         else:
             raise ValueError(
                 f"unknown vdcompile option {key!r}. Valid options: the rewrites {', '.join(families)} (bool); "
-                f"inner_compiler ({' | '.join(INNER_COMPILERS)}); or an inductor option "
+                f"inner_compiler ({' | '.join(INNER_COMPILERS)}); attention_kernels ({' | '.join(ATTENTION_KERNELS)}); "
+                "or an inductor option "
                 "(see torch._inductor.list_options())")
     if inner != "inductor" and (inductor_opts or (mode and mode != "default")):
         raise ValueError(f"mode and inductor options need inner_compiler='inductor', got {inner!r}")
@@ -75,7 +86,7 @@ def parse_options(mode: str | None, options: dict | None):
 
         patches.update(list_mode_options(mode))  # raises on an unknown mode, listing the valid ones
     patches.update(inductor_opts)
-    return enabled, inner, patches
+    return enabled, inner, patches, attention_kernels
 
 
 def vdcompile_backend(gm: fx.GraphModule, example_inputs, mode: str | None = None, options: dict | None = None):
@@ -83,12 +94,12 @@ def vdcompile_backend(gm: fx.GraphModule, example_inputs, mode: str | None = Non
     import vdcompile  # noqa: F401  (registers torch.ops.vd: the rewrites emit them)
     from vdcompile.passes import _common, apply
 
-    enabled, inner, patches = parse_options(mode, options)
+    enabled, inner, patches, attention_kernels = parse_options(mode, options)
     # Inductor folds weights into constants only when freezing is set globally (dynamo then treats
     # parameters as constants); an options={"freezing": True} patch alone folds nothing.
     freezing = inner == "inductor" and bool(torch._inductor.config.freezing)
     ctx = _common.Context(fake_mode=_common.graph_fake_mode(gm, example_inputs), freezing=freezing,
-                          grad_enabled=torch.is_grad_enabled())
+                          grad_enabled=torch.is_grad_enabled(), attention_kernels=attention_kernels)
     report = _common.Report()
     gm = apply(gm, enabled, ctx, report)
     _publish(report, gm)

@@ -6,10 +6,12 @@
 // gradient. strided_attention runs the same kernels on the k[:, :, ::stride] / v[:, :, ::stride]
 // views, and its backward writes dk / dv through the matching views of zero-filled gradients.
 //
-// Forward, two kernels:
+// Forward, three kernels:
+//   short: fp16/bf16 with q_len, kv_len <= 32 (temporal attention over frames): a warp per (b, h)
+//         problem, tensor cores, the next problem prefetched with cp.async; memory-bound by design.
 //   rows: a block per (b, h, 16 query rows), key/value tiles of 32 staged in shared memory, a warp
-//         per query row with one key per lane and the online softmax in registers. Serves the short
-//         sequences (temporal attention), float32/float64 and head dims that are not multiples of 8.
+//         per query row with one key per lane and the online softmax in registers. Serves
+//         float32/float64, head dims that are not multiples of 8 and the short cases above misses.
 //   mma:  flash-style tiles (64 queries x 64 keys, 32 keys for head_dim > 128) for fp16/bf16 on the
 //         tensor cores (mma.sync m16n8k16, float accumulators), K/V tiles double-buffered with
 //         cp.async. Serves long sequences.
@@ -25,6 +27,7 @@
 #include <cuda_fp16.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <limits>
 #include <type_traits>
@@ -526,6 +529,198 @@ __global__ void __launch_bounds__(kMmaThreads) attn_fwd_mma_kernel(const AttnArg
 }
 
 // ---------------------------------------------------------------------------------------------
+// Forward, "short" kernel: fp16/bf16 with q_len, kv_len <= 32 (temporal attention over frames).
+// Each (b, h) problem is a few KB, so the kernel is bound by moving q, k, v and o once. A warp owns
+// a problem at a time with no block barriers: it prefetches its next problem's q, k, v with
+// cp.async into the other half of its own double buffer while it computes this one on the tensor
+// cores (S = Q K^T and O = P V as mma.sync m16n8k16 over 16-row tiles, a plain softmax in
+// registers: all keys are on chip). The output goes through shared memory so that global stores
+// are whole 16-byte vectors. Persistent warps stride over the problems.
+// LP: q_len and kv_len padded to 16 or 32; DP: head_dim padded to 64 or 128.
+template <int LP, int DP>
+struct ShortTile {
+  static constexpr int LDS = DP + 8;  // padded row: ldmatrix rows fall in distinct banks
+  static constexpr int stage_elems = 3 * LP * LDS;  // Q, K, V
+  static constexpr size_t warp_bytes = static_cast<size_t>(2 * stage_elems) * 2;
+  // About 56 KB of shared memory per block: 4 blocks per SM at the smallest tile.
+  static constexpr int warps = warp_bytes <= 14 * 1024 ? 4 : warp_bytes <= 28 * 1024 ? 2 : 1;
+  static constexpr size_t smem_bytes = warps * warp_bytes;
+};
+
+__device__ __forceinline__ void cp_async_wait_one() { asm volatile("cp.async.wait_group 1;\n" ::: "memory"); }
+
+template <typename scalar_t, int LP, int DP>
+__global__ void __launch_bounds__(ShortTile<LP, DP>::warps * 32)
+    attn_fwd_short_kernel(const AttnArgs<scalar_t, float> a) {
+  using T = ShortTile<LP, DP>;
+  constexpr int LDS = T::LDS;
+  constexpr int MT = LP / 16;  // 16-row query tiles
+  constexpr int NT = LP / 8;   // 8-key column tiles of S
+  constexpr int KS = DP / 16;  // k-steps of Q K^T
+  constexpr int DT = DP / 8;   // 8-dim column tiles of O
+  using MT_ = MmaTraits<scalar_t>;
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane >> 2, tig = lane & 3;
+  scalar_t* buf = reinterpret_cast<scalar_t*>(dyn_smem()) + static_cast<size_t>(warp) * 2 * T::stage_elems;
+
+  // Rows past q_len / kv_len and dims past head_dim stay zero for the whole kernel: loads only
+  // ever write the valid part, so padded keys contribute exactly 0 (and never 0 * garbage).
+  {
+    uint4* z = reinterpret_cast<uint4*>(buf);
+    for (int e = lane; e < 2 * T::stage_elems / 8; e += 32) z[e] = make_uint4(0, 0, 0, 0);
+  }
+  __syncwarp();
+
+  const int D = a.D, CH = D / 8;
+  const int Lq = static_cast<int>(a.Lq), Lk = static_cast<int>(a.Lk);
+  const int64_t P = a.B * a.H;
+  const int64_t step = static_cast<int64_t>(gridDim.x) * T::warps;
+
+  auto load = [&](int st, int64_t p) {
+    const int64_t b = p / a.H, h = p % a.H;
+    const scalar_t* qh = a.q.head(b, h);
+    const scalar_t* kh = a.k.head(b, h);
+    const scalar_t* vh = a.v.head(b, h);
+    scalar_t* Qs = buf + st * T::stage_elems;
+    scalar_t* Ks = Qs + LP * LDS;
+    scalar_t* Vs = Ks + LP * LDS;
+    for (int e = lane; e < Lq * CH; e += 32) {
+      const int r = e / CH, c = e - r * CH;
+      cp_async16(Qs + r * LDS + c * 8, qh + r * a.q.sl + c * 8, true);
+    }
+    for (int e = lane; e < Lk * CH; e += 32) {
+      const int r = e / CH, c = e - r * CH;
+      cp_async16(Ks + r * LDS + c * 8, kh + r * a.k.sl + c * 8, true);
+      cp_async16(Vs + r * LDS + c * 8, vh + r * a.v.sl + c * 8, true);
+    }
+  };
+
+  const float sl2 = a.scale * kLog2e;
+  int64_t p = static_cast<int64_t>(blockIdx.x) * T::warps + warp;
+  if (p < P) load(0, p);
+  cp_async_commit();
+  for (int it = 0; p < P; ++it, p += step) {
+    const int st = it & 1;
+    if (p + step < P) load(st ^ 1, p + step);
+    cp_async_commit();
+    cp_async_wait_one();  // this problem's group has landed (the prefetch may still be in flight)
+    __syncwarp();
+
+    scalar_t* Qs = buf + st * T::stage_elems;
+    const scalar_t* Ks = Qs + LP * LDS;
+    const scalar_t* Vs = Ks + LP * LDS;
+    const int64_t b = p / a.H, h = p % a.H;
+    const int64_t moff = b * a.mask.sb + h * a.mask.sh;
+
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      if (mt * 16 >= Lq) break;
+      float s[NT][4];
+#pragma unroll
+      for (int j = 0; j < NT; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+#pragma unroll
+      for (int ks = 0; ks < KS; ++ks) {
+        if (ks * 16 >= D) break;
+        unsigned af[4];
+        ldmatrix_x4(af, Qs + (mt * 16 + (lane % 8) + ((lane / 8) % 2) * 8) * LDS + ks * 16 + (lane / 16) * 8);
+#pragma unroll
+        for (int j = 0; j < NT; j += 2) {
+          unsigned bf[4];
+          ldmatrix_x4(bf, Ks + (j * 8 + (lane / 16) * 8 + (lane % 8)) * LDS + ks * 16 + ((lane / 8) % 2) * 8);
+          MT_::mma(s[j], af, bf[0], bf[1]);
+          MT_::mma(s[j + 1], af, bf[2], bf[3]);
+        }
+      }
+
+      // Scale, mask and bounds in log2 units; every key is here, so a plain softmax per row.
+      float mx[2] = {neg_inf<float>(), neg_inf<float>()};
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = j * 8 + 2 * tig + (e & 1);
+          const int row = mt * 16 + g + (e >> 1) * 8;
+          float x = s[j][e] * sl2;
+          if (key >= Lk) {
+            x = neg_inf<float>();
+          } else if (a.mask.kind != kNoMask && row < Lq) {
+            x += mask_add<scalar_t, float>(a.mask, moff + row * a.mask.sq + key * a.mask.sk) * kLog2e;
+          }
+          s[j][e] = x;
+          mx[e >> 1] = fmaxf(mx[e >> 1], x);
+        }
+      }
+      float l[2] = {0.f, 0.f};
+#pragma unroll
+      for (int rr = 0; rr < 2; ++rr) {
+        mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(kFullMask, mx[rr], 1));
+        mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(kFullMask, mx[rr], 2));
+      }
+      const float m_use[2] = {mx[0] == neg_inf<float>() ? 0.f : mx[0], mx[1] == neg_inf<float>() ? 0.f : mx[1]};
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float pe = exp2f(s[j][e] - m_use[e >> 1]);
+          s[j][e] = pe;
+          l[e >> 1] += pe;
+        }
+      }
+#pragma unroll
+      for (int rr = 0; rr < 2; ++rr) {
+        l[rr] += __shfl_xor_sync(kFullMask, l[rr], 1);
+        l[rr] += __shfl_xor_sync(kFullMask, l[rr], 2);
+      }
+
+      // O = P V: the S accumulators of key tiles 2kk, 2kk + 1 are the A fragment of k-step kk.
+      float o[DT][4];
+#pragma unroll
+      for (int j = 0; j < DT; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+#pragma unroll
+      for (int kk = 0; kk < LP / 16; ++kk) {
+        if (kk * 16 >= Lk) break;
+        const unsigned pa[4] = {MT_::pack(s[2 * kk][0], s[2 * kk][1]), MT_::pack(s[2 * kk][2], s[2 * kk][3]),
+                                MT_::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                                MT_::pack(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+        for (int j = 0; j < DT; j += 2) {
+          if (j * 8 >= D) break;
+          unsigned vb[4];
+          ldmatrix_x4_trans(vb, Vs + (kk * 16 + ((lane / 8) % 2) * 8 + (lane % 8)) * LDS + j * 8 + (lane / 16) * 8);
+          MT_::mma(o[j], pa, vb[0], vb[1]);
+          MT_::mma(o[j + 1], pa, vb[2], vb[3]);
+        }
+      }
+
+      // Normalise into this tile's Q rows (no longer read) as the staging area for the stores.
+#pragma unroll
+      for (int rr = 0; rr < 2; ++rr) {
+        const int row = mt * 16 + g + rr * 8;
+        if (row >= Lq) continue;
+        const float inv = l[rr] > 0.f ? 1.f / l[rr] : 0.f;
+#pragma unroll
+        for (int j = 0; j < DT; ++j) {
+          const int d = j * 8 + 2 * tig;
+          if (d < D)
+            *reinterpret_cast<unsigned*>(Qs + row * LDS + d) = MT_::pack(o[j][2 * rr] * inv, o[j][2 * rr + 1] * inv);
+        }
+        if (tig == 0)
+          a.lse_out[p * Lq + row] = l[rr] > 0.f ? (mx[rr] + log2f(l[rr])) * kLn2 : neg_inf<float>();
+      }
+    }
+    __syncwarp();
+    scalar_t* orow = a.out + p * Lq * D;
+    for (int e = lane; e < Lq * CH; e += 32) {
+      const int r = e / CH, c = e - r * CH;
+      *reinterpret_cast<uint4*>(orow + r * D + c * 8) = *reinterpret_cast<const uint4*>(Qs + r * LDS + c * 8);
+    }
+    __syncwarp();  // the staging reads are done before this stage is refilled
+  }
+  cp_async_wait_all();
+}
+
+// ---------------------------------------------------------------------------------------------
 // Backward.
 
 // delta[bh, i] = sum_d dO * O - grad_lse: a warp per row.
@@ -821,6 +1016,48 @@ bool mma_forward(const char* op, const at::Tensor& q, const at::Tensor& k, const
   }
 }
 
+// Persistent grid: as many blocks as fit on the device at once (the warps stride over problems).
+template <typename Kernel>
+unsigned persistent_blocks(Kernel kernel, int threads, size_t smem, int64_t work_blocks) {
+  int dev = 0, sms = 0, per_sm = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&dev));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
+  const int64_t resident = static_cast<int64_t>(sms) * std::max(per_sm, 1);
+  return static_cast<unsigned>(std::max<int64_t>(1, std::min(resident, work_blocks)));
+}
+
+// The short-sequence tensor-core kernel: fp16 / bf16, q_len and kv_len <= 32, head_dim <= 128 and a
+// multiple of 8. Returns false where another kernel is used.
+template <typename scalar_t>
+bool short_forward(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                   const at::Tensor& mask, double scale, at::Tensor& out, at::Tensor& lse, cudaStream_t stream) {
+  if constexpr (!std::is_same_v<scalar_t, at::Half> && !std::is_same_v<scalar_t, at::BFloat16>) {
+    return false;
+  } else {
+    const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), Lk = k.size(2), D = q.size(3);
+    if (D % 8 != 0 || D > 128 || Lq > 32 || Lk > 32) return false;
+    const at::Tensor q2 = mma_ready(q), k2 = mma_ready(k), v2 = mma_ready(v);
+    auto a = base_args<scalar_t, float>(q2, k2, v2, mask, scale);
+    a.out = out.mutable_data_ptr<scalar_t>();
+    a.lse_out = lse.mutable_data_ptr<float>();
+    auto launch = [&](auto tile, auto kernel) {
+      using T = decltype(tile);
+      constexpr int threads = T::warps * 32;
+      set_smem(kernel, T::smem_bytes, op);
+      const unsigned blocks = persistent_blocks(kernel, threads, T::smem_bytes, ceil_div(B * H, T::warps));
+      kernel<<<blocks, threads, T::smem_bytes, stream>>>(a);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    };
+    const bool l16 = Lq <= 16 && Lk <= 16;
+    if (l16 && D <= 64) launch(ShortTile<16, 64>{}, attn_fwd_short_kernel<scalar_t, 16, 64>);
+    else if (l16) launch(ShortTile<16, 128>{}, attn_fwd_short_kernel<scalar_t, 16, 128>);
+    else if (D <= 64) launch(ShortTile<32, 64>{}, attn_fwd_short_kernel<scalar_t, 32, 64>);
+    else launch(ShortTile<32, 128>{}, attn_fwd_short_kernel<scalar_t, 32, 128>);
+    return true;
+  }
+}
+
 // q, k, v already validated; mask undefined or expanded to (B, H, Lq, Lk).
 std::tuple<at::Tensor, at::Tensor> attention_forward(const char* op, const at::Tensor& q, const at::Tensor& k,
                                                      const at::Tensor& v, const at::Tensor& mask, double scale) {
@@ -831,6 +1068,7 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(const char* op, const at::T
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "fused_attention_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
+    if (short_forward<scalar_t>(op, q, k, v, mask, scale, out, lse, stream)) return;
     if (mma_forward<scalar_t>(op, q, k, v, mask, scale, out, lse, stream)) return;
     auto a = base_args<scalar_t, acc_t>(q, k, v, mask, scale);
     a.out = out.mutable_data_ptr<scalar_t>();

@@ -324,6 +324,7 @@ class Match:
         self.nodes: dict[fx.Node, fx.Node] = {}  # pattern node -> graph node
         self.extra: dict[str, Any] = {}
         self.outputs: list[fx.Node] = [root]
+        self.ctx: Context | None = None  # set by run_rewrites before the check
 
     def __getitem__(self, name):
         return self.bindings[name]
@@ -579,6 +580,8 @@ class Context:
     # graph is then re-checked on the example values before it is used.
     layout_families: set = dataclasses.field(default_factory=set)
     autocast_reason: str | None = None
+    # "auto": keep SDPA where its own kernels are measured faster than vd's; "vd": always vd's.
+    attention_kernels: str = "auto"
 
 
 def graph_fake_mode(gm: fx.GraphModule, example_inputs=()):
@@ -746,6 +749,7 @@ def run_rewrites(gm: fx.GraphModule, rewrites: list[Rewrite], report: Report, ct
             m = match(rw, node)
             if m is None:
                 continue
+            m.ctx = ctx
             reason = rw.check(m)
             if reason is SKIP:
                 continue

@@ -9,6 +9,12 @@ Matched forms:
   - the textbook matmul -> scale -> softmax -> (cast) -> matmul on 3-D or 4-D tensors.
 Masks are taken with SDPA only: SDPA and the op both give 0 for a row whose keys are all masked
 out, where an additive mask before a plain softmax gives NaN.
+
+With the backend's default attention_kernels="auto", an SDPA call on CUDA in fp16/bf16 is kept as
+it is unless q_len and kv_len are both <= 32: there vd's short-sequence kernel is faster than every
+SDPA backend (temporal attention over frames), while for longer sequences PyTorch's cuDNN / flash
+kernels are faster than vd's tensor-core kernel (bench/attention.py; bench/notes/attention.md).
+The textbook and bmm forms are always rewritten: vd's kernels beat their unfused matmuls.
 """
 from __future__ import annotations
 
@@ -94,7 +100,22 @@ def _mask_ok(mask, q, k) -> str | None:
 def _check_sdpa(m: Match):
     q, k, v, mask = m.val("q"), m.val("k"), m.val("v"), m.val("attn_mask")
     return (_sdpa_flags(m) or _shapes(q, k, v) or _mask_ok(mask, q, k)
-            or kernel_missing(_OP, q, k, v) or _same_device(mask, q))
+            or kernel_missing(_OP, q, k, v) or _same_device(mask, q) or _sdpa_faster(m, q, k))
+
+
+SHORT_MAX = 32  # q_len and kv_len up to which vd's short-sequence CUDA kernel is used
+
+
+def _sdpa_faster(m: Match, q, k) -> str | None:
+    if m.ctx is not None and m.ctx.attention_kernels == "vd":
+        return None
+    if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16):
+        return None
+    lq, lk = static_int(q.shape[2]), static_int(k.shape[2])
+    if lq is not None and lk is not None and lq <= SHORT_MAX and lk <= SHORT_MAX:
+        return None
+    return (f"SDPA kept: its CUDA kernels are faster than vd's beyond {SHORT_MAX} tokens "
+            "(options={'attention_kernels': 'vd'} forces vd)")
 
 
 def _same_device(mask, q) -> str | None:
