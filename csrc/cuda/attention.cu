@@ -535,14 +535,18 @@ __global__ void __launch_bounds__(kMmaThreads) attn_fwd_mma_kernel(const AttnArg
 // cp.async into the other half of its own double buffer while it computes this one on the tensor
 // cores (S = Q K^T and O = P V as mma.sync m16n8k16 over 16-row tiles, a plain softmax in
 // registers: all keys are on chip). The output goes through shared memory so that global stores
-// are whole 16-byte vectors. Persistent warps stride over the problems.
+// are whole 16-byte vectors. Persistent warps stride over the problems. Larger tiles drop the
+// prefetch and keep 16 warps per SM instead (see ShortTile).
 // LP: q_len and kv_len padded to 16 or 32; DP: head_dim padded to 64 or 128.
 template <int LP, int DP>
 struct ShortTile {
   static constexpr int LDS = DP + 8;  // padded row: ldmatrix rows fall in distinct banks
   static constexpr int stage_elems = 3 * LP * LDS;  // Q, K, V
-  static constexpr size_t warp_bytes = static_cast<size_t>(2 * stage_elems) * 2;
-  // About 56 KB of shared memory per block: 4 blocks per SM at the smallest tile.
+  static constexpr size_t stage_bytes = static_cast<size_t>(stage_elems) * 2;
+  // 16 warps per SM (4 blocks of about 56 KB) carry more bytes in flight than fewer warps with
+  // a prefetch each: the double buffer is used only where two stages fit in that budget.
+  static constexpr int stages = 2 * stage_bytes <= 14 * 1024 ? 2 : 1;
+  static constexpr size_t warp_bytes = stages * stage_bytes;
   static constexpr int warps = warp_bytes <= 14 * 1024 ? 4 : warp_bytes <= 28 * 1024 ? 2 : 1;
   static constexpr size_t smem_bytes = warps * warp_bytes;
 };
@@ -562,13 +566,14 @@ __global__ void __launch_bounds__(ShortTile<LP, DP>::warps * 32)
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane >> 2, tig = lane & 3;
-  scalar_t* buf = reinterpret_cast<scalar_t*>(dyn_smem()) + static_cast<size_t>(warp) * 2 * T::stage_elems;
+  constexpr int S = T::stages;
+  scalar_t* buf = reinterpret_cast<scalar_t*>(dyn_smem()) + static_cast<size_t>(warp) * S * T::stage_elems;
 
   // Rows past q_len / kv_len and dims past head_dim stay zero for the whole kernel: loads only
   // ever write the valid part, so padded keys contribute exactly 0 (and never 0 * garbage).
   {
     uint4* z = reinterpret_cast<uint4*>(buf);
-    for (int e = lane; e < 2 * T::stage_elems / 8; e += 32) z[e] = make_uint4(0, 0, 0, 0);
+    for (int e = lane; e < S * T::stage_elems / 8; e += 32) z[e] = make_uint4(0, 0, 0, 0);
   }
   __syncwarp();
 
@@ -577,41 +582,50 @@ __global__ void __launch_bounds__(ShortTile<LP, DP>::warps * 32)
   const int64_t P = a.B * a.H;
   const int64_t step = static_cast<int64_t>(gridDim.x) * T::warps;
 
+  // Chunk loops run over the padded tile (a trip count known at compile time) with a predicate.
+  constexpr int DCH = DP / 8;
   auto load = [&](int st, int64_t p) {
-    const int64_t b = p / a.H, h = p % a.H;
+    const int64_t b = p / a.H, h = p - b * a.H;
     const scalar_t* qh = a.q.head(b, h);
     const scalar_t* kh = a.k.head(b, h);
     const scalar_t* vh = a.v.head(b, h);
     scalar_t* Qs = buf + st * T::stage_elems;
     scalar_t* Ks = Qs + LP * LDS;
     scalar_t* Vs = Ks + LP * LDS;
-    for (int e = lane; e < Lq * CH; e += 32) {
-      const int r = e / CH, c = e - r * CH;
-      cp_async16(Qs + r * LDS + c * 8, qh + r * a.q.sl + c * 8, true);
-    }
-    for (int e = lane; e < Lk * CH; e += 32) {
-      const int r = e / CH, c = e - r * CH;
-      cp_async16(Ks + r * LDS + c * 8, kh + r * a.k.sl + c * 8, true);
-      cp_async16(Vs + r * LDS + c * 8, vh + r * a.v.sl + c * 8, true);
+#pragma unroll
+    for (int e = lane; e < LP * DCH; e += 32) {
+      const int r = e / DCH, c = e % DCH;
+      if (c < CH) {
+        if (r < Lq) cp_async16(Qs + r * LDS + c * 8, qh + r * a.q.sl + c * 8, true);
+        if (r < Lk) {
+          cp_async16(Ks + r * LDS + c * 8, kh + r * a.k.sl + c * 8, true);
+          cp_async16(Vs + r * LDS + c * 8, vh + r * a.v.sl + c * 8, true);
+        }
+      }
     }
   };
 
   const float sl2 = a.scale * kLog2e;
   int64_t p = static_cast<int64_t>(blockIdx.x) * T::warps + warp;
-  if (p < P) load(0, p);
+  if (S == 2 && p < P) load(0, p);
   cp_async_commit();
   for (int it = 0; p < P; ++it, p += step) {
-    const int st = it & 1;
-    if (p + step < P) load(st ^ 1, p + step);
-    cp_async_commit();
-    cp_async_wait_one();  // this problem's group has landed (the prefetch may still be in flight)
+    const int st = S == 2 ? it & 1 : 0;
+    if constexpr (S == 2) {
+      if (p + step < P) load(st ^ 1, p + step);
+      cp_async_commit();
+      cp_async_wait_one();  // this problem's group has landed (the prefetch may still be in flight)
+    } else {
+      load(0, p);
+      cp_async_commit();
+      cp_async_wait_all();
+    }
     __syncwarp();
 
     scalar_t* Qs = buf + st * T::stage_elems;
     const scalar_t* Ks = Qs + LP * LDS;
     const scalar_t* Vs = Ks + LP * LDS;
-    const int64_t b = p / a.H, h = p % a.H;
-    const int64_t moff = b * a.mask.sb + h * a.mask.sh;
+    const int64_t moff = a.mask.kind == kNoMask ? 0 : (p / a.H) * a.mask.sb + (p % a.H) * a.mask.sh;
 
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
@@ -711,9 +725,11 @@ __global__ void __launch_bounds__(ShortTile<LP, DP>::warps * 32)
     }
     __syncwarp();
     scalar_t* orow = a.out + p * Lq * D;
-    for (int e = lane; e < Lq * CH; e += 32) {
-      const int r = e / CH, c = e - r * CH;
-      *reinterpret_cast<uint4*>(orow + r * D + c * 8) = *reinterpret_cast<const uint4*>(Qs + r * LDS + c * 8);
+#pragma unroll
+    for (int e = lane; e < LP * DCH; e += 32) {
+      const int r = e / DCH, c = e % DCH;
+      if (r < Lq && c < CH)
+        *reinterpret_cast<uint4*>(orow + r * D + c * 8) = *reinterpret_cast<const uint4*>(Qs + r * LDS + c * 8);
     }
     __syncwarp();  // the staging reads are done before this stage is refilled
   }

@@ -1,0 +1,28 @@
+"""One warm call of a vd op on a benchmark shape, for profilers (ncu, nsys, compute-sanitizer):
+    ncu --set full -k regex:attn_fwd python bench/one_call.py attention temporal-14a
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+import vdcompile  # noqa: F401  (registers torch.ops.vd)
+from bench.attention import SHAPES
+
+
+def main():
+    what, name = sys.argv[1], sys.argv[2]
+    dtype = torch.float16 if "--fp16" in sys.argv else torch.bfloat16
+    if what != "attention":
+        raise SystemExit(f"unknown op family {what!r}")
+    shape = {s[0]: s[1:] for s in SHAPES}[name]
+    B, H, L, D = shape
+    q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=dtype) for _ in range(3))
+    for _ in range(2):
+        torch.ops.vd.fused_attention(q, k, v, None, None)
+    torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()
