@@ -27,6 +27,13 @@ def _x(*shape):
     return torch.randn(*shape).requires_grad_()
 
 
+def _plain_bmm(q, k, v):
+    """Attention.get_attention_scores and bmm on (B*H, L, D) tensors, without the head split."""
+    bias = torch.empty(q.shape[0], q.shape[1], k.shape[1])
+    s = torch.baddbmm(bias, q, k.transpose(-1, -2), beta=0, alpha=0.25)
+    return torch.bmm(s.softmax(dim=-1).to(q.dtype), v)
+
+
 class SDPA(nn.Module):
     """An SDPA call with the flags the op must refuse."""
 
@@ -179,13 +186,8 @@ def forward(hidden_states, to_k.weight, to_out.0.bias, to_out.0.weight, to_q.wei
         assert_fired(out, {})
 
     def test_plain_bmm_without_head_split(self):
-        def f(q, k, v):
-            bias = torch.empty(q.shape[0], q.shape[1], k.shape[1])
-            s = torch.baddbmm(bias, q, k.transpose(-1, -2), beta=0, alpha=0.25)
-            return torch.bmm(s.softmax(dim=-1).to(q.dtype), v)
-
         args = (_x(6, 5, 16), _x(6, 7, 16), _x(6, 7, 16))
-        assert_fired(compare_with_eager(f, *args), {"attention": 1})
+        assert_fired(compare_with_eager(_plain_bmm, *args), {"attention": 1})
 
 
 class TestNaive(TestCase):
@@ -307,3 +309,56 @@ def test_cuda_sdpa_kept_where_vendor_is_faster(length, fires):
         assert_rejected(out, "attention", "SDPA kept")
     assert_fired(rewrite(SDPA(), q, k, v, options={"attention_kernels": "vd"})[0], {"attention": 1})
     compare_with_eager(SDPA(), q, k, v, grad=False, atol=2e-2, rtol=2e-2)
+
+
+class TestSingleKeyAttnProcessor(TestCase):
+    """The same single-key cross-attention through AttnProcessor (baddbmm, softmax, bmm)."""
+
+    def test_inference(self):
+        a = _attn(AttnProcessor(), cross=16).eval()
+        x, ctx = torch.randn(2, 10, 32), torch.randn(2, 1, 16)
+        out = compare_with_eager(a, x, ctx, grad=False, atol=0, rtol=0)  # exact
+        assert_fired(out, {"single_key_attention": 1})
+        self.assertExpectedInline(code(out), """\
+def forward(encoder_hidden_states, hidden_states, to_k.weight, to_out.0.bias, to_out.0.weight, to_q.weight, to_v.weight):
+    v0 = F.linear(encoder_hidden_states, to_v.weight, None)
+    v1 = v0.reshape(2, 1, 4, 8)
+    v2 = v1.permute(0, 2, 1, 3)
+    v3 = v2.reshape(8, 1, 8)
+    v4 = v3.expand(8, 10, 8)
+    v5 = v4.contiguous()
+    v6 = v5.reshape(2, 4, 10, 8)
+    v7 = v6.permute(0, 2, 1, 3)
+    v8 = v7.reshape(2, 10, 32)
+    v9 = F.linear(v8, to_out.0.weight, to_out.0.bias)
+    v10 = F.dropout(v9, 0.0, False, False)
+    v11 = operator.truediv(v10, 1.0)
+    return (v11,)""")
+
+    def test_backward_through_v(self):
+        # Only v's side trains (to_q, to_k frozen): gradients match eager's.
+        a = _attn(AttnProcessor(), cross=16)
+        a.to_q.requires_grad_(False)
+        a.to_k.requires_grad_(False)
+        out = compare_with_eager(a, torch.randn(2, 10, 32), torch.randn(2, 1, 16))
+        assert_fired(out, {"single_key_attention": 1})
+        # With q or k trainable, eager's exact zero gradients are kept by not rewriting.
+        out = compare_with_eager(_attn(AttnProcessor(), cross=16), _x(2, 10, 32), _x(2, 1, 16))
+        assert_fired(out, {"attention": 1})
+        assert_rejected(out, "single_key_attention", "requires grad")
+
+    def test_plain_bmm(self):
+        out = compare_with_eager(_plain_bmm, torch.randn(6, 5, 16), torch.randn(6, 1, 16), _x(6, 1, 16))
+        assert_fired(out, {"single_key_attention": 1})
+        self.assertNotIn("baddbmm", code(out))
+
+    def test_two_keys_is_attention(self):
+        a = _attn(AttnProcessor(), cross=16).eval()
+        out = compare_with_eager(a, torch.randn(2, 10, 32), torch.randn(2, 2, 16), grad=False)
+        assert_fired(out, {"attention": 1})
+
+    def test_mask_refused(self):
+        a = _attn(AttnProcessor(), cross=16).eval()
+        with torch.no_grad():
+            out, _ = rewrite(a, torch.randn(2, 10, 32), torch.randn(2, 1, 16), attention_mask=torch.zeros(2, 1, 1))
+        assert_rejected(out, "single_key_attention", "mask")

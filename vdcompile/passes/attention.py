@@ -239,6 +239,44 @@ def _check_bmm_split(m: Match):
     return _softmax_cast_ok(m, q.dtype) or _shapes(q4, k4, v4) or kernel_missing(_OP, q, k, v)
 
 
+# Single key in AttnProcessor's form (cross-attention to one token through baddbmm/bmm): the
+# probabilities are all 1, so the output is the (head-split) v repeated over the queries.
+def _replacement_bmm_split_one_key(v, b, h, d, bh, lq):
+    v3 = v.reshape(b, 1, h, d).permute(0, 2, 1, 3).reshape(bh, 1, d)
+    return v3.expand(bh, lq, d).contiguous()  # dense, like bmm's output
+
+
+def _replacement_bmm_one_key(q, v):
+    return v.expand(-1, q.size(1), -1).contiguous()
+
+
+def _check_one_key_bmm(m: Match, lk):
+    if lk != 1:
+        return SKIP
+    if m["beta"] != 0:
+        return "a mask could mask out the only key"
+    v = m.val("v")
+    if requires_grad(m["q"]) or requires_grad(m["k"]):
+        return "q or k requires grad"  # eager gives them zero gradients, the rewrite none
+    return _softmax_cast_ok(m, v.dtype)
+
+
+def _check_bmm_split_one_key(m: Match):
+    ints = [m[n] for n in ("b", "h", "d", "bh", "lq", "lk")]
+    if not all(isinstance(x, int) for x in ints):
+        return SKIP if m["lk"] != 1 else "head split sizes are not constants"
+    reason = _check_one_key_bmm(m, m["lk"])
+    return reason or _check_bmm_split(m)
+
+
+def _check_bmm_one_key(m: Match):
+    k = m.val("k")
+    if not isinstance(k, torch.Tensor) or k.dim() != 3:
+        return SKIP
+    reason = _check_one_key_bmm(m, static_int(k.shape[1]))
+    return reason or _check_bmm(m)
+
+
 # ---------------------------------------------------------------------------------------------------
 # Textbook attention: q @ k^T -> scale -> softmax -> (cast) -> @ v, 3-D or 4-D
 # ---------------------------------------------------------------------------------------------------
@@ -292,6 +330,9 @@ def _naive(scale_form: str, masked: bool, cast: bool):
 
 REWRITES = [
     Rewrite(SINGLE_KEY, "sdpa_one_key", _pattern_sdpa, _replacement_single_key, _check_single_key),
+    Rewrite(SINGLE_KEY, "bmm_head_split_one_key", _pattern_bmm_split, _replacement_bmm_split_one_key,
+            _check_bmm_split_one_key),
+    Rewrite(SINGLE_KEY, "bmm_one_key", _pattern_bmm, _replacement_bmm_one_key, _check_bmm_one_key),
     Rewrite(FAMILY, "sdpa", _pattern_sdpa, _replacement_sdpa, _check_sdpa),
     Rewrite(FAMILY, "bmm_head_split", _pattern_bmm_split, _replacement_bmm_split, _check_bmm_split),
     Rewrite(FAMILY, "bmm", _pattern_bmm, _replacement_bmm, _check_bmm),
