@@ -131,3 +131,93 @@ def test_large_mean_small_spread(device, channels_last):
     out = group_norm_silu(x, 4)
     ref = reference_group_norm_silu(x.double(), 4)
     assert_close_to(out, ref, torch.float32, factor=5)
+
+
+CUDA = [p for p in DEVICES if p.id == "cuda"]
+
+# Forward paths of the CUDA kernel: a group of cpg * S elements that is a whole number of 16-byte
+# vectors is held on chip by a cluster of 1, 2, 4 or 8 blocks when it fits (up to 196608 16-bit or
+# 98304 fp32 elements, cpg <= 4096); other groups take the two-pass path. Comments give M = cpg * S.
+FORWARD_CASES = [
+    ((2, 64, 16, 16), 32),       # M 512: one block
+    ((2, 1280, 18, 32), 32),     # M 23040: cluster of 2 (16-bit), 4 (fp32)
+    ((2, 640, 36, 64), 32),      # M 46080: cluster of 4 (16-bit), 8 (fp32)
+    ((2, 320, 72, 128), 32),     # M 92160: cluster of 8 with 8 (16-bit) or 12 (fp32) vectors a thread
+    ((1, 512, 72, 128), 32),     # M 147456: cluster of 8 with 12 vectors (16-bit), two-pass (fp32)
+    ((1, 64, 256, 256), 8),      # M 524288: two-pass
+    ((2, 24, 5, 7), 3),          # M 280, S 35: vectors straddle two channels
+    ((2, 16, 3), 2),             # M 24, S 3: a vector spans several channels
+    ((2, 40, 4, 4, 3), 4),       # 5-D, M 480
+    ((2, 6, 5, 7), 3),           # M 70: not whole vectors, two-pass
+    ((1, 8192, 2), 1),           # cpg 8192: over the on-chip channel table, two-pass
+]
+
+
+@pytest.mark.parametrize("device", CUDA)
+@pytest.mark.parametrize("shape,groups", FORWARD_CASES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_forward_paths(device, shape, groups, dtype):
+    torch.manual_seed(0)
+    C = shape[1]
+    x = (torch.randn(shape, device=device) * 3 + 1).to(dtype)
+    w, b = torch.randn(C, device=device, dtype=dtype), torch.randn(C, device=device, dtype=dtype)
+    for silu in (True, False):
+        out = group_norm_silu(x, groups, w, b, 1e-5, silu)
+        ref = reference_group_norm_silu(x.double(), groups, w.double(), b.double(), 1e-5, silu)
+        assert_close_to(out, ref, dtype, what=f"silu={silu}")
+    out = group_norm_silu(x, groups)
+    assert_close_to(out, reference_group_norm_silu(x.double(), groups), dtype, what="no affine")
+
+
+@pytest.mark.parametrize("device", CUDA)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_misaligned_input(device, dtype):
+    # One element into its storage: no 16-byte vectors, whatever the shape.
+    shape = (2, 320, 8, 16)
+    x = (torch.randn(torch.Size(shape).numel() + 1, device=device) * 2 - 1).to(dtype)[1:].view(shape)
+    assert x.data_ptr() % 16 != 0
+    w, b = torch.randn(320, device=device, dtype=dtype), torch.randn(320, device=device, dtype=dtype)
+    out = group_norm_silu(x, 32, w, b)
+    assert_close_to(out, reference_group_norm_silu(x.double(), 32, w.double(), b.double()), dtype)
+
+
+@pytest.mark.parametrize("device", CUDA)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cluster_blocks_share_statistics(device, dtype):
+    # Without affine, equal inputs of a group must give equal outputs, bit for bit, whichever block of
+    # the cluster holds them: every block must end with the same mean and rstd.
+    torch.manual_seed(0)
+    x = torch.randint(0, 5, (2, 320, 72, 128), device=device).to(dtype)
+    out = group_norm_silu(x, 32).reshape(2, 32, -1)
+    xg = x.reshape(2, 32, -1)
+    for n in range(2):
+        for g in (0, 31):
+            for v in range(5):
+                ys = out[n, g][xg[n, g] == v]
+                assert (ys == ys[0]).all(), f"group ({n}, {g}), x = {v}: {ys.unique().tolist()}"
+
+
+@pytest.mark.parametrize("device", CUDA)
+@pytest.mark.parametrize("shape,groups", [((2, 320, 72, 128), 32), ((1, 512, 72, 128), 32)])
+def test_large_mean_small_spread_on_chip(device, shape, groups):
+    # As test_large_mean_small_spread, over a group split across a cluster (and, fp32 (1, 512, ...),
+    # the two-pass path).
+    torch.manual_seed(0)
+    x = torch.randn(shape, device=device) * 0.05 + 1000
+    assert_close_to(group_norm_silu(x, groups), reference_group_norm_silu(x.double(), groups), torch.float32,
+                    factor=5)
+
+
+@pytest.mark.parametrize("device", CUDA)
+def test_over_2_31_elements(device):
+    # 1025 * 32 * 65536 > 2^31 elements: the last groups start past 2^31.
+    if torch.cuda.get_device_properties(device).total_memory < 24 * 2**30:
+        pytest.skip("needs 24 GiB of GPU memory")
+    shape = (1025, 32, 256, 256)
+    torch.manual_seed(0)
+    x = torch.randn(shape, device=device, dtype=torch.bfloat16)
+    w, b = torch.randn(32, device=device, dtype=torch.bfloat16), torch.randn(32, device=device, dtype=torch.bfloat16)
+    out = group_norm_silu(x, 32, w, b)
+    for sl in (slice(0, 1), slice(1023, 1025)):
+        ref = reference_group_norm_silu(x[sl].double(), 32, w.double(), b.double())
+        assert_close_to(out[sl], ref, torch.bfloat16, what=f"samples {sl}")

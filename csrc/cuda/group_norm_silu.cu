@@ -17,11 +17,18 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <cooperative_groups.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <torch/library.h>
 
 #include <cstdint>
 #include <initializer_list>
 #include <limits>
+#include <map>
+#include <mutex>
+#include <tuple>
+#include <type_traits>
 
 #include "../activation.h"
 #include "../norm.h"
@@ -572,6 +579,208 @@ __global__ void __launch_bounds__(kThreads) dx_cols_kernel(GNArgs<scalar_t, acc_
 }
 
 // ---------------------------------------------------------------------------------------------
+// Version 2 forward, NC* with 16-byte vectors: one read of x, one write of y. A group's cpg * S
+// contiguous elements are split over a cluster of K CTAs (K = 1 without clusters); each thread holds
+// up to V vectors of its CTA's part in registers from the load to the store. Statistics are two-pass
+// over the registers, in float, of d = x - pivot where pivot is the group's first element: d is small
+// wherever the mean dwarfs the spread, so the float sums keep the spread, and the mean is handed on
+// as (pivot, mean of d) like v1's (hi, lo) pair. Block sums are combined through distributed shared
+// memory in rank order, so every CTA of a cluster gets bit-identical statistics.
+
+constexpr int kFusedThreads = 256;
+constexpr int kFusedWarps = kFusedThreads / 32;
+
+template <typename scalar_t>
+struct FusedArgs {
+  const scalar_t* x;
+  scalar_t* out;
+  const scalar_t* w;  // nullptr: gamma = 1
+  const scalar_t* b;  // nullptr: beta = 0
+  int64_t G;
+  int cpg, S, M;      // M = cpg * S < 2^31: the host only takes groups that fit on chip
+  int K;              // CTAs per group (the cluster size)
+  int part;           // vectors per CTA; the last CTA of a group may hold fewer
+  double eps;
+  bool silu;
+};
+
+// barrier.cluster arrive (release) / wait (acquire); a block barrier where there are no clusters.
+__device__ __forceinline__ void cluster_arrive() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
+#else
+  __syncthreads();
+#endif
+}
+
+__device__ __forceinline__ void cluster_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+#endif
+}
+
+// *p in the shared memory of the cluster's CTA of rank r.
+__device__ __forceinline__ float cluster_load(float* p, unsigned r) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  return *cooperative_groups::this_cluster().map_shared_rank(p, r);
+#else
+  return *p;
+#endif
+}
+
+// Sum of v over the whole cluster, the same bits in every thread. sh_warp: kFusedWarps slots of
+// this pass, sh_cta: this CTA's slot of this pass (read by the other CTAs after the barrier).
+__device__ __forceinline__ float cluster_sum(float v, int K, float* sh_warp, float* sh_cta) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
+  v = warp_sum(v);
+  if (lane == 0) sh_warp[warp] = v;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float t = 0.f;
+#pragma unroll
+    for (int i = 0; i < kFusedWarps; ++i) t += sh_warp[i];
+    *sh_cta = t;
+  }
+  cluster_arrive();
+  cluster_wait();
+  // Lane r fetches CTA r's sum; the warp adds them in a fixed tree and broadcasts lane 0's total.
+  float t = lane < K ? cluster_load(sh_cta, lane) : 0.f;
+  t = warp_sum(t);
+  return __shfl_sync(kFullMask, t, 0);
+}
+
+// Element j of a 16-byte vector as float, and back, on the raw bits: c10's Half / BFloat16 types in an
+// array held across the kernel make ptxas put the whole buffer on the stack.
+template <typename scalar_t>
+__device__ __forceinline__ float elt_to_float(const uint4& r, int j) {
+  const unsigned w = (&r.x)[j * static_cast<int>(sizeof(scalar_t)) / 4];
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    return __uint_as_float(w);
+  } else {
+    const unsigned short h = static_cast<unsigned short>(j % 2 ? w >> 16 : w & 0xffffu);
+    if constexpr (std::is_same_v<scalar_t, at::BFloat16>) return __uint_as_float(static_cast<unsigned>(h) << 16);
+    else return __half2float(__ushort_as_half(h));
+  }
+}
+
+template <typename scalar_t>
+__device__ __forceinline__ void float_to_elt(uint4& r, int j, float f) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    (&r.x)[j] = __float_as_uint(f);
+  } else {
+    unsigned h;
+    if constexpr (std::is_same_v<scalar_t, at::BFloat16>) h = __bfloat16_as_ushort(__float2bfloat16_rn(f));
+    else h = __half_as_ushort(__float2half_rn(f));
+    unsigned& w = (&r.x)[j / 2];
+    w = j % 2 ? (w & 0xffffu) | (h << 16) : h;  // even j is written first
+  }
+}
+
+template <int V>
+constexpr int fused_min_blocks() {
+  // Register budget per thread (65536 / (256 * blocks)): data are 4 registers per vector.
+  return V <= 4 ? 6 : V <= 8 ? 4 : 3;
+}
+
+template <typename scalar_t, int V>
+__global__ void __launch_bounds__(kFusedThreads, fused_min_blocks<V>())
+    fused_rows_kernel(FusedArgs<scalar_t> a) {
+  constexpr int VEC = max_vec<scalar_t>();
+  extern __shared__ float sh_chan[];  // [0, cpg): rstd * gamma, [cpg, 2 cpg): beta
+  __shared__ float sh_warp[2][kFusedWarps];
+  __shared__ float sh_cta[2];
+
+  const int tid = threadIdx.x;
+  const int64_t ng = blockIdx.x / a.K;
+  const int r = static_cast<int>(blockIdx.x % a.K);
+  const int64_t g0 = ng * a.M;
+  const int Mv = a.M / VEC;
+  const int v0 = r * a.part;
+  const int v1 = v0 + a.part < Mv ? v0 + a.part : Mv;
+
+  uint4 buf[V];
+#pragma unroll
+  for (int k = 0; k < V; ++k) {
+    const int v = v0 + tid + k * kFusedThreads;
+    if (v < v1) buf[k] = *reinterpret_cast<const uint4*>(a.x + g0 + static_cast<int64_t>(v) * VEC);
+  }
+  const float pivot = static_cast<float>(a.x[g0]);
+  const float inv_m = 1.f / static_cast<float>(a.M);
+
+  float s = 0.f;
+#pragma unroll
+  for (int k = 0; k < V; ++k)
+    if (v0 + tid + k * kFusedThreads < v1) {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) s += elt_to_float<scalar_t>(buf[k], j) - pivot;
+    }
+  const float mean_d = cluster_sum(s, a.K, sh_warp[0], &sh_cta[0]) * inv_m;
+
+  float q = 0.f;
+#pragma unroll
+  for (int k = 0; k < V; ++k)
+    if (v0 + tid + k * kFusedThreads < v1) {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        const float d = (elt_to_float<scalar_t>(buf[k], j) - pivot) - mean_d;
+        q += d * d;
+      }
+    }
+  const float var = cluster_sum(q, a.K, sh_warp[1], &sh_cta[1]) * inv_m;
+  // Done reading the other CTAs' shared memory; the matching wait is just before exit, so no CTA
+  // leaves while its sums may still be read.
+  cluster_arrive();
+
+  const float rstd = static_cast<float>(1.0 / sqrt(static_cast<double>(var) + a.eps));
+  const int64_t c0 = (ng % a.G) * a.cpg;
+  for (int c = tid; c < a.cpg; c += kFusedThreads) {
+    sh_chan[c] = rstd * (a.w ? static_cast<float>(a.w[c0 + c]) : 1.f);
+    sh_chan[a.cpg + c] = a.b ? static_cast<float>(a.b[c0 + c]) : 0.f;
+  }
+  __syncthreads();
+
+  auto f = [&](float x, int c) {
+    const float z = ((x - pivot) - mean_d) * sh_chan[c] + sh_chan[a.cpg + c];
+    return a.silu ? silu_fn(z) : z;
+  };
+  // Channel (c) and offset in it (rr) of this thread's vector k, stepped without a division per vector.
+  constexpr int kStep = kFusedThreads * VEC;
+  const int e0 = (v0 + tid) * VEC;
+  int c = e0 / a.S, rr = e0 % a.S;
+  const int dq = kStep / a.S, dr = kStep % a.S;
+  const bool whole = a.S % VEC == 0;  // a vector never straddles two channels
+#pragma unroll
+  for (int k = 0; k < V; ++k) {
+    const int v = v0 + tid + k * kFusedThreads;
+    if (v < v1) {
+      uint4 o;
+      if (whole) {
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) float_to_elt<scalar_t>(o, j, f(elt_to_float<scalar_t>(buf[k], j), c));
+      } else {
+        int cj = c, rj = rr;
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+          float_to_elt<scalar_t>(o, j, f(elt_to_float<scalar_t>(buf[k], j), cj));
+          if (++rj == a.S) {
+            rj = 0;
+            ++cj;
+          }
+        }
+      }
+      *reinterpret_cast<uint4*>(a.out + g0 + static_cast<int64_t>(v) * VEC) = o;
+    }
+    c += dq;
+    rr += dr;
+    if (rr >= a.S) {
+      rr -= a.S;
+      ++c;
+    }
+  }
+  cluster_wait();
+}
+
+// ---------------------------------------------------------------------------------------------
 // Host side.
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -643,6 +852,123 @@ struct Launcher {
   }
 };
 
+// Version 2's split of a group of M elements (vectors of vec) over a cluster of K CTAs of V vectors per
+// thread, or K = 0 where it does not apply. The smallest K at V <= 8 keeps clusters easy to place;
+// V = 12 with K = 8 stretches to groups of 393 KB (bf16) before the two-pass path takes over.
+struct FusedPlan {
+  int K = 0, V = 0, part = 0;
+};
+
+// Per-channel scale and shift live in dynamic shared memory: 2 * cpg floats.
+constexpr int64_t kFusedMaxCpg = 4096;
+
+FusedPlan plan_fused(int64_t M, int64_t cpg, int vec) {
+  FusedPlan p;
+  if (M % vec != 0 || cpg > kFusedMaxCpg) return p;
+  const int64_t Mv = M / vec;
+  for (int K = 1; K <= 8; K *= 2) {
+    const int64_t part = ceil_div(Mv, K);
+    if (part <= kFusedThreads * 8) {
+      p.K = K;
+      p.V = part <= kFusedThreads * 4 ? 4 : 8;
+      p.part = static_cast<int>(part);
+      return p;
+    }
+  }
+  const int64_t part = ceil_div(Mv, 8);
+  if (part <= kFusedThreads * 12) {
+    p.K = 8;
+    p.V = 12;
+    p.part = static_cast<int>(part);
+  }
+  return p;
+}
+
+// Whether `kernel` can run in clusters of K CTAs on `device`: its binary holds the cluster code
+// (built for sm_90 or later) and the device can place at least one such cluster. Cached: the answer
+// depends only on the kernel, K and the device.
+template <typename Kernel>
+bool cluster_ok(Kernel kernel, int K, int device) {
+  if (K == 1) return true;
+  static std::mutex mu;
+  static std::map<std::tuple<const void*, int, int>, bool> cache;
+  const auto key = std::make_tuple(reinterpret_cast<const void*>(kernel), K, device);
+  const std::lock_guard<std::mutex> lock(mu);
+  const auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+  cudaFuncAttributes fa{};
+  C10_CUDA_CHECK(cudaFuncGetAttributes(&fa, kernel));
+  bool ok = fa.binaryVersion >= 90;
+  if (ok) {
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = dim3(K);
+    cfg.blockDim = dim3(kFusedThreads);
+    cfg.dynamicSmemBytes = 2 * kFusedMaxCpg * sizeof(float);  // the most any launch asks for
+    cudaLaunchAttribute at{};
+    at.id = cudaLaunchAttributeClusterDimension;
+    at.val.clusterDim.x = K;
+    at.val.clusterDim.y = 1;
+    at.val.clusterDim.z = 1;
+    cfg.attrs = &at;
+    cfg.numAttrs = 1;
+    int clusters = 0;
+    if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) != cudaSuccess) {
+      (void)cudaGetLastError();  // a refused query is an answer (no), not an error to carry on
+      clusters = 0;
+    }
+    ok = clusters > 0;
+  }
+  cache.emplace(key, ok);
+  return ok;
+}
+
+// Runs version 2 when the shape, dtype and alignment allow it; false leaves the work to version 1.
+template <typename scalar_t>
+bool forward_fused(const GNShape& s, const scalar_t* x, scalar_t* out, const scalar_t* w, const scalar_t* b,
+                   double eps, bool silu, bool vec, int device, cudaStream_t stream) {
+  if constexpr (std::is_same_v<scalar_t, double>) {
+    return false;  // float statistics only; fp64 keeps the double-precision path
+  } else {
+    constexpr int kVec = max_vec<scalar_t>();
+    if (s.channels_last || !vec) return false;
+    const int64_t cpg = s.C / s.G;
+    const FusedPlan p = plan_fused(cpg * s.S, cpg, kVec);
+    if (p.K == 0) return false;
+    auto kernel = p.V == 4 ? fused_rows_kernel<scalar_t, 4>
+                : p.V == 8 ? fused_rows_kernel<scalar_t, 8>
+                           : fused_rows_kernel<scalar_t, 12>;
+    if (!cluster_ok(kernel, p.K, device)) return false;
+    FusedArgs<scalar_t> a{};
+    a.x = x;
+    a.out = out;
+    a.w = w;
+    a.b = b;
+    a.G = s.G;
+    a.cpg = static_cast<int>(cpg);
+    a.S = static_cast<int>(s.S);
+    a.M = static_cast<int>(cpg * s.S);
+    a.K = p.K;
+    a.part = p.part;
+    a.eps = eps;
+    a.silu = silu;
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = dim3(grid_of(s.N * s.G * p.K));
+    cfg.blockDim = dim3(kFusedThreads);
+    cfg.dynamicSmemBytes = 2 * cpg * sizeof(float);
+    cfg.stream = stream;
+    cudaLaunchAttribute at{};
+    at.id = cudaLaunchAttributeClusterDimension;
+    at.val.clusterDim.x = p.K;
+    at.val.clusterDim.y = 1;
+    at.val.clusterDim.z = 1;
+    cfg.attrs = &at;
+    cfg.numAttrs = p.K > 1 ? 1 : 0;  // no cluster attribute at all for K = 1: pre-sm_90 devices reject it
+    C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, a));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return true;
+  }
+}
+
 template <typename scalar_t>
 GNArgs<scalar_t, at::opmath_type<scalar_t>> make_args(const GNShape& s, const at::Tensor& w, const at::Tensor& b,
                                                       bool silu) {
@@ -676,6 +1002,7 @@ at::Tensor group_norm_silu_cuda(const at::Tensor& x_in, int64_t num_groups, cons
     a.x = x.const_data_ptr<scalar_t>();
     a.out = out.mutable_data_ptr<scalar_t>();
     const bool vec = L::can_vectorize(a, s.channels_last, {a.x, a.out});
+    if (forward_fused<scalar_t>(s, a.x, a.out, a.w, a.b, eps, silu, vec, x.get_device(), stream)) return;
     const auto acc_opts = x.options().dtype(c10::CppTypeToScalarType<acc_t>::value);
     at::Tensor mean = at::empty({2, s.N * s.G}, acc_opts), rstd = at::empty({s.N * s.G}, acc_opts);
     L::stats(a, s.channels_last, vec, eps, mean, rstd, stream);
