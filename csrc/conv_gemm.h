@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "conv.h"
+#include "fold_cache.h"
 
 namespace vd {
 
@@ -49,6 +50,36 @@ inline at::Tensor folded_conv(const at::Tensor& x, const Folded& f, const ConvSh
   return y.is_contiguous(fmt) ? y : y.contiguous(fmt);
 }
 
+// The forward's fold, from the cache when allowed. The kernel cannot see the caller's grad mode (an
+// autograd.Function runs its forward under no_grad, and inference keeps parameters that require grad),
+// so an x that requires grad marks the training path, which folds per call as before. Either way the
+// backward folds afresh.
+inline Folded forward_fold(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                           const at::Tensor& bn_weight, const at::Tensor& bn_bias, const at::Tensor& bn_mean,
+                           const at::Tensor& bn_var, double eps, at::MemoryFormat fmt,
+                           const FoldCachePolicy& policy) {
+  const std::array<const at::Tensor*, kFoldParams> ps{&weight, bias.has_value() ? &*bias : nullptr, &bn_weight,
+                                                      &bn_bias, &bn_mean, &bn_var};
+  bool cacheable = policy.allowed && !x.requires_grad() && (x.device().is_cpu() || x.device().is_cuda());
+  for (const at::Tensor* t : ps) {
+    // Inference tensors have no version counter: an in-place update could not be seen.
+    if (t != nullptr && (t->is_inference() || (t->requires_grad() && at::GradMode::is_enabled())))
+      cacheable = false;
+  }
+  if (!cacheable) return fold_bn(x, weight, bias, bn_weight, bn_bias, bn_mean, bn_var, eps, fmt);
+  if (auto hit = fold_cache().find(ps, x.scalar_type(), x.device(), fmt, eps, policy.stream)) {
+    Folded f;
+    f.weight = hit->weight;
+    f.shift = hit->shift;
+    return f;
+  }
+  Folded f = fold_bn(x, weight, bias, bn_weight, bn_bias, bn_mean, bn_var, eps, fmt);
+  FoldKey key{{}, x.scalar_type(), x.device(), fmt, eps, policy.stream};
+  for (size_t i = 0; i < kFoldParams; ++i) key.params[i] = TensorStamp::of(ps[i]);
+  fold_cache().insert(std::move(key), FoldValue{f.weight, f.shift});
+  return f;
+}
+
 // ---- conv_bn_silu: the device passes bias_act_(y, shift, silu, s) and grad_z_(y, g, shift, silu, s) ----
 
 template <typename BiasAct>
@@ -57,14 +88,14 @@ inline at::Tensor conv_bn_silu_forward(const at::Tensor& x_in, const at::Tensor&
                             const at::Tensor& bn_bias, const at::Tensor& bn_mean,
                             const at::Tensor& bn_var, double eps, at::IntArrayRef stride,
                             at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups,
-                            bool silu, const BiasAct& bias_act_) {
+                            bool silu, const BiasAct& bias_act_, const FoldCachePolicy& policy) {
   ConvShape s = check_conv_bn_silu(x_in, weight, bias, bn_weight, bn_bias, bn_mean, bn_var, eps,
                                    stride, padding, dilation, groups);
   const auto fmt = conv_format(s);
   if (s.N == 0)
     return at::empty({0, s.C_out, s.H_out, s.W_out}, x_in.options().memory_format(fmt));
   at::Tensor x = x_in.contiguous(fmt);
-  Folded f = fold_bn(x, weight, bias, bn_weight, bn_bias, bn_mean, bn_var, eps, fmt);
+  Folded f = forward_fold(x_in, weight, bias, bn_weight, bn_bias, bn_mean, bn_var, eps, fmt, policy);
   at::Tensor y = folded_conv(x, f, s);
   bias_act_(y, f.shift, silu, s);
   return y;
