@@ -126,17 +126,28 @@ def bench_conv_bn_silu(dtype, dev, mm_ceil):
 
 
 def bench_temporal_conv(dtype, dev, ceil):
+    """Contiguous (B, C, F, H, W) input, and the frames-major one that diffusers' temporal blocks pass
+    (a permuted view of contiguous (B, F, C, H, W)): eager, inductor and ours all get the same tensor."""
     rows = []
     for B, C, F_, H, W in [(2, 320, 14, 72, 128), (2, 640, 14, 36, 64), (2, 1280, 14, 18, 32)]:
-        x = torch.randn(B, C, F_, H, W, device=dev, dtype=dtype)
         conv = torch.nn.Conv3d(C, C, (3, 1, 1), padding=(1, 0, 0)).to(dev, dtype)
-        with torch.no_grad():
-            ind = _compiled(conv)
-            e = time_cuda(lambda i: conv(x))
-            n = time_cuda(lambda i: ind(x))
-            o = time_cuda(lambda i: torch.ops.vd.temporal_conv(x, conv.weight, conv.bias, 1))
-        flops = 2 * B * C * C * 3 * F_ * H * W
-        rows.append(_row(f"{B}x{C}x{F_}x{H}x{W}", e, n, o, flops, "TFLOPs", None))
+        for layout in ("contiguous", "frames-major"):
+            if layout == "frames-major":
+                x = torch.randn(B, F_, C, H, W, device=dev, dtype=dtype).transpose(1, 2)
+            else:
+                x = torch.randn(B, C, F_, H, W, device=dev, dtype=dtype)
+            with torch.no_grad():
+                ind = _compiled(conv)  # a fresh compile per layout: the strides are baked in
+                e = time_cuda(lambda i: conv(x))
+                n = time_cuda(lambda i: ind(x))
+                o = time_cuda(lambda i: torch.ops.vd.temporal_conv(x, conv.weight, conv.bias, 1))
+                ref = F.conv3d(x.float(), conv.weight.float(), conv.bias.float(), padding=(1, 0, 0))
+                err = (torch.ops.vd.temporal_conv(x, conv.weight, conv.bias, 1).float() - ref).abs().max().item()
+            flops = 2 * B * C * C * 3 * F_ * H * W
+            r = _row(f"{B}x{C}x{F_}x{H}x{W}" + ("-fm" if layout == "frames-major" else ""), e, n, o, flops,
+                     "TFLOPs", ceil)
+            r["max_err"] = err
+            rows.append(r)
     return rows
 
 
@@ -165,7 +176,7 @@ def main():
             elif op == "conv_bn_silu":
                 rows = bench_conv_bn_silu(dtype, dev, ceil.get("bf16_matmul_TFLOPs"))
             elif op == "temporal_conv":
-                rows = bench_temporal_conv(dtype, dev, None)
+                rows = bench_temporal_conv(dtype, dev, ceil.get("bf16_matmul_TFLOPs"))
             else:
                 raise SystemExit(f"unknown op {op!r}")
         except Exception as e:  # keep the other ops' numbers if one op fails

@@ -98,7 +98,15 @@ struct TemporalConvShape {
   int64_t C_out, k;
   int64_t F_out, padding;
   bool channels_last;  // channels_last_3d in and out
+  bool frames_major;   // x (and the output) are (B, C, F, H, W) views of contiguous (B, F, C, H, W)
 };
+
+// diffusers' temporal blocks reshape (B*F, C, H, W) activations to (B, F, C, H, W) and permute to
+// (B, C, F, H, W): no copy, so a Conv3d sees frames-major memory. Checked after the contiguous and
+// channels_last_3d rules (whose size-1 ambiguities keep their meaning); mirrored in vdcompile/ops/conv.py.
+inline bool frames_major_layout(const at::Tensor& x) {
+  return x.dim() == 5 && !x.is_contiguous() && !channels_last_layout(x) && x.transpose(1, 2).is_contiguous();
+}
 
 // temporal_conv and its backward: x (B, C_in, F, H, W), weight (C_out, C_in, k, 1, 1).
 inline TemporalConvShape check_temporal_conv(const at::Tensor& x, const at::Tensor& weight,
@@ -130,6 +138,7 @@ inline TemporalConvShape check_temporal_conv(const at::Tensor& x, const at::Tens
   TORCH_CHECK(s.F_out >= 1, op, ": output would have no frames: F + 2 * padding - k + 1 = ", s.F,
               " + 2 * ", padding, " - ", s.k, " + 1 = ", s.F_out, " (must be >= 1)");
   s.channels_last = channels_last_layout(x);
+  s.frames_major = frames_major_layout(x);
   return s;
 }
 

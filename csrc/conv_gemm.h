@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "conv.h"
+#include "fold_cache.h"
 
 namespace vd {
 
@@ -49,6 +50,36 @@ inline at::Tensor folded_conv(const at::Tensor& x, const Folded& f, const ConvSh
   return y.is_contiguous(fmt) ? y : y.contiguous(fmt);
 }
 
+// The forward's fold, from the cache when allowed. The kernel cannot see the caller's grad mode (an
+// autograd.Function runs its forward under no_grad, and inference keeps parameters that require grad),
+// so an x that requires grad marks the training path, which folds per call as before. Either way the
+// backward folds afresh.
+inline Folded forward_fold(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                           const at::Tensor& bn_weight, const at::Tensor& bn_bias, const at::Tensor& bn_mean,
+                           const at::Tensor& bn_var, double eps, at::MemoryFormat fmt,
+                           const FoldCachePolicy& policy) {
+  const std::array<const at::Tensor*, kFoldParams> ps{&weight, bias.has_value() ? &*bias : nullptr, &bn_weight,
+                                                      &bn_bias, &bn_mean, &bn_var};
+  bool cacheable = policy.allowed && !x.requires_grad() && (x.device().is_cpu() || x.device().is_cuda());
+  for (const at::Tensor* t : ps) {
+    // Inference tensors have no version counter: an in-place update could not be seen.
+    if (t != nullptr && (t->is_inference() || (t->requires_grad() && at::GradMode::is_enabled())))
+      cacheable = false;
+  }
+  if (!cacheable) return fold_bn(x, weight, bias, bn_weight, bn_bias, bn_mean, bn_var, eps, fmt);
+  if (auto hit = fold_cache().find(ps, x.scalar_type(), x.device(), fmt, eps, policy.stream)) {
+    Folded f;
+    f.weight = hit->weight;
+    f.shift = hit->shift;
+    return f;
+  }
+  Folded f = fold_bn(x, weight, bias, bn_weight, bn_bias, bn_mean, bn_var, eps, fmt);
+  FoldKey key{{}, x.scalar_type(), x.device(), fmt, eps, policy.stream};
+  for (size_t i = 0; i < kFoldParams; ++i) key.params[i] = TensorStamp::of(ps[i]);
+  fold_cache().insert(std::move(key), FoldValue{f.weight, f.shift});
+  return f;
+}
+
 // ---- conv_bn_silu: the device passes bias_act_(y, shift, silu, s) and grad_z_(y, g, shift, silu, s) ----
 
 template <typename BiasAct>
@@ -57,14 +88,14 @@ inline at::Tensor conv_bn_silu_forward(const at::Tensor& x_in, const at::Tensor&
                             const at::Tensor& bn_bias, const at::Tensor& bn_mean,
                             const at::Tensor& bn_var, double eps, at::IntArrayRef stride,
                             at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups,
-                            bool silu, const BiasAct& bias_act_) {
+                            bool silu, const BiasAct& bias_act_, const FoldCachePolicy& policy) {
   ConvShape s = check_conv_bn_silu(x_in, weight, bias, bn_weight, bn_bias, bn_mean, bn_var, eps,
                                    stride, padding, dilation, groups);
   const auto fmt = conv_format(s);
   if (s.N == 0)
     return at::empty({0, s.C_out, s.H_out, s.W_out}, x_in.options().memory_format(fmt));
   at::Tensor x = x_in.contiguous(fmt);
-  Folded f = fold_bn(x, weight, bias, bn_weight, bn_bias, bn_mean, bn_var, eps, fmt);
+  Folded f = forward_fold(x_in, weight, bias, bn_weight, bn_bias, bn_mean, bn_var, eps, fmt, policy);
   at::Tensor y = folded_conv(x, f, s);
   bias_act_(y, f.shift, silu, s);
   return y;
@@ -119,14 +150,32 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> co
   return {dx, dweight, dbias, dbn_weight, dbn_bias};
 }
 
-// ---- temporal_conv: a (k, 1, 1) Conv3d over the frame axis, as k GEMMs ----
-// Output frame o reads input frame o + t - padding through tap t, so for each tap the valid output
-// frames [o0, o1) and input frames [o0 + t - padding, ...) are contiguous ranges. Frames, rows and
-// columns of x merge into one axis without copying, both for NCDHW (stride 1) and channels_last_3d
-// (stride C): per sample, out[:, o0:o1] += W[:, :, t] @ x[:, f0:f1] is one GEMM on views.
+// ---- temporal_conv: a (k, 1, 1) Conv3d over the frame axis, as GEMMs on views ----
+// Output frame o reads input frame o + t - padding through tap t. Two ways to lay that out as GEMMs:
+//
+// Fused taps (frames-major memory, (B, F, C, H*W) contiguous): the k taps' input frames
+// o - padding .. o - padding + k - 1 are consecutive, so their k * C_in channel rows sit at one
+// uniform stride (H*W) and form a single K = k * C_in reduction:
+//   out[b, :, o] = W' (C_out x k*C_in) @ X[b, o - padding : o - padding + k] (k*C_in x H*W)
+// with W' the weight as (C_out, k, C_in). Interior frames (all k taps in range) are one batched GEMM
+// whose batch stride is one frame (the windows overlap, read-only); edge frames use the column range
+// of W' of their valid taps. Each output element is written once: no beta = 1 re-reads.
+//
+// Per tap (channels_last_3d, k = 1, or where a frames-major copy costs more than it saves): for each
+// tap the valid output frames [o0, o1) and input frames are contiguous ranges that merge with H, W
+// into one axis, for NCDHW (stride 1) and channels_last_3d (stride C), so
+//   out[b, :, o0:o1] += W[:, :, t] @ x[b, :, f0:f1]
+// is one GEMM per tap batched over the samples (the weight expanded with batch stride 0).
 
 inline at::MemoryFormat temporal_format(const TemporalConvShape& s) {
   return s.channels_last ? at::MemoryFormat::ChannelsLast3d : at::MemoryFormat::Contiguous;
+}
+
+// The op's output: frames-major for frames-major x (so the caller's permute back to (B, F, C, H, W) is
+// free), otherwise x's layout rule. vdcompile/ops/conv.py builds the same strides.
+inline at::Tensor temporal_output(const at::Tensor& x, const TemporalConvShape& s) {
+  if (s.frames_major) return at::empty({s.B, s.F_out, s.C_out, s.H, s.W}, x.options()).transpose(1, 2);
+  return at::empty({s.B, s.C_out, s.F_out, s.H, s.W}, x.options().memory_format(temporal_format(s)));
 }
 
 // Frames [f0, f0 + n) of a (B, C, F, H, W) tensor as (B, C, n * H * W); view() (not reshape) so a
@@ -140,25 +189,116 @@ inline at::Tensor taps(const at::Tensor& weight) {
   return weight.select(4, 0).select(3, 0).permute({2, 0, 1}).contiguous();
 }
 
+// out (n, C_out, N) = w (C_out, K) @ x (n, K, N) [+ bias per row]. The bias goes in as baddbmm's
+// beta = 1 input (ATen writes it into out, the GEMM accumulates onto it): no separate pass.
+inline void batched_gemm(at::Tensor out, const at::Tensor& w, const at::Tensor& x,
+                         const std::optional<at::Tensor>& bias_row) {
+  const at::Tensor wb = w.expand({out.size(0), w.size(0), w.size(1)});
+  if (bias_row.has_value())
+    at::baddbmm_out(out, bias_row->expand(out.sizes()), wb, x);
+  else
+    at::bmm_out(out, wb, x);
+}
+
+// Whether a contiguous x should be copied to frames-major for the fused GEMMs. Bytes moved per pixel
+// and frame, in units of the element size: fused = copy (read + write x) + read x + write out; per tap
+// = k reads of x + one write and k - 1 read-modify-writes of out. The fused GEMM is also the better
+// shape (K = k * C_in instead of C_in), which this count does not credit.
+inline bool fused_pays_off(const TemporalConvShape& s) {
+  return s.k >= 2 && 3 * s.C_in + s.C_out < s.k * s.C_in + (2 * s.k - 1) * s.C_out;
+}
+
+// xf: (B, F, C_in, H, W) contiguous; of: the output as (B, F_out, C_out, H, W), any strides with
+// H, W mergeable and W of stride 1 (frames-major or NCDHW memory).
+inline void temporal_conv_fused(const at::Tensor& xf, const at::Tensor& of, const at::Tensor& weight,
+                                const std::optional<at::Tensor>& bias, const TemporalConvShape& s) {
+  const int64_t HW = s.H * s.W, C = s.C_in, frame = C * HW, sB = s.F * frame;
+  const at::Tensor w = weight.select(4, 0).select(3, 0).permute({0, 2, 1}).reshape({s.C_out, s.k * C});
+  const at::Tensor o4 = of.view({s.B, s.F_out, s.C_out, HW});
+  std::optional<at::Tensor> bias_row;
+  if (bias.has_value()) bias_row = bias->to(xf.scalar_type()).view({1, s.C_out, 1});
+  // Input frames [f, f + nt) of nb samples (or nb consecutive windows), as (nb, nt * C_in, H*W).
+  auto window = [&](int64_t b, int64_t f, int64_t nb, int64_t batch_stride, int64_t nt) {
+    return xf.as_strided({nb, nt * C, HW}, {batch_stride, HW, 1},
+                         xf.storage_offset() + b * sB + f * frame);
+  };
+  // Interior frames [lo, hi): every tap in range.
+  const int64_t lo = std::min(s.padding, s.F_out);
+  const int64_t hi = std::max(lo, std::min(s.F_out, s.F + s.padding - s.k + 1));
+  const int64_t n_int = hi - lo;
+  if (n_int > 0) {
+    if (n_int >= s.B) {  // batch over frames, one GEMM per sample
+      for (int64_t b = 0; b < s.B; ++b)
+        batched_gemm(o4.select(0, b).narrow(0, lo, n_int), w, window(b, lo - s.padding, n_int, frame, s.k),
+                     bias_row);
+    } else {  // batch over samples, one GEMM per frame
+      for (int64_t o = lo; o < hi; ++o)
+        batched_gemm(o4.select(1, o), w, window(0, o - s.padding, s.B, sB, s.k), bias_row);
+    }
+  }
+  for (int64_t o = 0; o < s.F_out; ++o) {
+    if (o >= lo && o < hi) continue;
+    const int64_t t0 = std::max<int64_t>(0, s.padding - o);
+    const int64_t t1 = std::min<int64_t>(s.k, s.F + s.padding - o);
+    at::Tensor out_o = o4.select(1, o);
+    if (t1 > t0) {
+      batched_gemm(out_o, w.narrow(1, t0 * C, (t1 - t0) * C), window(0, o + t0 - s.padding, s.B, sB, t1 - t0),
+                   bias_row);
+    } else if (bias_row.has_value()) {  // all taps in the padding: the bias alone
+      out_o.copy_(bias_row->expand(out_o.sizes()));
+    } else {
+      out_o.zero_();
+    }
+  }
+}
+
+// x and out in the same layout (NCDHW or channels_last_3d).
+inline void temporal_conv_taps(const at::Tensor& x, const at::Tensor& out, const at::Tensor& weight,
+                               const std::optional<at::Tensor>& bias, const TemporalConvShape& s) {
+  const at::Tensor w = taps(weight);
+  std::optional<at::Tensor> bias_row;
+  if (bias.has_value()) bias_row = bias->to(x.scalar_type()).view({1, s.C_out, 1});
+  // The first GEMM writes (bias as its beta input) when one tap covers every output frame, the
+  // centre tap of a "same" convolution; otherwise out starts as the bias (or zeros).
+  int64_t first = -1;
+  for (int64_t t = 0; t < s.k && first < 0; ++t) {
+    auto [o0, o1] = temporal_tap_range(s, t);
+    if (o0 == 0 && o1 == s.F_out) first = t;
+  }
+  if (first < 0) {
+    if (bias_row.has_value())
+      out.copy_(bias_row->view({1, s.C_out, 1, 1, 1}).expand(out.sizes()));
+    else
+      out.zero_();
+  }
+  for (int64_t i = -1; i < s.k; ++i) {
+    const int64_t t = i < 0 ? first : i;
+    if (t < 0 || (i >= 0 && t == first)) continue;
+    auto [o0, o1] = temporal_tap_range(s, t);
+    if (o1 == o0) continue;
+    at::Tensor os = frames(out, o0, o1 - o0);
+    at::Tensor xs = frames(x, o0 + t - s.padding, o1 - o0);
+    if (t == first)
+      batched_gemm(os, w.select(0, t), xs, bias_row);
+    else
+      os.baddbmm_(w.select(0, t).expand({s.B, s.C_out, s.C_in}), xs);
+  }
+}
+
 inline at::Tensor temporal_conv_forward(const at::Tensor& x_in, const at::Tensor& weight,
                              const std::optional<at::Tensor>& bias, int64_t padding) {
   TemporalConvShape s = check_temporal_conv(x_in, weight, padding);
   if (bias.has_value()) check_vector(bias, s.C_out, x_in, kTemporalConvOp, "bias");
-  const auto fmt = temporal_format(s);
-  at::Tensor x = x_in.contiguous(fmt);
-  at::Tensor out = at::empty({s.B, s.C_out, s.F_out, s.H, s.W}, x.options().memory_format(fmt));
+  at::Tensor out = temporal_output(x_in, s);
   if (out.numel() == 0) return out;
-  if (bias.has_value())
-    out.copy_(bias->to(x.scalar_type()).view({1, s.C_out, 1, 1, 1}));
-  else
-    out.zero_();
-  at::Tensor w = taps(weight);
-  for (int64_t t = 0; t < s.k; ++t) {
-    auto [o0, o1] = temporal_tap_range(s, t);
-    if (o1 == o0) continue;
-    at::Tensor xs = frames(x, o0 + t - s.padding, o1 - o0);
-    at::Tensor os = frames(out, o0, o1 - o0);
-    for (int64_t b = 0; b < s.B; ++b) os.select(0, b).addmm_(w.select(0, t), xs.select(0, b));
+  if (s.frames_major) {
+    temporal_conv_fused(x_in.transpose(1, 2), out.transpose(1, 2), weight, bias, s);
+  } else if (!s.channels_last && fused_pays_off(s)) {
+    // One transposing copy of x buys the K = k * C_in GEMMs; out stays NCDHW (its per-frame
+    // (C_out, H*W) matrices have row stride F_out * H * W).
+    temporal_conv_fused(x_in.transpose(1, 2).contiguous(), out.transpose(1, 2), weight, bias, s);
+  } else {
+    temporal_conv_taps(x_in.contiguous(temporal_format(s)), out, weight, bias, s);
   }
   return out;
 }

@@ -40,6 +40,9 @@ TORCH_LIBRARY(vd, m) {
         "Tensor bn_weight, Tensor bn_bias, Tensor bn_mean, Tensor bn_var, float eps, int[2] stride, "
         "int[2] padding, int[2] dilation, int groups, bool silu) "
         "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  // Inference calls reuse the BatchNorm fold while the parameters are unchanged; returns the cache's
+  // [hits, misses, entries], then empties it and zeroes the counters if clear.
+  m.def("conv_bn_silu_fold_cache(bool clear=False) -> int[]");
 
   m.set_python_module("vdcompile.ops.norm");
   // SiLU(GroupNorm(x)) for (N, C, *) with 1 to 3 trailing dims; silu=False gives GroupNorm only.

@@ -7,6 +7,7 @@ from hypothesis import given, settings, strategies as st
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from tests.common import assert_close_to, assert_fake_matches_real, device_params, run_opcheck
+from vdcompile import built_backends
 from vdcompile.ops import conv_bn_silu, reference_conv_bn_silu
 
 OP = torch.ops.vd.conv_bn_silu.default
@@ -279,3 +280,163 @@ def test_backward_bad_grad_out():
     with pytest.raises(TypeError, match="grad_out has dtype"):
         BACKWARD(torch.randn(2, 6, 6, 6, dtype=torch.float64), *vals, True)
 
+
+
+# ---------------------------------------------------------------------------------------------
+# The inference fold cache: [hits, misses, entries] from the op that owns it.
+
+def cache_stats(clear=False):
+    return list(torch.ops.vd.conv_bn_silu_fold_cache(clear))
+
+
+@pytest.fixture
+def empty_cache():
+    cache_stats(clear=True)
+    yield
+    cache_stats(clear=True)
+
+
+def _eval_params(device="cpu", dtype=torch.float32):
+    # Like an eval() model's parameters: they still require grad, the calls run under no_grad.
+    return make_params(4, 6, 3, device=device, dtype=dtype, requires_grad=True)
+
+
+def _check_against_reference(x, params):
+    out = conv_bn_silu(x, *params, 1e-5, 1, 1)
+    ref = reference_conv_bn_silu(x.double(), *(t.detach().double() for t in params), 1e-5, 1, 1)
+    assert_close_to(out, ref, x.dtype)
+    return out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fold_cache_hit_on_repeated_inference_calls(empty_cache, device):
+    x = torch.randn(2, 4, 6, 5, device=device)
+    params = _eval_params(device)
+    with torch.no_grad():
+        first = _check_against_reference(x, params)
+        assert cache_stats() == [0, 1, 1]
+        second = conv_bn_silu(x, *params, 1e-5, 1, 1)
+        third = conv_bn_silu(torch.randn_like(x), *params, 1e-5, 1, 1)  # new activations, same parameters
+        assert cache_stats() == [2, 1, 1]
+    assert torch.equal(first, second) and third.shape == first.shape
+    # A different eps is a different fold.
+    with torch.no_grad():
+        conv_bn_silu(x, *params, 1e-3, 1, 1)
+    assert cache_stats() == [2, 2, 2]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("which", ["weight", "bias", "bn_weight", "bn_bias", "bn_mean", "bn_var"])
+def test_fold_cache_in_place_update_refolds(empty_cache, device, which):
+    x = torch.randn(2, 4, 6, 5, device=device)
+    params = _eval_params(device)
+    i = ["weight", "bias", "bn_weight", "bn_bias", "bn_mean", "bn_var"].index(which)
+    with torch.no_grad():
+        before = _check_against_reference(x, params)
+        params[i].mul_(1.5).add_(0.25)  # what an optimizer step or a load_state_dict copy does
+        after = _check_against_reference(x, params)
+    assert not torch.allclose(before, after)
+    # The update was a miss; the stale fold of this weight was dropped, not kept beside the new one.
+    assert cache_stats() == [0, 2, 1]
+
+
+def test_fold_cache_data_swap_and_dead_tensors(empty_cache):
+    x = torch.randn(1, 4, 5, 5)
+    params = _eval_params()
+    with torch.no_grad():
+        _check_against_reference(x, params)
+        # `.data =` swaps the storage without bumping the version counter.
+        params[0].data = torch.randn_like(params[0])
+        _check_against_reference(x, params)
+        assert cache_stats()[:2] == [0, 2]
+        # Fresh parameters (possibly at a freed one's address) never see the dead tensors' fold.
+        for _ in range(3):
+            params = _eval_params()
+            _check_against_reference(x, params)
+    hits, misses, entries = cache_stats()
+    assert (hits, misses) == (0, 5) and entries == 1
+
+
+def test_fold_cache_separate_entries_per_dtype_and_layout(empty_cache):
+    w, b, *bn = _eval_params()
+    w16 = w.detach().bfloat16()  # kept alive: the entry of a dead weight is dropped
+    x = torch.randn(2, 4, 6, 5)
+    with torch.no_grad():
+        _check_against_reference(x, (w, b, *bn))
+        # Same bias and BatchNorm tensors, bf16 conv weight: a separate fold.
+        _check_against_reference(x.bfloat16(), (w16, b, *bn))
+        # Same tensors, channels_last input: the folded weight is kept in the other layout.
+        out = _check_against_reference(x.to(memory_format=torch.channels_last), (w, b, *bn))
+        assert out.is_contiguous(memory_format=torch.channels_last)
+        assert cache_stats() == [0, 3, 3]
+        _check_against_reference(x.bfloat16(), (w16, b, *bn))
+        _check_against_reference(x, (w, b, *bn))
+    assert cache_stats() == [2, 3, 3]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or "CUDA" not in built_backends("conv_bn_silu"),
+                    reason="needs the CUDA kernel and a GPU")
+def test_fold_cache_separate_entries_per_device(empty_cache):
+    params = _eval_params()
+    x = torch.randn(1, 4, 5, 5)
+    with torch.no_grad():
+        _check_against_reference(x, params)
+        _check_against_reference(x.cuda(), [p.cuda() for p in params])
+    assert cache_stats() == [0, 2, 2]
+
+
+def test_fold_cache_not_used_for_training_inference_tensors_or_fake(empty_cache):
+    params = _eval_params()
+    x = torch.randn(1, 4, 5, 5, requires_grad=True)
+    out = conv_bn_silu(x, *params, 1e-5, 1, 1)  # recorded for autograd: folds per call
+    torch.autograd.grad(out.sum(), [x, params[0]])
+    with torch.inference_mode():
+        inf_params = make_params(4, 6, 3)  # inference tensors carry no version counter
+        _check_against_reference(x.detach(), inf_params)
+    real = [x.detach(), *(p.detach() for p in params)]
+    with FakeTensorMode() as fm:
+        fake = [fm.from_tensor(t) for t in real]
+        conv_bn_silu(fake[0], *fake[1:], 1e-5, 1, 1)
+    assert cache_stats() == [0, 0, 0]
+
+
+def test_fold_cache_is_bounded():
+    cache_stats(clear=True)
+    x = torch.randn(1, 1, 3, 3)
+    keep = []  # alive, so no entry is purged as dead: only the capacity bound can drop them
+    with torch.no_grad():
+        for _ in range(300):
+            keep.append(make_params(1, 1, 1))
+            conv_bn_silu(x, *keep[-1], 1e-5, 1, 0)
+    hits, misses, entries = cache_stats(clear=True)
+    assert (hits, misses) == (0, 300) and entries == 256
+
+
+def test_fold_cache_threads(empty_cache):
+    # Concurrent lookups, inserts and refolds from several threads: every result is right.
+    import threading
+
+    errors, alive = [], []
+
+    def work(seed):
+        try:
+            torch.manual_seed(seed)
+            params = _eval_params()
+            alive.append(params)  # a finished thread's entry would otherwise be dropped as dead
+            x = torch.randn(1, 4, 5, 5)
+            with torch.no_grad():
+                for step in range(20):
+                    if step % 5 == 4:
+                        params[3].add_(0.1)
+                    _check_against_reference(x, params)
+        except Exception as e:  # reported below: an assert in a thread would be lost
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    hits, misses, entries = cache_stats()
+    assert misses == 4 * 5 and hits == 4 * 15 and entries == 4  # 4 in-place updates per thread

@@ -18,9 +18,22 @@ def make_weight(c_in, c_out, k, device="cpu", dtype=torch.float32):
     return (torch.randn(c_out, c_in, k, 1, 1, device=device) / (c_in * k) ** 0.5).to(dtype)
 
 
+def frames_major(b, c, f, h, w, device="cpu", dtype=torch.float32):
+    """(B, C, F, H, W) view of a contiguous (B, F, C, H, W) tensor, as diffusers' temporal blocks permute."""
+    return torch.randn(b, f, c, h, w, device=device).to(dtype).transpose(1, 2)
+
+
+def make_input(layout, b, c, f, h, w, device="cpu", dtype=torch.float32, scale=1.0):
+    if layout == "frames_major":
+        return frames_major(b, c, f, h, w, device, dtype).mul_(scale)
+    x = (torch.randn(b, c, f, h, w, device=device) * scale).to(dtype)
+    return x.to(memory_format=torch.channels_last_3d) if layout == "channels_last" else x
+
+
 def sample_inputs(device, requires_grad):
-    def x_(*shape, cl=False):
-        x = torch.randn(*shape, device=device)
+    def x_(*shape, cl=False, fm=False):
+        x = frames_major(*shape, device=device) if fm else torch.randn(*shape, device=device)
+        assert x.is_contiguous() != fm
         if cl:
             x = x.to(memory_format=torch.channels_last_3d)
         return x.requires_grad_(requires_grad)
@@ -40,6 +53,9 @@ def sample_inputs(device, requires_grad):
         (xs, w_(3, 4, 1), b_(4), 0),                                # non-contiguous input, k = 1
         (x_(1, 3, 6, 2, 2, cl=True), w_(3, 3, 3)),                  # trailing defaults omitted
         (x_(1, 2, 4, 3, 2), w_(2, 3, 3), b_(3, torch.float64), 2),  # float64 bias
+        (x_(2, 3, 5, 4, 3, fm=True), w_(3, 4, 3), b_(4), 1),        # frames-major (diffusers' permute)
+        (x_(1, 2, 4, 3, 2, fm=True), w_(2, 3, 2), None, 0),         # frames-major, no bias, no padding
+        (x_(2, 3, 2, 2, 3, fm=True), w_(3, 2, 4), b_(2), 3),        # frames-major, only edge frames
     ]
 
 
@@ -68,15 +84,14 @@ def test_fake_metadata_and_backward_opcheck(device):
     b=st.integers(1, 3), c_in=st.integers(1, 5), c_out=st.integers(1, 5), k=st.integers(1, 4),
     padding=st.integers(0, 3), extra_frames=st.integers(0, 6), h=st.integers(1, 5), w=st.integers(1, 5),
     dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16, torch.float64]),
-    has_bias=st.booleans(), channels_last=st.booleans(), seed=st.integers(0, 2**31),
+    has_bias=st.booleans(), layout=st.sampled_from(["contiguous", "channels_last", "frames_major"]),
+    seed=st.integers(0, 2**31),
 )
 def test_matches_reference(device, b, c_in, c_out, k, padding, extra_frames, h, w, dtype, has_bias,
-                           channels_last, seed):
+                           layout, seed):
     torch.manual_seed(seed)
     frames = max(1, k - 2 * padding) + extra_frames  # smallest clip with one output frame, plus extra
-    x = (torch.randn(b, c_in, frames, h, w, device=device) * 2).to(dtype)
-    if channels_last:
-        x = x.to(memory_format=torch.channels_last_3d)
+    x = make_input(layout, b, c_in, frames, h, w, device, dtype, scale=2.0)
     weight = make_weight(c_in, c_out, k, device, dtype)
     bias = torch.randn(c_out, device=device, dtype=dtype) if has_bias else None
     out = temporal_conv(x, weight, bias, padding)
@@ -84,20 +99,62 @@ def test_matches_reference(device, b, c_in, c_out, k, padding, extra_frames, h, 
     assert out.dtype == dtype
     assert out.shape == (b, c_out, frames + 2 * padding - k + 1, h, w)
     assert_close_to(out, ref, dtype)
-    if channels_last and not x.is_contiguous():
+    if x.is_contiguous():
+        assert out.is_contiguous()
+    elif layout == "channels_last":
         assert out.is_contiguous(memory_format=torch.channels_last_3d)
+    elif x.transpose(1, 2).is_contiguous():
+        assert out.transpose(1, 2).is_contiguous()  # frames-major in, frames-major out
     else:
         assert out.is_contiguous()
 
 
+# Channel pairs: (3, 4) takes the fused K = k * C_in GEMMs for a contiguous input (k >= 2), (8, 1)
+# the per-tap GEMMs (a frames-major copy of the wide input would cost more than the narrow output).
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("cl", [False, True])
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last", "frames_major"])
+@pytest.mark.parametrize("channels", [(3, 4), (8, 1)])
+def test_every_k_and_padding(one_thread, device, layout, channels):
+    """Every kernel size and padding the op allows on short clips: interior frames, edge frames with
+    fewer taps, frames that only see padding (bias alone), with and without bias, and the output strides
+    equal to the fake kernel's."""
+    c_in, c_out = channels
+    torch.manual_seed(0)
+    for k in range(1, 5):
+        for padding in range(0, k + 2):
+            for frames in range(max(1, k - 2 * padding), 6):
+                x = make_input(layout, 2, c_in, frames, 3, 2, device)
+                w = make_weight(c_in, c_out, k, device)
+                for bias in (None, torch.randn(c_out, device=device)):
+                    out = OP(x, w, bias, padding)
+                    ref = reference_temporal_conv(x.double(), w.double(), None if bias is None else bias.double(),
+                                                  padding)
+                    assert_close_to(out, ref, torch.float32, what=f"k={k} padding={padding} frames={frames}")
+                    assert_fake_matches_real(OP, (x, w, bias, padding))
+                    if layout == "frames_major" and not x.is_contiguous():
+                        assert out.transpose(1, 2).is_contiguous()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_frames_major_output_permutes_back_without_copy(device):
+    # diffusers permutes the result back to (B, F, C, H, W) and reshapes it to (B*F, C, H, W).
+    x = frames_major(2, 4, 5, 3, 3, device)
+    out = temporal_conv(x, make_weight(4, 6, 3, device), torch.randn(6, device=device), 1)
+    back = out.permute(0, 2, 1, 3, 4).reshape(10, 6, 3, 3)
+    assert back.data_ptr() == out.data_ptr() and back._base is not None
+    # A sliced frames-major view (storage offset, batch stride larger than one sample) is still one.
+    big = torch.randn(3, 5, 4, 3, 3, device=device)[1:].transpose(1, 2)
+    w = make_weight(4, 2, 3, device)
+    assert_close_to(temporal_conv(big, w, None, 1), reference_temporal_conv(big.double(), w.double(), None, 1),
+                    torch.float32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last", "frames_major"])
 @pytest.mark.parametrize("k,padding,bias", [(3, 1, True), (2, 0, False), (1, 2, True), (3, 3, False)])
-def test_gradcheck(one_thread, device, cl, k, padding, bias):
-    x = torch.randn(2, 2, 3, 1, 2, device=device, dtype=torch.float64)
-    if cl:
-        x = x.to(memory_format=torch.channels_last_3d)
-        assert not x.is_contiguous()
+def test_gradcheck(one_thread, device, layout, k, padding, bias):
+    x = make_input(layout, 2, 2, 3, 1, 2, device, torch.float64)
+    assert x.is_contiguous() == (layout == "contiguous")
     x.requires_grad_()
     w = make_weight(2, 3, k, device, torch.float64).requires_grad_()
     if bias:

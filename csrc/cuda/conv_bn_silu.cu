@@ -5,6 +5,7 @@
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
@@ -85,8 +86,12 @@ at::Tensor conv_bn_silu_cuda(const at::Tensor& x, const at::Tensor& weight,
                              at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups,
                              bool silu) {
   c10::cuda::CUDAGuard guard(x.device());
+  const auto stream = c10::cuda::getCurrentCUDAStream();
+  const FoldCachePolicy policy{c10::cuda::currentStreamCaptureStatusMayInitCtx() ==
+                                   c10::cuda::CaptureStatus::None,
+                               static_cast<int64_t>(stream.id())};
   return conv_bn_silu_forward(x, weight, bias, bn_weight, bn_bias, bn_mean, bn_var, eps, stride,
-                              padding, dilation, groups, silu, bias_act_cuda_);
+                              padding, dilation, groups, silu, bias_act_cuda_, policy);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> conv_bn_silu_backward_cuda(

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from vdcompile.ops._utils import FLOAT_DTYPES, empty_in_layout, grads_for, pad_inputs
+from vdcompile.ops._utils import FLOAT_DTYPES, channels_last_layout, empty_in_layout, grads_for, pad_inputs
 
 __all__ = ["conv_bn_silu", "reference_conv_bn_silu", "temporal_conv", "reference_temporal_conv"]
 
@@ -81,7 +81,9 @@ def temporal_conv(
 
     for :math:`0 \le f < F_{out} = F + 2\,\mathrm{padding} - k + 1`, terms with an out-of-range
     frame being zero. ``weight`` must have x's dtype, ``bias`` may be any float dtype (cast to
-    x's). The output has x's dtype; a channels_last_3d input gives a channels_last_3d output.
+    x's). The output has x's dtype; a channels_last_3d input gives a channels_last_3d output, and a
+    frames-major input (a permuted view of a contiguous (B, F, C, H, W) tensor, as diffusers' temporal
+    blocks make) a frames-major output.
     """
     return torch.ops.vd.temporal_conv.default(x, weight, bias, padding)
 
@@ -203,11 +205,19 @@ def _temporal_conv_out_shape(x, weight, padding):
     return (B, C_out, F_out, H, W)
 
 
+def _frames_major(x):
+    """Same rule as frames_major_layout in csrc/conv.h."""
+    return x.dim() == 5 and not x.is_contiguous() and not channels_last_layout(x) and x.transpose(1, 2).is_contiguous()
+
+
 @torch.library.register_fake(_TC)
 def _temporal_conv_fake(x, weight, bias=None, padding=0):
     shape = _temporal_conv_out_shape(x, weight, padding)
     if bias is not None:
         _check_vector(_TC, x, "bias", bias, weight.shape[0])
+    if _frames_major(x):
+        B, C_out, F_out, H, W = shape
+        return x.new_empty((B, F_out, C_out, H, W)).transpose(1, 2)
     return empty_in_layout(x, shape)
 
 

@@ -1,0 +1,29 @@
+// The process-wide fold cache of csrc/fold_cache.h (one instance for the CPU and CUDA kernels) and
+// vd::conv_bn_silu_fold_cache, its counters as seen from Python.
+#include <torch/library.h>
+
+#include <vector>
+
+#include "../fold_cache.h"
+
+namespace vd {
+
+FoldCache& fold_cache() {
+  // Never destroyed: freeing CUDA tensors after the CUDA runtime has shut down at exit can crash.
+  static FoldCache* cache = new FoldCache();
+  return *cache;
+}
+
+namespace {
+std::vector<int64_t> fold_cache_stats(bool clear) {
+  auto s = fold_cache().stats(clear);
+  return {s[0], s[1], s[2]};
+}
+}  // namespace
+
+// No tensor arguments: the composite key is the one every call dispatches to.
+TORCH_LIBRARY_IMPL(vd, CompositeImplicitAutograd, m) {
+  m.impl("conv_bn_silu_fold_cache", &fold_cache_stats);
+}
+
+}  // namespace vd

@@ -1,0 +1,130 @@
+// A small cache of folded conv + BatchNorm parameters (w' = w * s, b' = (b - mean) * s + beta), so
+// inference calls with unchanged parameters skip the per-call fold. Shared by the CPU and CUDA kernels;
+// the one instance lives in csrc/cpu/fold_cache.cpp.
+#pragma once
+#include <ATen/ATen.h>
+#include <c10/core/Device.h>
+#include <c10/util/intrusive_ptr.h>
+
+#include <array>
+#include <cstdint>
+#include <list>
+#include <mutex>
+#include <optional>
+
+namespace vd {
+
+// One parameter as the fold saw it. It still matches a tensor only while that is the same live
+// TensorImpl (weak reference: the cache neither keeps it alive nor confuses it with a new tensor at a
+// reused address), not written in place since (version counter) and on the same data (`p.data = t`
+// swaps the storage without bumping the version).
+struct TensorStamp {
+  std::optional<c10::weak_intrusive_ptr<c10::TensorImpl>> impl;  // empty: an absent optional tensor
+  uint32_t version = 0;
+  const void* data = nullptr;
+
+  static TensorStamp of(const at::Tensor* t) {
+    TensorStamp s;
+    if (t == nullptr || !t->defined()) return s;
+    s.impl.emplace(t->getIntrusivePtr());
+    s.version = t->_version();
+    s.data = t->const_data_ptr();
+    return s;
+  }
+  bool matches(const at::Tensor* t) const {
+    if (t == nullptr || !t->defined()) return !impl.has_value();
+    // expired() first: a dead impl's address may belong to a new tensor by now.
+    return impl.has_value() && !impl->expired() && impl->_unsafe_get_target() == t->unsafeGetTensorImpl() &&
+           version == t->_version() && data == t->const_data_ptr();
+  }
+  bool alive() const { return !impl.has_value() || !impl->expired(); }
+};
+
+constexpr size_t kFoldParams = 6;  // weight, bias, bn_weight, bn_bias, bn_mean, bn_var
+
+struct FoldKey {
+  std::array<TensorStamp, kFoldParams> params;
+  at::ScalarType dtype;
+  c10::Device device;
+  at::MemoryFormat format;
+  double eps;
+  int64_t stream;  // folded on this stream: another stream could read it before the fold finished
+
+  bool matches(const std::array<const at::Tensor*, kFoldParams>& ts, at::ScalarType dt, c10::Device dev,
+               at::MemoryFormat fmt, double e, int64_t st) const {
+    if (dt != dtype || dev != device || fmt != format || e != eps || st != stream) return false;
+    for (size_t i = 0; i < kFoldParams; ++i)
+      if (!params[i].matches(ts[i])) return false;
+    return true;
+  }
+  bool alive() const {
+    for (const auto& p : params)
+      if (!p.alive()) return false;
+    return true;
+  }
+};
+
+struct FoldValue {
+  at::Tensor weight;  // w', x's dtype and layout
+  at::Tensor shift;   // b', acc dtype
+};
+
+class FoldCache {
+ public:
+  static constexpr size_t kCapacity = 256;  // entries; a UNet has a few dozen conv + BN layers
+
+  std::optional<FoldValue> find(const std::array<const at::Tensor*, kFoldParams>& ts, at::ScalarType dt,
+                                c10::Device dev, at::MemoryFormat fmt, double eps, int64_t stream) {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto it = entries_.begin(); it != entries_.end(); ++it) {
+      if (it->first.matches(ts, dt, dev, fmt, eps, stream)) {
+        entries_.splice(entries_.begin(), entries_, it);  // most recently used first
+        ++hits_;
+        return entries_.front().second;
+      }
+    }
+    ++misses_;
+    return std::nullopt;
+  }
+
+  void insert(FoldKey key, FoldValue value) {
+    std::lock_guard<std::mutex> lock(mu_);
+    // Entries of dead tensors can never match again, nor can older versions of this same weight.
+    const c10::TensorImpl* w = key.params[0].impl->_unsafe_get_target();
+    entries_.remove_if([&](const std::pair<FoldKey, FoldValue>& e) {
+      return !e.first.alive() || (e.first.params[0].impl->_unsafe_get_target() == w &&
+                                  e.first.device == key.device && e.first.dtype == key.dtype &&
+                                  e.first.format == key.format && e.first.eps == key.eps &&
+                                  e.first.stream == key.stream);
+    });
+    entries_.emplace_front(std::move(key), std::move(value));
+    while (entries_.size() > kCapacity) entries_.pop_back();
+  }
+
+  // [hits, misses, entries]; clear drops the entries and zeroes the counters.
+  std::array<int64_t, 3> stats(bool clear) {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::array<int64_t, 3> r{hits_, misses_, static_cast<int64_t>(entries_.size())};
+    if (clear) {
+      entries_.clear();
+      hits_ = misses_ = 0;
+    }
+    return r;
+  }
+
+ private:
+  std::mutex mu_;
+  std::list<std::pair<FoldKey, FoldValue>> entries_;
+  int64_t hits_ = 0, misses_ = 0;
+};
+
+FoldCache& fold_cache();
+
+// What the device kernel allows: no cache while a CUDA graph is being captured (a replay would keep
+// reading the captured fold after the parameters change), and the stream the fold runs on.
+struct FoldCachePolicy {
+  bool allowed;
+  int64_t stream;
+};
+
+}  // namespace vd
