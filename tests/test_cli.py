@@ -47,7 +47,7 @@ def test_bench_table_json_chart_and_disagreement(tmp_path, capsys):
     ok_backend = "vdcompile" if have_vd else "vdtest_exact"
     # vdcompile's rewrites without code generation (eager inner compiler): a short compile.
     rc = _bench(tmp_path, "--backends", f"eager,{ok_backend},vdtest_perturb",
-                "--backend-option", "inner_compiler=eager")
+                "--backend-option", "inner_compiler=eager", "--backend-option", "conv_bn_silu=False")
     out, err = capsys.readouterr()
     assert rc == 1, "a backend disagreeing with eager must fail the run"
     assert "FAIL: vdtest_perturb disagrees with eager" in err
@@ -73,7 +73,7 @@ def test_bench_table_json_chart_and_disagreement(tmp_path, capsys):
         # The backend's counters reach the table: the tiny UNet has GroupNorm+SiLU pairs to fuse.
         assert rows["vdcompile"]["rewrites"].get("group_norm_silu", 0) > 0
         assert "group_norm_silu" in out
-        assert data["config"]["backend_options"] == {"inner_compiler": "eager"}
+        assert data["config"]["backend_options"] == {"inner_compiler": "eager", "conv_bn_silu": False}
     png = js[:-5] + ".png"
     with open(png, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
@@ -111,6 +111,8 @@ def test_generate_profiles_and_saves(tmp_path, capsys):
     (["bench", "--device", "cpu", "--cuda-graphs"], "--cuda-graphs needs a CUDA device"),
     (["generate", "--model", "/no/such/dir"], "--model /no/such/dir: no such directory"),
     (["bench", "no_such_kernel"], "no kernel benchmark 'no_such_kernel'"),
+    (["bench", "--device", "cpu", "--backend-option", "bogus=1"], "unknown vdcompile option 'bogus'"),
+    (["bench", "--device", "cpu", "--backend-option", "attention=maybe"], "takes a bool"),
 ])
 def test_errors_are_one_actionable_line(argv, msg, capsys):
     rc = cli.main(argv)

@@ -335,10 +335,19 @@ def cmd_bench(args) -> int:
         k, sep, v = kv.partition("=")
         if not sep:
             raise models.UserError(f"--backend-option {kv!r}: expected KEY=VALUE")
-        try:  # numbers, true/false, lists as JSON; anything else is a string
+        if v.lower() in ("true", "false"):  # Python's spelling too: temporal_conv=False
+            options[k] = v.lower() == "true"
+            continue
+        try:  # numbers, lists as JSON; anything else is a string
             options[k] = json.loads(v)
         except ValueError:
             options[k] = v
+    try:  # a bad option is one line now, not a failed row after the eager run
+        from vdcompile.backend import parse_options
+
+        parse_options(None, options)
+    except (ValueError, RuntimeError) as e:
+        raise models.UserError(f"--backend-option: {e}") from None
 
     if args.model:
         what = f"model {args.model}"
