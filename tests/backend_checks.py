@@ -17,9 +17,15 @@ from vdcompile.passes import FAMILIES
 BACKEND = "vdcompile" if "vdcompile" in torch._dynamo.list_backends() else vdcompile.vdcompile_backend
 
 
+# The pass tests check the rewrites themselves: vd's kernels are forced for every matched attention
+# (by default SDPA is kept where PyTorch's kernel is faster, e.g. always on the CPU; that policy has
+# its own tests in test_pass_attention.py).
+FORCE_VD = {"attention_kernels": "vd"}
+
+
 def rewrite(model, *args, options=None, **kwargs):
     """(report, [graph code]) of compiling ``model`` and running it once (inner compiler eager)."""
-    out = vdcompile.explain(model, *args, options=options, verbose=False, **kwargs)
+    out = vdcompile.explain(model, *args, options={**FORCE_VD, **(options or {})}, verbose=False, **kwargs)
     return out, [graph_code(g) for g in out.graphs]
 
 
@@ -61,7 +67,7 @@ def compare_with_eager(model, *args, options=None, inner="aot_eager", grad=True,
                 for a in args]
     torch._dynamo.reset()
     compiled = torch.compile(model, backend=BACKEND, fullgraph=True,
-                             options={"inner_compiler": inner, **(options or {})})
+                             options={"inner_compiler": inner, **FORCE_VD, **(options or {})})
     sink: list = []
     backend._SINKS.append(sink)
     try:

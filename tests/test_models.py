@@ -225,7 +225,8 @@ def test_unet2d_training_gradients():
     sink: list = []
     backend._SINKS.append(sink)
     try:
-        compiled = torch.compile(unet, backend=BACKEND, fullgraph=True, options={"inner_compiler": "aot_eager"})
+        compiled = torch.compile(unet, backend=BACKEND, fullgraph=True,
+                                 options={"inner_compiler": "aot_eager", "attention_kernels": "vd"})
         out = compiled(x, torch.tensor(10.0), ehs).sample
         grads = torch.autograd.grad(out, list(unet.parameters()), seed)
     finally:

@@ -279,7 +279,7 @@ class TestDynamicShapes(TestCase):
             backend._SINKS.append(sink)
             try:
                 c = torch.compile(a, backend=BACKEND, dynamic=True, fullgraph=True,
-                                  options={"inner_compiler": "aot_eager"})
+                                  options={"inner_compiler": "aot_eager", "attention_kernels": "vd"})
                 with torch.no_grad():
                     for n in (10, 13, 17):
                         args = (torch.randn(2, n, 32),) + (() if cross is None else (torch.randn(2, 1, 16),))
@@ -294,6 +294,7 @@ class TestDynamicShapes(TestCase):
 
 
 _CUDA = "CUDA" in built_backends("fused_attention") and torch.cuda.is_available()
+AUTO = {"attention_kernels": "auto"}  # the backend's default (backend_checks forces "vd")
 
 
 @pytest.mark.skipif(not _CUDA, reason="vd::fused_attention has no CUDA kernel in this build, or no GPU")
@@ -302,13 +303,24 @@ def test_cuda_sdpa_kept_where_vendor_is_faster(length, fires):
     # Default attention_kernels="auto": on CUDA in bf16 only short sequences go to vd (its short
     # kernel is faster there); "vd" forces the rewrite for every length.
     q, k, v = (torch.randn(2, 4, length, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    out, _ = rewrite(SDPA(), q, k, v)
+    out, _ = rewrite(SDPA(), q, k, v, options=AUTO)
     if fires:
         assert_fired(out, {"attention": 1})
     else:
         assert_rejected(out, "attention", "SDPA kept")
     assert_fired(rewrite(SDPA(), q, k, v, options={"attention_kernels": "vd"})[0], {"attention": 1})
-    compare_with_eager(SDPA(), q, k, v, grad=False, atol=2e-2, rtol=2e-2)
+    compare_with_eager(SDPA(), q, k, v, options=AUTO, grad=False, atol=2e-2, rtol=2e-2)
+
+
+def test_cpu_sdpa_kept_by_default():
+    # vd's CPU kernel is slower than PyTorch's CPU SDPA: "auto" (the backend's default) keeps the call,
+    # with the reason in the report; the textbook form has no faster PyTorch kernel and is rewritten.
+    q, k, v = (torch.randn(2, 4, 14, 16) for _ in range(3))
+    out, _ = rewrite(SDPA(), q, k, v, options=AUTO)
+    assert_fired(out, {})
+    assert_rejected(out, "attention", "SDPA kept: PyTorch's CPU kernel is faster")
+    assert_fired(rewrite(Naive(), q, k, v, options=AUTO)[0], {"attention": 1})
+    compare_with_eager(SDPA(), q, k, v, options=AUTO, grad=False)
 
 
 class TestSingleKeyAttnProcessor(TestCase):

@@ -10,8 +10,9 @@ Matched forms:
 Masks are taken with SDPA only: SDPA and the op both give 0 for a row whose keys are all masked
 out, where an additive mask before a plain softmax gives NaN.
 
-With the backend's default attention_kernels="auto", an SDPA call on CUDA in fp16/bf16 is kept as
-it is unless q_len and kv_len are both <= 32: there vd's short-sequence kernel is faster than every
+With the backend's default attention_kernels="auto", an SDPA call on the CPU is kept as it is
+(PyTorch's CPU kernel is faster than vd's), and one on CUDA in fp16/bf16 unless q_len and kv_len
+are both <= 32: there vd's short-sequence kernel is faster than every
 SDPA backend (temporal attention over frames), while for longer sequences PyTorch's cuDNN / flash
 kernels are faster than vd's tensor-core kernel (bench/attention.py; bench/notes/attention.md).
 The textbook and bmm forms are always rewritten: vd's kernels beat their unfused matmuls.
@@ -109,6 +110,9 @@ SHORT_MAX = 32  # q_len and kv_len up to which vd's short-sequence CUDA kernel i
 def _sdpa_faster(m: Match, q, k) -> str | None:
     if m.ctx is not None and m.ctx.attention_kernels == "vd":
         return None
+    if q.device.type == "cpu":
+        # vd's CPU kernel is 1.5-3.4x slower than PyTorch's CPU SDPA on temporal and spatial shapes.
+        return "SDPA kept: PyTorch's CPU kernel is faster than vd's (options={'attention_kernels': 'vd'} forces vd)"
     if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16):
         return None
     lq, lk = static_int(q.shape[2]), static_int(k.shape[2])
