@@ -10,6 +10,7 @@ one pattern covers all spellings.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -72,8 +73,7 @@ _functions("sdpa", "query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
 _functions("group_norm", "input, num_groups, weight=None, bias=None, eps=1e-05", [F.group_norm])
 _functions("group_norm", "input, num_groups, weight=None, bias=None, eps=1e-05, cudnn_enabled=True",
            [torch.group_norm], drop=("cudnn_enabled",))
-_functions("silu", "input, inplace=False", [F.silu])
-_functions("silu", "input, inplace=False", [_get(_nn, "silu")])
+_functions("silu", "input, inplace=False", [F.silu, _get(_nn, "silu")])
 _functions("softmax", "input, dim=None, _stacklevel=3, dtype=None", [F.softmax], drop=("_stacklevel",), dims=("dim",))
 _functions("softmax", "input, dim, dtype=None", [torch.softmax], dims=("dim",))
 _methods("softmax", "input, dim, dtype=None", ["softmax"], dims=("dim",))
@@ -85,14 +85,11 @@ _functions("baddbmm", "input, batch1, batch2, *, beta=1, alpha=1", [torch.baddbm
 _methods("baddbmm", "input, batch1, batch2, *, beta=1, alpha=1", ["baddbmm"])
 _functions("mul", "input, other", [operator.mul, torch.mul])
 _methods("mul", "input, other", ["mul", "__mul__"])
-_functions("div", "input, other, *, rounding_mode=None", [operator.truediv])
-_functions("div", "input, other, *, rounding_mode=None", [torch.div])
+_functions("div", "input, other, *, rounding_mode=None", [operator.truediv, torch.div])
 _methods("div", "input, other, *, rounding_mode=None", ["div", "__truediv__"])
-_functions("add", "input, other, *, alpha=1", [operator.add])
-_functions("add", "input, other, *, alpha=1", [torch.add])
+_functions("add", "input, other, *, alpha=1", [operator.add, torch.add])
 _methods("add", "input, other, *, alpha=1", ["add", "__add__"])
-_functions("sub", "input, other, *, alpha=1", [operator.sub])
-_functions("sub", "input, other, *, alpha=1", [torch.sub])
+_functions("sub", "input, other, *, alpha=1", [operator.sub, torch.sub])
 _methods("sub", "input, other, *, alpha=1", ["sub", "__sub__"])
 _functions("neg", "input", [operator.neg, torch.neg])
 _methods("neg", "input", ["neg", "__neg__"])
@@ -165,8 +162,10 @@ def _norm_dim(d, rank):
     return d
 
 
-def canonical(node: fx.Node) -> tuple[str, dict[str, Any]] | None:
-    """(name, arguments) of a call in canonical form, or None for a call this module does not know."""
+def canonical(node: fx.Node, rank: int | None = None) -> tuple[str, dict[str, Any]] | None:
+    """(name, arguments) of a call in canonical form, or None for a call this module does not know.
+    Dims are normalised against the input's rank; ``rank`` stands in for it on a pattern node, whose
+    input has no example value (the rank of the graph node it is matched against)."""
     if node.op == "call_function":
         form = _BY_FUNCTION.get(node.target)
     elif node.op == "call_method":
@@ -195,8 +194,9 @@ def canonical(node: fx.Node) -> tuple[str, dict[str, Any]] | None:
             v = tuple(v)
         out[k] = v
     if form.dims:
-        first = next(iter(out.values()))
-        rank = _rank(first) if isinstance(first, fx.Node) else None
+        if rank is None:
+            first = next(iter(out.values()))
+            rank = _rank(first) if isinstance(first, fx.Node) else None
         for k in form.dims:
             v = out[k]
             out[k] = tuple(_norm_dim(d, rank) for d in v) if isinstance(v, (tuple, list)) else _norm_dim(v, rank)
@@ -295,15 +295,13 @@ class Rewrite:
     pattern: Callable
     replacement: Callable
     check: Callable[["Match"], Any]
-    _graph: fx.Graph | None = None
 
-    @property
+    @functools.cached_property
     def pattern_graph(self) -> fx.Graph:
-        if self._graph is None:
-            self._graph = fx.symbolic_trace(self.pattern).graph
-        return self._graph
+        return fx.symbolic_trace(self.pattern).graph
 
-    @property
+    # Cached: read at every match attempt of the sweep.
+    @functools.cached_property
     def outputs(self) -> list[fx.Node]:
         """The pattern's results: its root, then any intermediate it also returns (such an
         intermediate may be used outside the match; the replacement returns a value for it)."""
@@ -386,21 +384,14 @@ def _match_node(pn: fx.Node, gn: fx.Node, m: Match) -> bool:
         return m.nodes[pn] is gn
     if gn in m.nodes.values():
         return False
-    pc, gc = canonical(pn), canonical(gn)
-    if pc is None or gc is None or pc[0] != gc[0]:
+    gc = canonical(gn)
+    if gc is None:
+        return False
+    # The pattern's dims are normalised against the rank of the graph's input.
+    pc = canonical(pn, rank=_rank(next(iter(gc[1].values()), None)))
+    if pc is None or pc[0] != gc[0]:
         return False
     pargs, gargs = pc[1], gc[1]
-    if pc[0] in ("softmax", "transpose", "permute"):  # pattern dims: normalise with the graph's rank
-        pargs = dict(pargs)
-        rank = _rank(next(iter(gargs.values())))
-        for k in ("dim", "dim0", "dim1", "dims"):
-            if k in pargs:
-                v = pargs[k]
-                pargs[k] = (tuple(_norm_dim(d, rank) for d in v) if isinstance(v, (tuple, list))
-                            else _norm_dim(v, rank))
-        if pc[0] == "transpose" and isinstance(pargs["dim0"], int) and isinstance(pargs["dim1"], int):
-            if pargs["dim0"] > pargs["dim1"]:
-                pargs["dim0"], pargs["dim1"] = pargs["dim1"], pargs["dim0"]
     if pargs.keys() != gargs.keys():
         return False
     m.nodes[pn] = gn
@@ -623,7 +614,7 @@ def run_node(n: fx.Node, fake_mode):
 
     args = fx.node.map_arg(n.args, arg)
     kwargs = fx.node.map_arg(n.kwargs, arg)
-    ctx = fake_mode if fake_mode is not None else _nullcontext()
+    ctx = fake_mode if fake_mode is not None else contextlib.nullcontext()
     with ctx:
         if n.op == "call_function":
             return n.target(*args, **kwargs)
@@ -632,14 +623,6 @@ def run_node(n: fx.Node, fake_mode):
         if n.op == "get_attr":
             return _fake(_get_attr(n), fake_mode)
     raise RuntimeError(f"cannot compute the value of {n.op} {n.name}")
-
-
-class _nullcontext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *a):
-        return False
 
 
 def _same_meta(a, b) -> bool:
