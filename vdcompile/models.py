@@ -128,7 +128,10 @@ PRESETS: dict[str, Preset] = {
 }
 
 
-def get_preset(name: str) -> Preset:
+def get_preset(name: str | Preset) -> Preset:
+    """The preset of that name (a Preset is returned as is, so builders take either)."""
+    if isinstance(name, Preset):
+        return name
     try:
         return PRESETS[name]
     except KeyError:
@@ -195,26 +198,24 @@ def quiet_diffusers():
         dlog.set_verbosity(old)
 
 
+def _build_diffusers_model(cls, config: dict, seed: int, dtype, device):
+    torch.manual_seed(seed)
+    # Built on the target device: initialising the full SVD UNet on a CPU first takes a while.
+    with quiet_diffusers(), torch.device(device):
+        return cls(**config).to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
 def build_unet(preset: str | Preset = "small", *, seed: int = 0, dtype=torch.float32, device="cpu"):
     """A UNetSpatioTemporalConditionModel from a preset's config, with seeded random weights."""
     from diffusers import UNetSpatioTemporalConditionModel
 
-    p = get_preset(preset) if isinstance(preset, str) else preset
-    torch.manual_seed(seed)
-    # Built on the target device: initialising the full SVD UNet on a CPU first takes a while.
-    with quiet_diffusers(), torch.device(device):
-        unet = UNetSpatioTemporalConditionModel(**p.unet)
-        return unet.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    return _build_diffusers_model(UNetSpatioTemporalConditionModel, get_preset(preset).unet, seed, dtype, device)
 
 
 def build_vae(preset: str | Preset = "small", *, seed: int = 1, dtype=torch.float32, device="cpu"):
     from diffusers import AutoencoderKLTemporalDecoder
 
-    p = get_preset(preset) if isinstance(preset, str) else preset
-    torch.manual_seed(seed)
-    with quiet_diffusers(), torch.device(device):
-        vae = AutoencoderKLTemporalDecoder(**p.vae)
-        return vae.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    return _build_diffusers_model(AutoencoderKLTemporalDecoder, get_preset(preset).vae, seed, dtype, device)
 
 
 def build_scheduler():
@@ -272,7 +273,7 @@ def build_image_encoder(preset: str | Preset = "small", *, seed: int = 2, dtype=
                         stub: bool | None = None):
     """CLIPVisionModelWithProjection from the preset's config when transformers is installed (and
     ``stub`` is not True), else a :class:`StubImageEncoder` with the same output shape."""
-    p = get_preset(preset) if isinstance(preset, str) else preset
+    p = get_preset(preset)
     cfg = p.image_encoder
     torch.manual_seed(seed)
     if stub is None:
@@ -292,7 +293,7 @@ def build_image_encoder(preset: str | Preset = "small", *, seed: int = 2, dtype=
 def build_feature_extractor(preset: str | Preset = "small"):
     """CLIPImageProcessor for the preset's image size (None without transformers: the built-in
     pipeline then resizes and normalises with torch)."""
-    p = get_preset(preset) if isinstance(preset, str) else preset
+    p = get_preset(preset)
     if not transformers_available():
         return None
     from transformers import CLIPImageProcessor
@@ -307,7 +308,7 @@ def build_svd_pipeline(preset: str | Preset = "small", *, dtype=torch.float32, d
     """A random-weight Stable Video Diffusion pipeline: diffusers' StableVideoDiffusionPipeline when
     transformers is installed, else :class:`vdcompile.runner.SVDPipeline` (the same sampling
     algorithm on the same diffusers components, with the stub image encoder)."""
-    p = get_preset(preset) if isinstance(preset, str) else preset
+    p = get_preset(preset)
     unet = build_unet(p, seed=seed, dtype=dtype, device=device)
     vae = build_vae(p, seed=seed + 1, dtype=dtype, device=device)
     enc = build_image_encoder(p, seed=seed + 2, dtype=dtype, device=device, stub=stub_encoder)
