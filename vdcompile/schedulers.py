@@ -37,6 +37,7 @@ from diffusers.schedulers.scheduling_ddim import DDIMSchedulerOutput
 from diffusers.schedulers.scheduling_euler_discrete import EulerDiscreteSchedulerOutput
 from diffusers.schedulers.scheduling_utils import SchedulerOutput
 
+from vdcompile.ops._utils import compute_dtype
 from vdcompile.ops.scheduler import scheduler_step
 
 __all__ = ["UnsupportedSchedulerError", "unsupported_reason", "step_coeffs", "x0_clip", "fused_step"]
@@ -322,13 +323,13 @@ def _blend_tensor(blend_weight, like: torch.Tensor) -> torch.Tensor:
     if isinstance(blend_weight, torch.Tensor):
         return blend_weight
     # A Python number never came from a device tensor, so this is a fill, not a read-back.
-    cdt = torch.float64 if like.dtype == torch.float64 else torch.float32
+    cdt = compute_dtype(like.dtype)
     return torch.full((), float(blend_weight), dtype=cdt, device=like.device)
 
 
 def _blend(prev, prev_frame, blend_weight):
     """The op's temporal blend in torch ops (fallback path), in the op's compute dtype."""
-    cdt = torch.float64 if prev.dtype == torch.float64 else torch.float32
+    cdt = compute_dtype(prev.dtype)
     w = _blend_tensor(blend_weight, prev).to(cdt)
     if w.dim() == 1:
         w = w.reshape((-1,) + (1,) * (prev.dim() - 1))
@@ -384,7 +385,7 @@ def fused_step(
 
     kind = type(scheduler)
     compute = torch.promote_types(sample.dtype, model_output.dtype)
-    coeff_dtype = torch.float64 if compute == torch.float64 else torch.float32
+    coeff_dtype = compute_dtype(compute)
     device = sample.device
     pred = scheduler.config.prediction_type
     prev_x0 = None

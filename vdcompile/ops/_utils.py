@@ -31,6 +31,12 @@ def empty_in_layout(x: torch.Tensor, shape=None, dtype=None) -> torch.Tensor:
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The kernels' accumulation dtype (and that of their float side outputs such as attention's
+    lse): float32, float64 for float64 inputs."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def grads_for(ctx, *grads):
     """Backward return value: one entry per input actually passed (an op called without its trailing
     defaults sees fewer inputs), None where the input needs no gradient."""

@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from vdcompile.ops._utils import FLOAT_DTYPES, grads_for, pad_inputs
+from vdcompile.ops._utils import FLOAT_DTYPES, compute_dtype, grads_for, pad_inputs
 
 __all__ = [
     "fused_attention",
@@ -73,10 +73,6 @@ def strided_attention(
     return torch.ops.vd.strided_attention.default(q, k, v, stride, scale)[0]
 
 
-def _lse_dtype(q: torch.Tensor) -> torch.dtype:
-    return torch.float64 if q.dtype == torch.float64 else torch.float32
-
-
 def _default_scale(scale, head_dim):
     return 1.0 / math.sqrt(head_dim) if scale is None else scale
 
@@ -97,7 +93,7 @@ def reference_fused_attention(q, k, v, attn_mask=None, scale=None):
     denom = torch.where(empty, torch.ones_like(denom), denom)  # keeps 0/0 out of values and grads
     out = (e @ v.double()) / denom
     lse = torch.where(empty, torch.full_like(denom, float("-inf")), m + torch.log(denom)).squeeze(-1)
-    return out.to(q.dtype), lse.to(_lse_dtype(q))
+    return out.to(q.dtype), lse.to(compute_dtype(q.dtype))
 
 
 def reference_strided_attention(q, k, v, stride, scale=None):
@@ -164,15 +160,15 @@ def _check_backward(grad_out, q, out, lse, grad_lse, op):
             continue
         torch._check(t.device == q.device, lambda: f"{op}: {name} is on {t.device} but q is on {q.device}; "
                      "all tensors must be on the same device")
-        torch._check_type(t.dtype == _lse_dtype(q),
-                          lambda: f"{op}: {name} must be {_lse_dtype(q)} for {q.dtype} inputs, got {t.dtype}")
+        torch._check_type(t.dtype == compute_dtype(q.dtype),
+                          lambda: f"{op}: {name} must be {compute_dtype(q.dtype)} for {q.dtype} inputs, got {t.dtype}")
         torch._check(tuple(t.shape) == lse_shape, lambda: f"{op}: {name} must have shape (batch, heads, q_len) = "
                      f"{list(lse_shape)}, got {list(t.shape)}")
 
 
 def _forward_outputs(q):
     B, H, Lq, D = q.shape
-    return q.new_empty((B, H, Lq, D)), q.new_empty((B, H, Lq), dtype=_lse_dtype(q))
+    return q.new_empty((B, H, Lq, D)), q.new_empty((B, H, Lq), dtype=compute_dtype(q.dtype))
 
 
 def _backward_outputs(q, k):
@@ -223,7 +219,7 @@ def _mask_grad(grad_out, q, k, v, out, lse, attn_mask, scale, grad_lse):
     """Gradient of a float attn_mask: the score gradient dS = P * (dP - Delta) (mask is added to the
     scores unscaled), summed over the dims the mask was broadcast along. Plain torch ops; it forms
     the full (B, H, Lq, Lk) matrix, which only a mask that requires grad pays for."""
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    acc = compute_dtype(q.dtype)
     q, k, v, grad_out, out = (t.to(acc) for t in (q, k, v, grad_out, out))
     s = (q @ k.transpose(-2, -1)) * _default_scale(scale, q.shape[-1]) + attn_mask.to(acc)
     lse = lse.to(acc).unsqueeze(-1)

@@ -7,7 +7,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from vdcompile.ops._utils import FLOAT_DTYPES, channels_last_layout, empty_in_layout, grads_for, pad_inputs
+from vdcompile.ops._utils import (FLOAT_DTYPES, channels_last_layout, compute_dtype, empty_in_layout, grads_for,
+                                  pad_inputs)
 
 __all__ = ["conv_bn_silu", "reference_conv_bn_silu", "temporal_conv", "reference_temporal_conv"]
 
@@ -253,7 +254,7 @@ def _conv_bn_silu_backward(ctx, grad):
     # from the others: dz/dmean = -s, dz/dvar = -gamma / (2 (var + eps)) * dz/dgamma.
     dmean = dvar = None
     if any(ctx.needs_input_grad[5:7]):
-        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+        acc = compute_dtype(x.dtype)
         inv_var = 1.0 / (bn_var.to(acc) + eps)
         gamma = bn_weight.to(acc)
         dmean = (-gamma * inv_var.sqrt() * dbeta.to(acc)).to(bn_mean.dtype)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from vdcompile.ops._utils import FLOAT_DTYPES, empty_in_layout, grads_for, pad_inputs
+from vdcompile.ops._utils import FLOAT_DTYPES, compute_dtype, empty_in_layout, grads_for, pad_inputs
 
 __all__ = ["scheduler_step", "reference_scheduler_step"]
 
@@ -44,10 +44,6 @@ def scheduler_step(
                                                blend_weight, clip_x0)
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def _per_batch(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """A 0-D scalar as is, an (N,) vector shaped (N, 1, ..., 1) to broadcast over ``like``."""
     return t if t.dim() == 0 else t.reshape((-1,) + (1,) * (like.dim() - 1))
@@ -56,7 +52,7 @@ def _per_batch(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 def reference_scheduler_step(model_output, sample, coeffs, prev_x0=None, prev_frame=None,
                              blend_weight=None, clip_x0=None):
     """The math, in plain PyTorch, in the op's compute dtype; returns outputs in sample's dtype."""
-    cdt = _compute_dtype(sample.dtype)
+    cdt = compute_dtype(sample.dtype)
     s, m = sample.to(cdt), model_output.to(cdt)
     c_s, c_m, d_s, d_m, d_x0, d_p = (_per_batch(c, s) for c in coeffs.to(cdt).unbind(-1))
     x0 = c_s * s + c_m * m
@@ -128,7 +124,7 @@ def _reduce_like(t: torch.Tensor, per_batch: bool) -> torch.Tensor:
 
 def _backward(ctx, grad_prev, grad_x0):
     model_output, sample, coeffs, prev_x0, prev_frame, blend_weight = ctx.saved_tensors
-    cdt = _compute_dtype(sample.dtype)
+    cdt = compute_dtype(sample.dtype)
     s, m = sample.to(cdt), model_output.to(cdt)
     gp = grad_prev.to(cdt) if grad_prev is not None else torch.zeros_like(s)
     gx = grad_x0.to(cdt) if grad_x0 is not None else torch.zeros_like(s)
