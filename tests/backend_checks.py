@@ -2,6 +2,7 @@
 fired, snapshot the rewritten graph, compare outputs and gradients with eager."""
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
@@ -29,6 +30,11 @@ def rewrite(model, *args, options=None, **kwargs):
     return out, [graph_code(g) for g in out.graphs]
 
 
+def leaf(*shape, dtype=torch.float32):
+    """A random input that requires grad (compare_with_eager then checks its gradient)."""
+    return torch.randn(*shape, dtype=dtype).requires_grad_()
+
+
 def assert_fired(out, expected: dict):
     """Exactly ``expected`` fired (every other rewrite fired zero times)."""
     got = {f: out.fired.get(f, 0) for f in FAMILIES}
@@ -39,6 +45,22 @@ def assert_fired(out, expected: dict):
 def assert_rejected(out, family: str, fragment: str):
     reasons = out.rejected.get(family, {})
     assert any(fragment in r for r in reasons), f"no {family} rejection mentioning {fragment!r}: {reasons}"
+
+
+@contextlib.contextmanager
+def capture_rewrites(reset: bool = False):
+    """Yields a list that collects (report, rewritten graph) of every graph the backend compiles
+    inside the block; with ``reset``, dynamo's caches are cleared on entry and on exit."""
+    if reset:
+        torch._dynamo.reset()
+    sink: list = []
+    backend._SINKS.append(sink)
+    try:
+        yield sink
+    finally:
+        backend._SINKS.remove(sink)
+        if reset:
+            torch._dynamo.reset()
 
 
 def _grad_leaves(model, args):
@@ -68,14 +90,10 @@ def compare_with_eager(model, *args, options=None, inner="aot_eager", grad=True,
     torch._dynamo.reset()
     compiled = torch.compile(model, backend=BACKEND, fullgraph=True,
                              options={"inner_compiler": inner, **FORCE_VD, **(options or {})})
-    sink: list = []
-    backend._SINKS.append(sink)
-    try:
+    with capture_rewrites() as sink:
         with torch.set_grad_enabled(grad):
             out = _flat(compiled(*args, **kwargs))
             ref = _flat(ref_model(*ref_args, **kwargs))
-    finally:
-        backend._SINKS.remove(sink)
     assert len(out) == len(ref)
     for o, r in zip(out, ref):
         torch.testing.assert_close(o, r, atol=atol, rtol=rtol)

@@ -55,6 +55,26 @@ def run_opcheck(op, args, kwargs=None):
     assert all(v == "SUCCESS" for v in result.values()), result
 
 
+def opcheck_test(op, sample_inputs, devices):
+    """Every op file's ``test_opcheck = opcheck_test(...)``: run_opcheck on each of
+    ``sample_inputs(device, requires_grad)``, per device, with and without requires_grad."""
+    @pytest.mark.parametrize("device", devices)
+    @pytest.mark.parametrize("requires_grad", [False, True])
+    def test_opcheck(device, requires_grad):
+        for args in sample_inputs(device, requires_grad):
+            run_opcheck(op, args)
+
+    return test_opcheck
+
+
+def sample_tensor(*shape, device, requires_grad, memory_format=None):
+    """A randn sample input of an op, optionally in ``memory_format``."""
+    x = torch.randn(*shape, device=device)
+    if memory_format is not None:
+        x = x.to(memory_format=memory_format)
+    return x.requires_grad_(requires_grad)
+
+
 def assert_fake_matches_real(op, args):
     """Shape, dtype, device and strides of every output agree between the kernel and the fake kernel
     (opcheck compares strides on CUDA only). Strides of size-1 dims carry no meaning and are skipped."""

@@ -16,8 +16,8 @@ from diffusers import (AutoencoderKLTemporalDecoder, UNet2DConditionModel, UNet3
                        UNetSpatioTemporalConditionModel)
 
 import vdcompile  # noqa: F401
-from tests.backend_checks import BACKEND
-from vdcompile import backend, built_backends
+from tests.backend_checks import BACKEND, capture_rewrites
+from vdcompile import built_backends
 from vdcompile.passes import FAMILIES
 from vdcompile.passes._common import Report
 
@@ -83,10 +83,7 @@ def _run(model, make_args, expected: dict, steps=(999.0, 500.0, 1.0), dd=("cpu",
         if dtype != torch.float32 and model32 is None:
             model32 = copy.deepcopy(model).to(device)
         model.to(device, dtype)
-    torch._dynamo.reset()
-    sink: list = []
-    backend._SINKS.append(sink)
-    try:
+    with capture_rewrites(reset=True) as sink:
         # attention_kernels="vd": every attention goes to the vd op, on CUDA too, so the counts and
         # the kernels under test are the same on both devices.
         compiled = torch.compile(model, backend=BACKEND, fullgraph=True,
@@ -106,9 +103,6 @@ def _run(model, make_args, expected: dict, steps=(999.0, 500.0, 1.0), dd=("cpu",
                     ours, theirs = _rel(out, ref32), _rel(ref, ref32)
                     assert ours <= BF16_FACTOR * theirs + BF16_SLACK, (
                         f"bf16 relative error vs float32: compiled {ours:.3e}, eager {theirs:.3e}")
-    finally:
-        backend._SINKS.remove(sink)
-        torch._dynamo.reset()
     assert len(sink) == 1, f"{len(sink)} graphs: a graph break or a recompilation"
     _check_report(sink[0][0], expected, device)
 
@@ -221,17 +215,11 @@ def test_unet2d_training_gradients():
     g = _gen(0)
     x, ehs = torch.randn(2, 4, 8, 8, generator=g), torch.randn(2, 5, 32, generator=g)
     seed = torch.randn(2, 4, 8, 8, generator=g)
-    torch._dynamo.reset()
-    sink: list = []
-    backend._SINKS.append(sink)
-    try:
+    with capture_rewrites(reset=True) as sink:
         compiled = torch.compile(unet, backend=BACKEND, fullgraph=True,
                                  options={"inner_compiler": "aot_eager", "attention_kernels": "vd"})
         out = compiled(x, torch.tensor(10.0), ehs).sample
         grads = torch.autograd.grad(out, list(unet.parameters()), seed)
-    finally:
-        backend._SINKS.remove(sink)
-        torch._dynamo.reset()
     ref = unet(x, torch.tensor(10.0), ehs).sample
     ref_grads = torch.autograd.grad(ref, list(unet.parameters()), seed)
     torch.testing.assert_close(out, ref, atol=ATOL, rtol=RTOL)

@@ -6,7 +6,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from tests.common import assert_close_to, assert_fake_matches_real, device_params, run_opcheck
+from tests.common import (assert_close_to, assert_fake_matches_real, device_params, opcheck_test, run_opcheck,
+                          sample_tensor)
 from vdcompile import built_backends
 from vdcompile.ops import conv_bn_silu, reference_conv_bn_silu
 
@@ -36,10 +37,8 @@ def make_params(c_in, c_out, k, groups=1, bias=True, device="cpu", dtype=torch.f
 
 def sample_inputs(device, requires_grad):
     def x_(*shape, cl=False):
-        x = torch.randn(*shape, device=device)
-        if cl:
-            x = x.to(memory_format=torch.channels_last)
-        return x.requires_grad_(requires_grad)
+        return sample_tensor(*shape, device=device, requires_grad=requires_grad,
+                             memory_format=torch.channels_last if cl else None)
 
     def p(*a, **kw):
         return make_params(*a, device=device, requires_grad=requires_grad, **kw)
@@ -57,11 +56,7 @@ def sample_inputs(device, requires_grad):
     ]
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("requires_grad", [False, True])
-def test_opcheck(device, requires_grad):
-    for args in sample_inputs(device, requires_grad):
-        run_opcheck(OP, args)
+test_opcheck = opcheck_test(OP, sample_inputs, DEVICES)
 
 
 @pytest.mark.parametrize("device", DEVICES)

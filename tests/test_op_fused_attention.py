@@ -7,7 +7,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from tests.common import DTYPES, device_params, run_opcheck
+from tests.common import DTYPES, device_params, opcheck_test
 from vdcompile.ops import fused_attention, reference_fused_attention
 
 OP = torch.ops.vd.fused_attention.default
@@ -107,11 +107,7 @@ def sample_inputs(device, requires_grad):
     return samples
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("requires_grad", [False, True])
-def test_opcheck(device, requires_grad):
-    for args in sample_inputs(device, requires_grad):
-        run_opcheck(OP, args)
+test_opcheck = opcheck_test(OP, sample_inputs, DEVICES)
 
 
 @st.composite
@@ -268,6 +264,21 @@ def _forward_backward(q, k, v, mask=None, g_seed=0):
     return (out, lse, *grads)
 
 
+def assert_heads_independent(run, q, k, v, gen):
+    """Redrawing (batch 1, head 2) of q, k, v changes that head's (out, lse, dq, dk, dv) from
+    ``run(q, k, v)`` and leaves every other head's bit for bit."""
+    before = run(q, k, v)
+    q2, k2, v2 = (t.clone() for t in (q, k, v))
+    for t in (q2, k2, v2):
+        t[1, 2] = torch.randn(t[1, 2].shape, generator=gen).to(t.dtype)
+    after = run(q2, k2, v2)
+    other = torch.ones(q.shape[0], q.shape[1], dtype=torch.bool)
+    other[1, 2] = False
+    for name, x, y in zip(["out", "lse", "dq", "dk", "dv"], before, after):
+        assert torch.equal(x[other], y[other]), f"{name} of an untouched head changed"
+        assert not torch.equal(x[1, 2], y[1, 2]), f"{name} of the changed head did not change"
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_no_cross_contamination(dtype):
     """Changing one (batch, head)'s q, k, v changes that head's outputs and gradients only."""
@@ -275,16 +286,7 @@ def test_no_cross_contamination(dtype):
     gen = torch.Generator().manual_seed(11)
     q, k, v = make_qkv(B, H, Lq, Lk, D, dtype, "bnhd", gen=gen)
     mask = torch.randn(Lq, Lk, generator=gen)  # shared by every (batch, head)
-    before = _forward_backward(q, k, v, mask)
-    q2, k2, v2 = (t.clone() for t in (q, k, v))
-    for t in (q2, k2, v2):
-        t[1, 2] = torch.randn(t[1, 2].shape, generator=gen).to(dtype)
-    after = _forward_backward(q2, k2, v2, mask)
-    other = torch.ones(B, H, dtype=torch.bool)
-    other[1, 2] = False
-    for name, x, y in zip(["out", "lse", "dq", "dk", "dv"], before, after):
-        assert torch.equal(x[other], y[other]), f"{name} of an untouched head changed"
-        assert not torch.equal(x[1, 2], y[1, 2]), f"{name} of the changed head did not change"
+    assert_heads_independent(lambda q, k, v: _forward_backward(q, k, v, mask), q, k, v, gen)
 
 
 def test_deterministic_and_thread_count_independent():

@@ -1,11 +1,12 @@
 """vd::group_norm_silu: opcheck, equivalence with the reference, gradients, bad inputs."""
 from __future__ import annotations
 
+import functools
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from tests.common import DTYPES, assert_close_to, device_params, run_opcheck
+from tests.common import DTYPES, assert_close_to, device_params, opcheck_test, sample_tensor
 from vdcompile.ops import group_norm_silu, reference_group_norm_silu
 
 OP = torch.ops.vd.group_norm_silu.default
@@ -13,11 +14,7 @@ DEVICES = device_params("group_norm_silu")
 
 
 def sample_inputs(device, requires_grad):
-    def t(*shape, cl=None):
-        x = torch.randn(*shape, device=device)
-        if cl is not None:
-            x = x.to(memory_format=cl)
-        return x.requires_grad_(requires_grad)
+    t = functools.partial(sample_tensor, device=device, requires_grad=requires_grad)
 
     def wb(c):
         return (torch.randn(c, device=device).requires_grad_(requires_grad),
@@ -26,19 +23,15 @@ def sample_inputs(device, requires_grad):
     w8, b8 = wb(8)
     return [
         (t(2, 8, 5, 6), 4, w8, b8, 1e-5, True),
-        (t(2, 8, 5, 6, cl=torch.channels_last), 4, w8, b8, 1e-5, True),
+        (t(2, 8, 5, 6, memory_format=torch.channels_last), 4, w8, b8, 1e-5, True),
         (t(2, 8, 7), 2, None, None, 1e-6, True),                            # 3-D, no affine
         (t(1, 8, 3, 4, 5), 8, w8, None, 1e-5, False),                      # 5-D, plain GroupNorm
-        (t(2, 8, 3, 4, 5, cl=torch.channels_last_3d), 2, w8, b8, 1e-5, True),
+        (t(2, 8, 3, 4, 5, memory_format=torch.channels_last_3d), 2, w8, b8, 1e-5, True),
         (t(2, 8, 6, 10)[:, :, :, ::2], 4, w8, b8, 1e-5, True),             # non-contiguous view
     ]
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("requires_grad", [False, True])
-def test_opcheck(device, requires_grad):
-    for args in sample_inputs(device, requires_grad):
-        run_opcheck(OP, args)
+test_opcheck = opcheck_test(OP, sample_inputs, DEVICES)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -1,11 +1,12 @@
 """vd::scheduler_step: opcheck, equivalence with the reference, gradients, bad inputs."""
 from __future__ import annotations
 
+import functools
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from tests.common import DTYPES, assert_close_to, device_params, run_opcheck
+from tests.common import DTYPES, assert_close_to, device_params, opcheck_test, sample_tensor
 from vdcompile import has_cuda_kernels
 from vdcompile.ops import reference_scheduler_step, scheduler_step
 
@@ -14,16 +15,13 @@ DEVICES = device_params("scheduler_step")
 
 
 def sample_inputs(device, requires_grad):
-    def t(*shape, cl=None):
-        x = torch.randn(*shape, device=device)
-        if cl is not None:
-            x = x.to(memory_format=cl)
-        return x.requires_grad_(requires_grad)
+    t = functools.partial(sample_tensor, device=device, requires_grad=requires_grad)
 
     def leaf(x):
         return x.detach().requires_grad_(requires_grad)
 
     shape = (2, 3, 2, 4, 5)  # (B, C, F, H, W) latents
+    cl = torch.channels_last
     coeffs, coeffs_b = t(6), t(2, 6)
     w0, wb = leaf(torch.rand((), device=device)), leaf(torch.rand(2, device=device))
     strided = torch.randn(2, 3, 4, 10, device=device)[:, :, :, ::2]  # non-contiguous view
@@ -33,16 +31,12 @@ def sample_inputs(device, requires_grad):
         (t(*shape), t(*shape), coeffs, None, t(*shape), w0, 0.8),                  # blend + clip
         (t(*shape), t(*shape), coeffs_b, t(*shape), t(*shape), wb, 1.5),           # everything, per-batch
         (leaf(strided), t(2, 3, 4, 5), coeffs_b, leaf(strided.clone()), None, None, 0.5),
-        (t(2, 3, 4, 5, cl=torch.channels_last), t(2, 3, 4, 5, cl=torch.channels_last), coeffs_b),
+        (t(2, 3, 4, 5, memory_format=cl), t(2, 3, 4, 5, memory_format=cl), coeffs_b),
         (t(3), t(3), t(3, 6), t(3), t(3), leaf(torch.rand(3, device=device))),   # rank-1 sample
     ]
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("requires_grad", [False, True])
-def test_opcheck(device, requires_grad):
-    for args in sample_inputs(device, requires_grad):
-        run_opcheck(OP, args)
+test_opcheck = opcheck_test(OP, sample_inputs, DEVICES)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -5,8 +5,9 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from tests.common import DTYPES, device_params, run_opcheck
-from tests.test_op_fused_attention import assert_within_torch_error, lowprec_attention, make_qkv, score_term
+from tests.common import DTYPES, device_params, opcheck_test
+from tests.test_op_fused_attention import (assert_heads_independent, assert_within_torch_error, lowprec_attention,
+                                           make_qkv, score_term)
 from vdcompile.ops import reference_strided_attention, strided_attention
 
 OP = torch.ops.vd.strided_attention.default
@@ -34,11 +35,7 @@ def sample_inputs(device, requires_grad):
     ]
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("requires_grad", [False, True])
-def test_opcheck(device, requires_grad):
-    for args in sample_inputs(device, requires_grad):
-        run_opcheck(OP, args)
+test_opcheck = opcheck_test(OP, sample_inputs, DEVICES)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -140,16 +137,7 @@ def test_no_cross_contamination():
                                     (torch.randn(out.shape, generator=g), torch.randn(lse.shape, generator=g)))
         return (out, lse, *grads)
 
-    before = run(q, k, v)
-    q2, k2, v2 = (t.clone() for t in (q, k, v))
-    for t in (q2, k2, v2):
-        t[1, 2] = torch.randn(t[1, 2].shape, generator=gen)
-    after = run(q2, k2, v2)
-    other = torch.ones(B, H, dtype=torch.bool)
-    other[1, 2] = False
-    for name, x, y in zip(["out", "lse", "dq", "dk", "dv"], before, after):
-        assert torch.equal(x[other], y[other]), f"{name} of an untouched head changed"
-        assert not torch.equal(x[1, 2], y[1, 2]), f"{name} of the changed head did not change"
+    assert_heads_independent(run, q, k, v, gen)
 
 
 def test_deterministic():

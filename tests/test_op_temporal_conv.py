@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from tests.common import assert_close_to, assert_fake_matches_real, device_params, run_opcheck
+from tests.common import assert_close_to, assert_fake_matches_real, device_params, opcheck_test, run_opcheck
 from vdcompile.ops import reference_temporal_conv, temporal_conv
 
 OP = torch.ops.vd.temporal_conv.default
@@ -59,11 +59,7 @@ def sample_inputs(device, requires_grad):
     ]
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("requires_grad", [False, True])
-def test_opcheck(device, requires_grad):
-    for args in sample_inputs(device, requires_grad):
-        run_opcheck(OP, args)
+test_opcheck = opcheck_test(OP, sample_inputs, DEVICES)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from diffusers.models.attention_processor import Attention, AttnProcessor, AttnProcessor2_0
 from expecttest import TestCase
 
-from tests.backend_checks import BACKEND, assert_fired, assert_rejected, code, compare_with_eager, rewrite
+from tests.backend_checks import (BACKEND, assert_fired, assert_rejected, capture_rewrites, code, compare_with_eager,
+                                  leaf, rewrite)
 from vdcompile import built_backends
 
 pytestmark = pytest.mark.skipif("CPU" not in built_backends("fused_attention"),
@@ -22,9 +23,6 @@ def _attn(processor=None, cross=None, heads=4, dim_head=8):
     return Attention(32, cross_attention_dim=cross, heads=heads, dim_head=dim_head,
                      processor=processor or AttnProcessor2_0())
 
-
-def _x(*shape):
-    return torch.randn(*shape).requires_grad_()
 
 
 def _plain_bmm(q, k, v):
@@ -69,7 +67,7 @@ class Naive(nn.Module):
 
 class TestSDPA(TestCase):
     def test_self_attention_processor2_0(self):
-        a, x = _attn(), _x(2, 10, 32)
+        a, x = _attn(), leaf(2, 10, 32)
         out = compare_with_eager(a, x)
         assert_fired(out, {"attention": 1})
         self.assertExpectedInline(code(out), """\
@@ -94,14 +92,14 @@ def forward(hidden_states, to_k.weight, to_out.0.bias, to_out.0.weight, to_q.wei
     return (v16,)""")
 
     def test_masked_and_cross_attention(self):
-        a, x = _attn(), _x(2, 10, 32)
+        a, x = _attn(), leaf(2, 10, 32)
         mask = torch.randn(2, 1, 10)
         assert_fired(compare_with_eager(a, x, attention_mask=mask), {"attention": 1})
-        a, ctx = _attn(cross=16), _x(2, 7, 16)
+        a, ctx = _attn(cross=16), leaf(2, 7, 16)
         assert_fired(compare_with_eager(a, x, ctx), {"attention": 1})
 
     def test_inductor(self):
-        a, x = _attn(), _x(2, 9, 32)
+        a, x = _attn(), leaf(2, 9, 32)
         assert_fired(compare_with_eager(a, x, inner="inductor"), {"attention": 1})
 
     def test_refused_flags(self):
@@ -118,7 +116,7 @@ def forward(hidden_states, to_k.weight, to_out.0.bias, to_out.0.weight, to_q.wei
     def test_masks(self):
         # SDPA's masks carry over: bool (True = keep) and additive float, broadcast, even a row
         # with every key masked out (0 from both), and a trainable float mask.
-        q, k, v = (_x(2, 3, 6, 8) for _ in range(3))
+        q, k, v = (leaf(2, 3, 6, 8) for _ in range(3))
         keep = torch.rand(6, 6) > 0.3
         keep[1] = False
         assert_fired(compare_with_eager(SDPA(), q, k, v, keep), {"attention": 1})
@@ -143,7 +141,7 @@ class TestAttnProcessor(TestCase):
     """diffusers' AttnProcessor: head_to_batch_dim, baddbmm, softmax, to, bmm."""
 
     def test_self_attention(self):
-        a, x = _attn(AttnProcessor()), _x(2, 10, 32)
+        a, x = _attn(AttnProcessor()), leaf(2, 10, 32)
         out = compare_with_eager(a, x)
         assert_fired(out, {"attention": 1})
         self.assertExpectedInline(code(out), """\
@@ -169,8 +167,8 @@ def forward(hidden_states, to_k.weight, to_out.0.bias, to_out.0.weight, to_q.wei
     return (v17,)""")
 
     def test_cross_attention_and_refused_mask(self):
-        a, x = _attn(AttnProcessor(), cross=16), _x(2, 10, 32)
-        assert_fired(compare_with_eager(a, x, _x(2, 5, 16)), {"attention": 1})
+        a, x = _attn(AttnProcessor(), cross=16), leaf(2, 10, 32)
+        assert_fired(compare_with_eager(a, x, leaf(2, 5, 16)), {"attention": 1})
         # An additive mask before softmax: NaN rows in eager where the op gives 0.
         a = _attn(AttnProcessor())
         out = compare_with_eager(a, x, attention_mask=torch.randn(2, 1, 10))
@@ -186,7 +184,7 @@ def forward(hidden_states, to_k.weight, to_out.0.bias, to_out.0.weight, to_q.wei
         assert_fired(out, {})
 
     def test_plain_bmm_without_head_split(self):
-        args = (_x(6, 5, 16), _x(6, 7, 16), _x(6, 7, 16))
+        args = (leaf(6, 5, 16), leaf(6, 7, 16), leaf(6, 7, 16))
         assert_fired(compare_with_eager(_plain_bmm, *args), {"attention": 1})
 
 
@@ -194,7 +192,7 @@ class TestNaive(TestCase):
     @staticmethod
     def _qkv(rank):
         shape = (2, 3, 6, 8) if rank == 4 else (6, 6, 8)
-        return [_x(*shape) for _ in range(3)]
+        return [leaf(*shape) for _ in range(3)]
 
     def test_spellings(self):
         for form in ("mul", "div", "q_mul"):
@@ -253,7 +251,7 @@ def forward(encoder_hidden_states, hidden_states, to_k.weight, to_out.0.bias, to
 
     def test_training_keeps_attention(self):
         # Eager gives to_q/to_k exactly zero gradients; the rewrite would leave them unset.
-        a, x, ctx = _attn(cross=16), _x(2, 10, 32), _x(2, 1, 16)
+        a, x, ctx = _attn(cross=16), leaf(2, 10, 32), leaf(2, 1, 16)
         out = compare_with_eager(a, x, ctx)
         assert_fired(out, {"attention": 1})
         assert_rejected(out, "single_key_attention", "requires grad")
@@ -270,22 +268,16 @@ class TestDynamicShapes(TestCase):
     def test_symbolic_lengths(self):
         # Sequence lengths are symbolic: the checks use what holds for every shape, and the single
         # key rewrite reads the query length from q in the graph.
-        from vdcompile import backend
-
         for cross, family in ((None, "attention"), (16, "single_key_attention")):
             a = _attn(cross=cross).eval()
             torch._dynamo.reset()
-            sink: list = []
-            backend._SINKS.append(sink)
-            try:
+            with capture_rewrites() as sink:
                 c = torch.compile(a, backend=BACKEND, dynamic=True, fullgraph=True,
                                   options={"inner_compiler": "aot_eager", "attention_kernels": "vd"})
                 with torch.no_grad():
                     for n in (10, 13, 17):
                         args = (torch.randn(2, n, 32),) + (() if cross is None else (torch.randn(2, 1, 16),))
                         torch.testing.assert_close(c(*args), a(*args), atol=1e-5, rtol=1e-5)
-            finally:
-                backend._SINKS.remove(sink)
             self.assertTrue(sink)
             for report, gm in sink:
                 self.assertEqual(report.fired[family], 1, family)
@@ -355,12 +347,12 @@ def forward(encoder_hidden_states, hidden_states, to_k.weight, to_out.0.bias, to
         out = compare_with_eager(a, torch.randn(2, 10, 32), torch.randn(2, 1, 16))
         assert_fired(out, {"single_key_attention": 1})
         # With q or k trainable, eager's exact zero gradients are kept by not rewriting.
-        out = compare_with_eager(_attn(AttnProcessor(), cross=16), _x(2, 10, 32), _x(2, 1, 16))
+        out = compare_with_eager(_attn(AttnProcessor(), cross=16), leaf(2, 10, 32), leaf(2, 1, 16))
         assert_fired(out, {"attention": 1})
         assert_rejected(out, "single_key_attention", "requires grad")
 
     def test_plain_bmm(self):
-        out = compare_with_eager(_plain_bmm, torch.randn(6, 5, 16), torch.randn(6, 1, 16), _x(6, 1, 16))
+        out = compare_with_eager(_plain_bmm, torch.randn(6, 5, 16), torch.randn(6, 1, 16), leaf(6, 1, 16))
         assert_fired(out, {"single_key_attention": 1})
         self.assertNotIn("baddbmm", code(out))
 

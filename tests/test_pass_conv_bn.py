@@ -7,15 +7,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 from expecttest import TestCase
 
-from tests.backend_checks import assert_fired, assert_rejected, code, compare_with_eager
+from tests.backend_checks import assert_fired, assert_rejected, code, compare_with_eager, leaf
 from vdcompile import built_backends
 
 pytestmark = pytest.mark.skipif("CPU" not in built_backends("conv_bn_silu"),
                                 reason="vd::conv_bn_silu was built without a CPU kernel")
 
-
-def _x(*shape):
-    return torch.randn(*shape).requires_grad_()
 
 
 def _conv_bn(act=True, **conv):
@@ -32,7 +29,7 @@ def _conv_bn(act=True, **conv):
 
 class TestConvBnSilu(TestCase):
     def test_conv_bn_silu(self):
-        m, x = _conv_bn(padding=1), _x(2, 4, 7, 6)
+        m, x = _conv_bn(padding=1), leaf(2, 4, 7, 6)
         out = compare_with_eager(m, x)
         assert_fired(out, {"conv_bn_silu": 1})
         self.assertExpectedInline(code(out), """\
@@ -41,7 +38,7 @@ def forward(0.bias, 0.weight, 1.bias, 1.running_mean, 1.running_var, 1.weight, a
     return (v0,)""")
 
     def test_conv_bn_strided_grouped(self):
-        m, x = _conv_bn(act=False, stride=2, padding=(1, 0), groups=2), _x(1, 4, 9, 8)
+        m, x = _conv_bn(act=False, stride=2, padding=(1, 0), groups=2), leaf(1, 4, 9, 8)
         assert_fired(compare_with_eager(m, x), {"conv_bn_silu": 1})
 
     def test_conv_silu_identity_bn(self):
@@ -52,11 +49,11 @@ def forward(0.bias, 0.weight, 1.bias, 1.running_mean, 1.running_var, 1.weight, a
         def f(x):
             return F.silu(conv(x))
 
-        out = compare_with_eager(f, _x(2, 3, 8, 8), inner="inductor", atol=1e-5)
+        out = compare_with_eager(f, leaf(2, 3, 8, 8), inner="inductor", atol=1e-5)
         assert_fired(out, {"conv_bn_silu": 1})
 
     def test_training_bn_refused(self):
-        m, x = _conv_bn(padding=1).train(), _x(2, 4, 5, 5)
+        m, x = _conv_bn(padding=1).train(), leaf(2, 4, 5, 5)
         out = compare_with_eager(m, x)
         assert_fired(out, {})
         assert_rejected(out, "conv_bn_silu", "training mode")
@@ -64,12 +61,12 @@ def forward(0.bias, 0.weight, 1.bias, 1.running_mean, 1.running_var, 1.weight, a
     def test_bn_without_running_stats_refused(self):
         torch.manual_seed(0)
         m = nn.Sequential(nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4, track_running_stats=False), nn.SiLU()).eval()
-        out = compare_with_eager(m, _x(2, 4, 3, 3))
+        out = compare_with_eager(m, leaf(2, 4, 3, 3))
         assert_fired(out, {})
         assert_rejected(out, "conv_bn_silu", "batch statistics")
 
     def test_conv_output_escapes(self):
-        m, x = _conv_bn(padding=1), _x(1, 4, 5, 5)
+        m, x = _conv_bn(padding=1), leaf(1, 4, 5, 5)
 
         def f(x):
             y = m[0](x)

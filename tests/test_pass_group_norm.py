@@ -1,14 +1,13 @@
 """group_norm -> silu => vd::group_norm_silu."""
 from __future__ import annotations
 
-import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from expecttest import TestCase
 
 import vdcompile
-from tests.backend_checks import assert_fired, assert_rejected, code, compare_with_eager, rewrite
+from tests.backend_checks import assert_fired, assert_rejected, code, compare_with_eager, leaf, rewrite
 
 
 class NormAct(nn.Module):
@@ -36,13 +35,10 @@ class MutatedInBetween(nn.Module):
         return F.silu(h) + x
 
 
-def _x(*shape, dtype=torch.float32):
-    return torch.randn(*shape, dtype=dtype).requires_grad_()
-
 
 class TestGroupNormSilu(TestCase):
     def test_resnet_prologue(self):
-        m, x = NormAct(), _x(2, 32, 6, 5)
+        m, x = NormAct(), leaf(2, 32, 6, 5)
         out = compare_with_eager(m, x)
         assert_fired(out, {"group_norm_silu": 1})
         self.assertExpectedInline(code(out), """\
@@ -56,7 +52,7 @@ def forward(norm.bias, norm.weight, x):
             a = F.silu(torch.group_norm(x, 4, w, b, 1e-5), inplace=True)
             return a, F.silu(F.group_norm(y, 2, w, None))
 
-        args = (_x(2, 8, 7), _x(1, 8, 3, 4, 5), _x(8), _x(8))
+        args = (leaf(2, 8, 7), leaf(1, 8, 3, 4, 5), leaf(8), leaf(8))
         assert_fired(compare_with_eager(f, *args), {"group_norm_silu": 2})
 
     def test_no_affine_channels_last_inductor(self):
@@ -67,17 +63,17 @@ def forward(norm.bias, norm.weight, x):
     def test_reduced_precision(self):
         for dtype in (torch.float16, torch.bfloat16):
             m = NormAct(c=16, groups=4).to(dtype)
-            x = _x(2, 16, 4, 4, dtype=dtype)
+            x = leaf(2, 16, 4, 4, dtype=dtype)
             assert_fired(compare_with_eager(m, x, atol=2e-2, rtol=2e-2), {"group_norm_silu": 1})
 
     def test_plain_group_norm_is_left_alone(self):
-        m, x = nn.GroupNorm(4, 16), _x(2, 16, 3)
+        m, x = nn.GroupNorm(4, 16), leaf(2, 16, 3)
         out = compare_with_eager(m, x)
         assert_fired(out, {})
         self.assertEqual(out.rejected, {})
 
     def test_intermediate_escapes(self):
-        m, x = Escapes(), _x(2, 32, 4, 4)
+        m, x = Escapes(), leaf(2, 32, 4, 4)
         out = compare_with_eager(m, x)
         assert_fired(out, {})
         assert_rejected(out, "group_norm_silu", "also used by")
@@ -91,14 +87,14 @@ def forward(norm.bias, norm.weight, x):
         assert_rejected(out, "group_norm_silu", "mutates")
 
     def test_unsupported_rank(self):
-        m, x = NormAct(), _x(4, 32)  # (N, C): the op takes 3-D to 5-D
+        m, x = NormAct(), leaf(4, 32)  # (N, C): the op takes 3-D to 5-D
         out, _ = rewrite(m, x)
         assert_fired(out, {})
         assert_rejected(out, "group_norm_silu", "2-D input")
 
     def test_no_kernel_for_device(self):
         # What was built decides: a build without this device's kernel is refused, not run.
-        m, x = NormAct(), _x(2, 32, 4, 4)
+        m, x = NormAct(), leaf(2, 32, 4, 4)
         orig = vdcompile.built_backends
         try:
             vdcompile.built_backends = lambda op: frozenset({"CUDA"})
@@ -109,7 +105,7 @@ def forward(norm.bias, norm.weight, x):
         assert_rejected(out, "group_norm_silu", "no cpu kernel")
 
     def test_switched_off(self):
-        m, x = NormAct(), _x(2, 32, 4, 4)
+        m, x = NormAct(), leaf(2, 32, 4, 4)
         out, _ = rewrite(m, x, options={"group_norm_silu": False})
         assert_fired(out, {})
 
@@ -126,7 +122,7 @@ def forward(norm.bias, norm.weight, x):
         assert_rejected(out, "group_norm_silu", "autocast")
 
     def test_dynamic_shapes(self):
-        m, x = NormAct(), _x(2, 32, 6, 5)
+        m, x = NormAct(), leaf(2, 32, 6, 5)
         from tests.backend_checks import BACKEND
 
         torch._dynamo.reset()

@@ -7,14 +7,11 @@ import torch.nn.functional as F
 from diffusers.models.attention_processor import Attention
 from expecttest import TestCase
 
-from tests.backend_checks import assert_fired, assert_rejected, code, compare_with_eager
+from tests.backend_checks import assert_fired, assert_rejected, code, compare_with_eager, leaf
 
 # The attention rewrite is switched off: these tests are about the projections only.
 NO_ATTN = {"attention": False, "single_key_attention": False}
 
-
-def _x(*shape):
-    return torch.randn(*shape).requires_grad_()
 
 
 class Proj(nn.Module):
@@ -36,7 +33,7 @@ class Proj(nn.Module):
 class TestQKV(TestCase):
     def test_self_attention_many_tokens(self):
         torch.manual_seed(0)
-        a, x = Attention(32, heads=4, dim_head=8), _x(2, 64, 32)  # 128 tokens > 3 * 32
+        a, x = Attention(32, heads=4, dim_head=8), leaf(2, 64, 32)  # 128 tokens > 3 * 32
         out = compare_with_eager(a, x, options=NO_ATTN)
         assert_fired(out, {"qkv_projection": 1})
         self.assertExpectedInline(code(out), """\
@@ -63,18 +60,18 @@ def forward(hidden_states, to_k.weight, to_out.0.bias, to_out.0.weight, to_q.wei
     return (v18,)""")
 
     def test_biases_and_unequal_widths(self):
-        m, x = Proj(), _x(5, 9, 8)
+        m, x = Proj(), leaf(5, 9, 8)
         assert_fired(compare_with_eager(m, x), {"qkv_projection": 1})
 
     def test_few_tokens_refused(self):
         torch.manual_seed(0)
-        a, x = Attention(32, heads=4, dim_head=8), _x(2, 10, 32)
+        a, x = Attention(32, heads=4, dim_head=8), leaf(2, 10, 32)
         out = compare_with_eager(a, x, options=NO_ATTN)
         assert_fired(out, {})
         assert_rejected(out, "qkv_projection", "cost more than it saves")
         # Cross-attention: k/v over 16 encoder tokens.
         a = Attention(32, cross_attention_dim=16, heads=4, dim_head=8)
-        out = compare_with_eager(a, x, _x(2, 8, 16), options=NO_ATTN)
+        out = compare_with_eager(a, x, leaf(2, 8, 16), options=NO_ATTN)
         assert_rejected(out, "qkv_projection", "cost more than it saves")
 
     def test_frozen_weights_fold_the_concatenation(self):
@@ -117,7 +114,7 @@ def forward(hidden_states, to_k.weight, to_out.0.bias, to_out.0.weight, to_q.wei
             a, b = lins.lins[0](x), lins.lins[1](x)
             return a.view(a.shape[0], -1), F.silu(F.group_norm(b, 1))
 
-        out = compare_with_eager(f, _x(300, 2, 8))
+        out = compare_with_eager(f, leaf(300, 2, 8))
         assert_fired(out, {"group_norm_silu": 1})
         assert_rejected(out, "qkv_projection", "re-validation")
         self.assertTrue(any("qkv_projection dropped" in n for n in out.report.notes))

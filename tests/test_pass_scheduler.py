@@ -6,8 +6,9 @@ import torch
 from diffusers import DDIMScheduler, DPMSolverMultistepScheduler, EulerDiscreteScheduler
 from expecttest import TestCase
 
-from tests.backend_checks import BACKEND, assert_fired, assert_rejected, code, compare_with_eager
-from vdcompile import backend, built_backends
+from tests.backend_checks import BACKEND, assert_fired, assert_rejected, capture_rewrites, compare_with_eager
+from vdcompile import built_backends
+from vdcompile.explain import graph_code
 
 pytestmark = pytest.mark.skipif("CPU" not in built_backends("scheduler_step"),
                                 reason="vd::scheduler_step was built without a CPU kernel")
@@ -25,10 +26,7 @@ class TestEulerStep(TestCase):
         torch.manual_seed(0)
         s, ref = _euler(pred), _euler(pred)
         x, mo = torch.randn(2, 4, 6, 6), torch.randn(2, 4, 6, 6)
-        torch._dynamo.reset()
-        sink: list = []
-        backend._SINKS.append(sink)
-        try:
+        with capture_rewrites(reset=True) as sink:
             step = torch.compile(lambda mo, t, x: s.step(mo, t, x, return_dict=False), backend=BACKEND,
                                  options={"inner_compiler": "eager"})
             for i in range(3):
@@ -38,9 +36,6 @@ class TestEulerStep(TestCase):
                 for a, b in zip(out, want):
                     torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
                 x = want[0]
-        finally:
-            backend._SINKS.remove(sink)
-            torch._dynamo.reset()
         fired = [r.fired.get("scheduler_step", 0) for r, _ in sink]
         # The update sits in one graph per compile of step (recompiled once, when the step index
         # becomes dynamic); every other graph is scheduler bookkeeping.
@@ -50,8 +45,6 @@ class TestEulerStep(TestCase):
 
     def test_epsilon(self):
         graphs = self._steps("epsilon", 1)
-        from vdcompile.explain import graph_code
-
         self.assertExpectedInline(graph_code(graphs[0]), """\
 def forward(model_output, sample, sigma, sigmas):
     v0 = operator.mul(sigma, 1.0)
@@ -112,11 +105,8 @@ def _loop(make, steps, timestep=lambda t: t, tol=1e-5):
     s, ref = make(steps), make(steps)
     torch.manual_seed(0)
     x = torch.randn(2, 4, 6, 6)
-    torch._dynamo.reset()
-    sink: list = []
-    backend._SINKS.append(sink)
     per_step = []
-    try:
+    with capture_rewrites(reset=True) as sink:
         step = torch.compile(lambda mo, t, x: s.step(mo, t, x).prev_sample, backend=BACKEND,
                              options={"inner_compiler": "eager"})
         for i in range(steps):
@@ -128,9 +118,6 @@ def _loop(make, steps, timestep=lambda t: t, tol=1e-5):
             torch.testing.assert_close(out, want, atol=tol * (1 + want.abs().max().item()), rtol=tol)
             per_step.append((len(sink) - n, sum(r.fired.get("scheduler_step", 0) for r, _ in sink[n:])))
             x = want
-    finally:
-        backend._SINKS.remove(sink)
-        torch._dynamo.reset()
     for r, _ in sink:
         assert not r.rejected.get("scheduler_step"), r.rejected
     return per_step, [g for r, g in sink if r.fired.get("scheduler_step")]
@@ -170,8 +157,6 @@ class TestDDIMStep(TestCase):
 
     def test_epsilon(self):
         graphs = self._int_timesteps(_ddim("epsilon"))
-        from vdcompile.explain import graph_code
-
         self.assertExpectedInline(graph_code(graphs[1]), """\
 def forward(mo, s_alphas_cumprod, t, x):
     v0 = operator.sub(t, 166)
@@ -221,8 +206,6 @@ def forward(mo, s_alphas_cumprod, t, x):
         # diffusers' alphas_cumprod[timestep]). The update's graph is compiled once and rewritten.
         per_step, graphs = _loop(_ddim("v_prediction"), 5)
         self.assertEqual([f for _, f in per_step], [1, 0, 0, 0, 0])
-        from vdcompile.explain import graph_code
-
         self.assertExpectedInline(graph_code(graphs[0]), """\
 def forward(alpha_prod_t_prev, pred_epsilon, pred_original_sample, stack0):
     v0 = operator.pow(stack0, 0.5)
@@ -255,8 +238,6 @@ class TestDPMSolverStep(TestCase):
 
     def test_epsilon_first_and_second_order(self):
         graphs = self._steps(_dpm("epsilon"))
-        from vdcompile.explain import graph_code
-
         # First order at the first and last steps (lower_order_final): no previous x0; second order: the previous x0 is the op's prev_x0.
         ops = [next(n for n in g.graph.nodes if n.target is torch.ops.vd.scheduler_step.default) for g in graphs]
         self.assertEqual([len(op.args) > 3 and op.args[3] is not None for op in ops], [False, True, True, True, False])

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch._dynamo
 
-from tests.backend_checks import BACKEND
-from vdcompile import backend, built_backends, models, runner
+from tests.backend_checks import BACKEND, capture_rewrites
+from vdcompile import built_backends, models, runner
 from vdcompile.optimize import backend_status, optimize
 
 pytestmark = pytest.mark.skipif("CPU" not in built_backends("scheduler_step") or not backend_status()[0],
@@ -37,16 +37,12 @@ def test_svd_loop_with_compiled_unet_and_scheduler_step():
     optimize(pipe, options=options, fuse_scheduler=False)
     # dynamic=True: the step index is symbolic from the first call, so one compile serves every step.
     pipe.scheduler.step = torch.compile(pipe.scheduler.step, backend=BACKEND, dynamic=True, options=options)
-    sink: list = []
-    backend._SINKS.append(sink)
-    try:
+    with capture_rewrites() as sink:
         # Every frame dynamo compiles is compiled once: a recompile at a later step raises.
         with torch._dynamo.config.patch(error_on_recompile=True):
             out = runner.run_video(pipe, **kw)
             n_graphs = len(sink)
             again = runner.run_video(pipe, **kw)  # the same compiled code serves another video
-    finally:
-        backend._SINKS.remove(sink)
 
     fired = [r.fired.get("scheduler_step", 0) for r, _ in sink]
     assert sum(fired) == 1, f"the Euler update should be rewritten in exactly one graph: {fired}"
