@@ -970,8 +970,6 @@ int smem_ld(int64_t D) {
   return static_cast<int>((D + 2 * V - 1) / (2 * V) * (2 * V) + V);
 }
 
-at::ScalarType lse_dtype(const at::Tensor& q) { return q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat; }
-
 // The tensor-core kernel reads 16-byte chunks of rows: unit stride along D, every row start aligned.
 bool mma_layout_ok(const at::Tensor& t) {
   if (t.stride(3) != 1 || reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 != 0) return false;
@@ -1079,7 +1077,7 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(const char* op, const at::T
                                                      const at::Tensor& v, const at::Tensor& mask, double scale) {
   const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), D = q.size(3);
   at::Tensor out = at::empty({B, H, Lq, D}, q.options());
-  at::Tensor lse = at::empty({B, H, Lq}, q.options().dtype(lse_dtype(q)));
+  at::Tensor lse = at::empty({B, H, Lq}, q.options().dtype(attention_lse_dtype(q)));
   if (B * H == 0) return {out, lse};
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "fused_attention_cuda", [&] {
@@ -1109,7 +1107,7 @@ at::Tensor attention_backward(const char* op, const at::Tensor& grad_out, const 
   const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), Lk = k.size(2), D = q.size(3);
   at::Tensor dq = at::empty({B, H, Lq, D}, q.options());
   if (B * H == 0) return dq;
-  const auto acc_type = lse_dtype(q);
+  const auto acc_type = attention_lse_dtype(q);
   const at::Tensor lse = lse_in.to(acc_type).contiguous();
   const at::Tensor grad_lse = grad_lse_in.has_value() ? grad_lse_in->to(acc_type).contiguous() : at::Tensor();
   at::Tensor delta = at::empty({B, H, Lq}, q.options().dtype(acc_type));
@@ -1150,7 +1148,7 @@ std::tuple<at::Tensor, at::Tensor> fused_attention_cuda(const at::Tensor& q, con
                                                         std::optional<double> scale) {
   check_attention(q, k, v, kFusedOp);
   const c10::cuda::CUDAGuard guard(q.device());
-  const at::Tensor mask = attn_mask.has_value() ? expand_attention_mask(*attn_mask, q, k, kFusedOp) : at::Tensor();
+  const at::Tensor mask = expand_attention_mask(attn_mask, q, k, kFusedOp);
   return attention_forward(kFusedOp, q, k, v, mask, attention_scale(scale, q.size(3), kFusedOp));
 }
 
@@ -1161,7 +1159,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_attention_backward_cuda(
   check_attention(q, k, v, kFusedBwdOp);
   check_attention_backward(grad_out, q, out, lse, grad_lse, kFusedBwdOp);
   const c10::cuda::CUDAGuard guard(q.device());
-  const at::Tensor mask = attn_mask.has_value() ? expand_attention_mask(*attn_mask, q, k, kFusedBwdOp) : at::Tensor();
+  const at::Tensor mask = expand_attention_mask(attn_mask, q, k, kFusedBwdOp);
   at::Tensor dk = at::empty(k.sizes(), q.options());
   at::Tensor dv = at::empty(v.sizes(), q.options());
   at::Tensor dq = attention_backward(kFusedBwdOp, grad_out, q, k, v, out, lse, mask, attention_scale(scale, q.size(3), kFusedBwdOp),
@@ -1174,8 +1172,7 @@ std::tuple<at::Tensor, at::Tensor> strided_attention_cuda(const at::Tensor& q, c
   check_attention(q, k, v, kStridedOp);
   check_stride(stride, kStridedOp);
   const c10::cuda::CUDAGuard guard(q.device());
-  const int64_t Lk = k.size(2);
-  return attention_forward(kStridedOp, q, k.slice(2, 0, Lk, stride), v.slice(2, 0, Lk, stride), at::Tensor(),
+  return attention_forward(kStridedOp, q, every_stride_key(k, stride), every_stride_key(v, stride), at::Tensor(),
                            attention_scale(scale, q.size(3), kStridedOp));
 }
 
@@ -1186,12 +1183,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> strided_attention_backward_cuda(
   check_stride(stride, kStridedBwdOp);
   check_attention_backward(grad_out, q, out, lse, grad_lse, kStridedBwdOp);
   const c10::cuda::CUDAGuard guard(q.device());
-  const int64_t Lk = k.size(2);
   // Keys off the stride get no gradient: zero-filled, the kernel writes the strided rows.
   at::Tensor dk = at::zeros(k.sizes(), q.options());
   at::Tensor dv = at::zeros(v.sizes(), q.options());
-  at::Tensor dk_s = dk.slice(2, 0, Lk, stride), dv_s = dv.slice(2, 0, Lk, stride);
-  at::Tensor dq = attention_backward(kStridedBwdOp, grad_out, q, k.slice(2, 0, Lk, stride), v.slice(2, 0, Lk, stride),
+  at::Tensor dk_s = every_stride_key(dk, stride), dv_s = every_stride_key(dv, stride);
+  at::Tensor dq = attention_backward(kStridedBwdOp, grad_out, q, every_stride_key(k, stride), every_stride_key(v, stride),
                                      out, lse, at::Tensor(), attention_scale(scale, q.size(3), kStridedBwdOp), grad_lse, dk_s, dv_s);
   return {dq, dk, dv};
 }
