@@ -992,8 +992,7 @@ at::Tensor group_norm_silu_cuda(const at::Tensor& x_in, int64_t num_groups, cons
   at::Tensor out = at::empty_like(x);
   if (x.numel() == 0) return out;
   // Like the CPU kernel, weight and bias are used in x's dtype.
-  at::Tensor w = weight.has_value() ? weight->to(x.scalar_type()).contiguous() : at::Tensor();
-  at::Tensor b = bias.has_value() ? bias->to(x.scalar_type()).contiguous() : at::Tensor();
+  at::Tensor w = group_norm_param(weight, x), b = group_norm_param(bias, x);
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "group_norm_silu_cuda", [&] {
     using L = Launcher<scalar_t>;
@@ -1025,10 +1024,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_silu_backward_cuda(
     const at::Tensor& grad_out, const at::Tensor& x_in, int64_t num_groups, const std::optional<at::Tensor>& weight,
     const std::optional<at::Tensor>& bias, double eps, bool silu) {
   GNShape s = check_group_norm(x_in, num_groups, weight, bias, eps);
-  TORCH_CHECK(grad_out.sizes() == x_in.sizes(), kOp, "_backward: grad_out must have x's shape ", x_in.sizes(),
-              ", got ", grad_out.sizes());
-  check_same_dtype(x_in, grad_out, kOp, "x", "grad_out");
-  check_same_device(x_in, grad_out, kOp, "x", "grad_out");
+  check_group_norm_grad_out(grad_out, x_in);
   const c10::cuda::CUDAGuard guard(x_in.device());
   const auto fmt = layout_memory_format(x_in);
   at::Tensor x = x_in.contiguous(fmt);
@@ -1038,8 +1034,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_silu_backward_cuda(
   const auto bdtype = bias.has_value() ? bias->scalar_type() : wdtype;
   if (x.numel() == 0)
     return {dx, at::zeros({s.C}, x.options().dtype(wdtype)), at::zeros({s.C}, x.options().dtype(bdtype))};
-  at::Tensor w = weight.has_value() ? weight->to(x.scalar_type()).contiguous() : at::Tensor();
-  at::Tensor b = bias.has_value() ? bias->to(x.scalar_type()).contiguous() : at::Tensor();
+  at::Tensor w = group_norm_param(weight, x), b = group_norm_param(bias, x);
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   at::Tensor dw, db;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "group_norm_silu_backward_cuda", [&] {
