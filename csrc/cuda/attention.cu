@@ -33,6 +33,7 @@
 #include <type_traits>
 
 #include "../attention.h"
+#include "launch.h"
 
 namespace vd {
 namespace {
@@ -42,7 +43,6 @@ constexpr const char* kFusedBwdOp = "vd::fused_attention_backward";
 constexpr const char* kStridedOp = "vd::strided_attention";
 constexpr const char* kStridedBwdOp = "vd::strided_attention_backward";
 
-constexpr unsigned kFullMask = 0xffffffffu;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
@@ -74,11 +74,6 @@ __device__ __forceinline__ T warp_sum(T v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFullMask, v, o);
   return v;
 }
-
-template <typename T, int N>
-struct alignas(sizeof(T) * N) Vec {
-  T v[N];
-};
 
 // A (B, H, L, D) operand read (or written) through its strides, in elements. vec: rows can be read
 // in 16-byte vectors (unit stride along D, D and the other strides multiples of the vector, aligned).
@@ -920,13 +915,6 @@ __global__ void __launch_bounds__(kRowThreads) attn_bwd_dkdv_kernel(const AttnAr
 
 // ---------------------------------------------------------------------------------------------
 // Host side.
-
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
-unsigned grid_of(int64_t blocks, const char* op) {
-  TORCH_CHECK(blocks <= std::numeric_limits<int32_t>::max(), op, ": input too large for one launch");
-  return static_cast<unsigned>(blocks);
-}
 
 // Opts the kernel into more than the default 48 KiB of dynamic shared memory when it needs it.
 template <typename Kernel>

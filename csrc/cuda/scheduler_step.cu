@@ -10,14 +10,10 @@
 #include <torch/library.h>
 
 #include "../scheduler.h"
+#include "launch.h"
 
 namespace vd {
 namespace {
-
-template <typename scalar_t, int VEC>
-struct alignas(sizeof(scalar_t) * VEC) Vec {
-  scalar_t v[VEC];
-};
 
 struct StepArgs {
   int64_t numel, inner;
@@ -59,8 +55,6 @@ __global__ void scheduler_step_kernel(const scalar_t* __restrict__ m, const scal
     *reinterpret_cast<Vec<scalar_t, VEC>*>(x0_out + base) = vx0;
   }
 }
-
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 std::tuple<at::Tensor, at::Tensor> scheduler_step_cuda(
     const at::Tensor& model_output, const at::Tensor& sample, const at::Tensor& coeffs,
