@@ -46,6 +46,12 @@ inline at::Tensor expand_attention_mask(const at::Tensor& mask, const at::Tensor
   return mask.expand(target);
 }
 
+// An absent mask stays an undefined tensor (the kernels' "no mask").
+inline at::Tensor expand_attention_mask(const std::optional<at::Tensor>& mask, const at::Tensor& q,
+                                        const at::Tensor& k, const char* op) {
+  return mask.has_value() ? expand_attention_mask(*mask, q, k, op) : at::Tensor();
+}
+
 // A NaN or infinite scale would turn every output into NaN; refuse it instead.
 inline double attention_scale(std::optional<double> scale, int64_t head_dim,
                               const char* op = "vd::attention") {
@@ -86,6 +92,12 @@ inline void check_attention_backward(const at::Tensor& grad_out, const at::Tenso
 
 inline void check_stride(int64_t stride, const char* op) {
   TORCH_CHECK(stride >= 1, op, ": stride must be >= 1, got ", stride);
+}
+
+// Keys 0, stride, 2*stride, ... of a (B, H, L, D) tensor as a view: the kernels read (and, for
+// the gradients, write) it in place.
+inline at::Tensor every_stride_key(const at::Tensor& t, int64_t stride) {
+  return t.slice(2, 0, t.size(2), stride);
 }
 
 }  // namespace vd

@@ -19,6 +19,26 @@ inline void check_channel_param(const at::Tensor& t, int64_t n, const at::Tensor
   check_vector(std::optional<at::Tensor>(t), n, x, op, name);
 }
 
+// The checks every conv op starts with: x and weight of rank dim, x a float tensor, weight on x's
+// device and of x's dtype.
+inline void check_conv_operands(const at::Tensor& x, const at::Tensor& weight, int64_t dim,
+                                const char* op, const char* x_layout, const char* w_layout) {
+  check_dim(x, dim, op, "x", x_layout);
+  check_dim(weight, dim, op, "weight", w_layout);
+  check_float_dtype(x, op, "x");
+  check_same_device(x, weight, op, "x", "weight");
+  check_same_dtype(x, weight, op, "x", "weight");
+}
+
+// A backward's grad_out: on x's device, of x's dtype and of the forward output's shape.
+inline void check_conv_grad_out(const at::Tensor& grad_out, const at::Tensor& x,
+                                at::IntArrayRef out_shape, const char* op) {
+  check_same_device(x, grad_out, op, "x", "grad_out");
+  check_same_dtype(x, grad_out, op, "x", "grad_out");
+  TORCH_CHECK(grad_out.sizes() == out_shape, op, "_backward: grad_out must have the output's shape ",
+              out_shape, ", got ", grad_out.sizes());
+}
+
 struct ConvShape {
   int64_t N, C_in, H, W;
   int64_t C_out, kH, kW;
@@ -51,11 +71,7 @@ inline ConvShape check_conv_bn_silu(const at::Tensor& x, const at::Tensor& weigh
                                     at::IntArrayRef stride, at::IntArrayRef padding,
                                     at::IntArrayRef dilation, int64_t groups) {
   const char* op = kConvBnSiluOp;
-  check_dim(x, 4, op, "x", "(N, C_in, H, W)");
-  check_dim(weight, 4, op, "weight", "(C_out, C_in / groups, kH, kW)");
-  check_float_dtype(x, op, "x");
-  check_same_device(x, weight, op, "x", "weight");
-  check_same_dtype(x, weight, op, "x", "weight");
+  check_conv_operands(x, weight, 4, op, "(N, C_in, H, W)", "(C_out, C_in / groups, kH, kW)");
   ConvShape s;
   s.stride = check_pair(stride, op, "stride", 1);
   s.padding = check_pair(padding, op, "padding", 0);
@@ -112,11 +128,7 @@ inline bool frames_major_layout(const at::Tensor& x) {
 inline TemporalConvShape check_temporal_conv(const at::Tensor& x, const at::Tensor& weight,
                                              int64_t padding) {
   const char* op = kTemporalConvOp;
-  check_dim(x, 5, op, "x", "(B, C_in, F, H, W)");
-  check_dim(weight, 5, op, "weight", "(C_out, C_in, k, 1, 1)");
-  check_float_dtype(x, op, "x");
-  check_same_device(x, weight, op, "x", "weight");
-  check_same_dtype(x, weight, op, "x", "weight");
+  check_conv_operands(x, weight, 5, op, "(B, C_in, F, H, W)", "(C_out, C_in, k, 1, 1)");
   TemporalConvShape s;
   s.B = x.size(0);
   s.C_in = x.size(1);

@@ -26,6 +26,7 @@ struct Folded {
   at::Tensor scale;    // s = bn_weight * inv_std, acc dtype
   at::Tensor shift;    // b' = (b - bn_mean) * s + bn_bias, acc dtype
   at::Tensor weight;   // w' = w * s, x's dtype and layout
+  at::Tensor b_minus_mean;  // b - bn_mean, acc dtype (the backward's dbn_weight needs it again)
 };
 
 inline Folded fold_bn(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
@@ -35,8 +36,8 @@ inline Folded fold_bn(const at::Tensor& x, const at::Tensor& weight, const std::
   Folded f;
   f.inv_std = (bn_var.to(acc) + eps).rsqrt();
   f.scale = bn_weight.to(acc) * f.inv_std;
-  at::Tensor b_minus_mean = bias.has_value() ? bias->to(acc) - bn_mean.to(acc) : -bn_mean.to(acc);
-  f.shift = (b_minus_mean * f.scale + bn_bias.to(acc)).contiguous();
+  f.b_minus_mean = bias.has_value() ? bias->to(acc) - bn_mean.to(acc) : -bn_mean.to(acc);
+  f.shift = (f.b_minus_mean * f.scale + bn_bias.to(acc)).contiguous();
   f.weight = (weight.to(acc) * f.scale.view({-1, 1, 1, 1})).to(x.scalar_type()).contiguous(fmt);
   return f;
 }
@@ -109,12 +110,7 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> co
     at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups, bool silu, const GradZ& grad_z_) {
   ConvShape s = check_conv_bn_silu(x_in, weight, bias, bn_weight, bn_bias, bn_mean, bn_var, eps,
                                    stride, padding, dilation, groups);
-  check_same_device(x_in, grad_out, kConvBnSiluOp, "x", "grad_out");
-  check_same_dtype(x_in, grad_out, kConvBnSiluOp, "x", "grad_out");
-  const std::vector<int64_t> out_shape{s.N, s.C_out, s.H_out, s.W_out};
-  TORCH_CHECK(grad_out.sizes() == at::IntArrayRef(out_shape), kConvBnSiluOp,
-              "_backward: grad_out must have the output's shape ", at::IntArrayRef(out_shape),
-              ", got ", grad_out.sizes());
+  check_conv_grad_out(grad_out, x_in, {s.N, s.C_out, s.H_out, s.W_out}, kConvBnSiluOp);
   const auto fmt = conv_format(s);
   const auto acc = acc_dtype(x_in);
   at::Tensor x = x_in.contiguous(fmt);
@@ -143,9 +139,8 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> co
   at::Tensor dbn_bias = sum_dz.to(bn_bias.scalar_type());
   // dz/dbn_weight = inv_std * (conv(x, w) + b - mean); summing dz * conv(x, w) over the output
   // equals sum(w * dW_raw) over each filter.
-  at::Tensor b_minus_mean = bias.has_value() ? bias->to(acc) - bn_mean.to(acc) : -bn_mean.to(acc);
   at::Tensor dbn_weight =
-      (f.inv_std * ((weight.to(acc) * dw_raw).sum({1, 2, 3}) + b_minus_mean * sum_dz))
+      (f.inv_std * ((weight.to(acc) * dw_raw).sum({1, 2, 3}) + f.b_minus_mean * sum_dz))
           .to(bn_weight.scalar_type());
   return {dx, dweight, dbias, dbn_weight, dbn_bias};
 }
@@ -200,6 +195,13 @@ inline void batched_gemm(at::Tensor out, const at::Tensor& w, const at::Tensor& 
     at::bmm_out(out, wb, x);
 }
 
+// The bias in x's dtype as a (1, C_out, 1) row for batched_gemm, or none.
+inline std::optional<at::Tensor> temporal_bias_row(const std::optional<at::Tensor>& bias,
+                                                   const at::Tensor& x, const TemporalConvShape& s) {
+  if (!bias.has_value()) return std::nullopt;
+  return bias->to(x.scalar_type()).view({1, s.C_out, 1});
+}
+
 // Whether a contiguous x should be copied to frames-major for the fused GEMMs. Bytes moved per pixel
 // and frame, in units of the element size: fused = copy (read + write x) + read x + write out; per tap
 // = k reads of x + one write and k - 1 read-modify-writes of out. The fused GEMM is also the better
@@ -215,8 +217,7 @@ inline void temporal_conv_fused(const at::Tensor& xf, const at::Tensor& of, cons
   const int64_t HW = s.H * s.W, C = s.C_in, frame = C * HW, sB = s.F * frame;
   const at::Tensor w = weight.select(4, 0).select(3, 0).permute({0, 2, 1}).reshape({s.C_out, s.k * C});
   const at::Tensor o4 = of.view({s.B, s.F_out, s.C_out, HW});
-  std::optional<at::Tensor> bias_row;
-  if (bias.has_value()) bias_row = bias->to(xf.scalar_type()).view({1, s.C_out, 1});
+  const std::optional<at::Tensor> bias_row = temporal_bias_row(bias, xf, s);
   // Input frames [f, f + nt) of nb samples (or nb consecutive windows), as (nb, nt * C_in, H*W).
   auto window = [&](int64_t b, int64_t f, int64_t nb, int64_t batch_stride, int64_t nt) {
     return xf.as_strided({nb, nt * C, HW}, {batch_stride, HW, 1},
@@ -256,8 +257,7 @@ inline void temporal_conv_fused(const at::Tensor& xf, const at::Tensor& of, cons
 inline void temporal_conv_taps(const at::Tensor& x, const at::Tensor& out, const at::Tensor& weight,
                                const std::optional<at::Tensor>& bias, const TemporalConvShape& s) {
   const at::Tensor w = taps(weight);
-  std::optional<at::Tensor> bias_row;
-  if (bias.has_value()) bias_row = bias->to(x.scalar_type()).view({1, s.C_out, 1});
+  const std::optional<at::Tensor> bias_row = temporal_bias_row(bias, x, s);
   // The first GEMM writes (bias as its beta input) when one tap covers every output frame, the
   // centre tap of a "same" convolution; otherwise out starts as the bias (or zeros).
   int64_t first = -1;
@@ -288,7 +288,7 @@ inline void temporal_conv_taps(const at::Tensor& x, const at::Tensor& out, const
 inline at::Tensor temporal_conv_forward(const at::Tensor& x_in, const at::Tensor& weight,
                              const std::optional<at::Tensor>& bias, int64_t padding) {
   TemporalConvShape s = check_temporal_conv(x_in, weight, padding);
-  if (bias.has_value()) check_vector(bias, s.C_out, x_in, kTemporalConvOp, "bias");
+  check_vector(bias, s.C_out, x_in, kTemporalConvOp, "bias");
   at::Tensor out = temporal_output(x_in, s);
   if (out.numel() == 0) return out;
   if (s.frames_major) {
@@ -308,15 +308,10 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> temporal_conv_backward(con
                                                                           const at::Tensor& weight,
                                                                           int64_t padding) {
   TemporalConvShape s = check_temporal_conv(x_in, weight, padding);
-  check_same_device(x_in, grad_out, kTemporalConvOp, "x", "grad_out");
-  check_same_dtype(x_in, grad_out, kTemporalConvOp, "x", "grad_out");
-  const std::vector<int64_t> out_shape{s.B, s.C_out, s.F_out, s.H, s.W};
-  TORCH_CHECK(grad_out.sizes() == at::IntArrayRef(out_shape), kTemporalConvOp,
-              "_backward: grad_out must have the output's shape ", at::IntArrayRef(out_shape),
-              ", got ", grad_out.sizes());
+  check_conv_grad_out(grad_out, x_in, {s.B, s.C_out, s.F_out, s.H, s.W}, kTemporalConvOp);
   const auto fmt = temporal_format(s);
   // Weight and bias gradients accumulate over samples in float (double for float64).
-  const auto acc = x_in.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const auto acc = acc_dtype(x_in);
   at::Tensor x = x_in.contiguous(fmt);
   at::Tensor g = grad_out.contiguous(fmt);
   // at::zeros has no memory_format argument (it would drop the one in the options).

@@ -35,4 +35,17 @@ inline GNShape check_group_norm(const at::Tensor& x, int64_t num_groups,
   return s;
 }
 
+// The backward's grad_out: x's shape, dtype and device.
+inline void check_group_norm_grad_out(const at::Tensor& grad_out, const at::Tensor& x) {
+  TORCH_CHECK(grad_out.sizes() == x.sizes(), kGroupNormOp, "_backward: grad_out must have x's shape ",
+              x.sizes(), ", got ", grad_out.sizes());
+  check_same_dtype(x, grad_out, kGroupNormOp, "x", "grad_out");
+  check_same_device(x, grad_out, kGroupNormOp, "x", "grad_out");
+}
+
+// weight or bias as the kernels read it: contiguous in x's dtype, undefined when absent.
+inline at::Tensor group_norm_param(const std::optional<at::Tensor>& t, const at::Tensor& x) {
+  return t.has_value() ? t->to(x.scalar_type()).contiguous() : at::Tensor();
+}
+
 }  // namespace vd

@@ -80,6 +80,26 @@ inline StepShape check_scheduler_step(const at::Tensor& model_output, const at::
   return s;
 }
 
+// The op's tensors in sample's layout (the kernels index them flat) and its two outputs.
+struct StepTensors {
+  at::Tensor x, m, px, pf;  // sample, model_output, prev_x0 and prev_frame (undefined if absent)
+  at::Tensor prev_out, x0_out;
+};
+
+inline StepTensors step_tensors(const at::Tensor& model_output, const at::Tensor& sample,
+                                const std::optional<at::Tensor>& prev_x0,
+                                const std::optional<at::Tensor>& prev_frame, const StepShape& s) {
+  const auto fmt = layout_memory_format(sample);
+  StepTensors t;
+  t.x = sample.contiguous(fmt);
+  t.m = model_output.contiguous(fmt);
+  if (s.has_prev_x0) t.px = prev_x0->contiguous(fmt);
+  if (s.has_blend) t.pf = prev_frame->contiguous(fmt);
+  t.prev_out = at::empty_like(t.x);
+  t.x0_out = at::empty_like(t.x);
+  return t;
+}
+
 // One element of the step, in the compute type T. NaN in x0 stays NaN through the clamp, as in torch.clamp.
 template <typename T>
 struct StepCoeffs {

@@ -77,24 +77,28 @@ MaskRef mask_ref(const at::Tensor& mask, const at::Tensor& q) {
   return m;
 }
 
+// dst[r * ld_r + c * ld_c] = src(b, h, r0 + r, c) for nr rows of D columns.
+template <typename scalar_t, typename acc_t>
+inline void pack_tile(const Strided4<const scalar_t>& src, int64_t b, int64_t h, int64_t r0, int64_t nr,
+                      int64_t D, acc_t* dst, int64_t ld_r, int64_t ld_c) {
+  for (int64_t r = 0; r < nr; ++r) {
+    const scalar_t* p = src.row(b, h, r0 + r);
+    for (int64_t c = 0; c < D; ++c) dst[r * ld_r + c * ld_c] = static_cast<acc_t>(p[c * src.sc]);
+  }
+}
+
 // dst[r * D + c] = src(b, h, r0 + r, c): nr rows, row-major.
 template <typename scalar_t, typename acc_t>
 void pack_rows(const Strided4<const scalar_t>& src, int64_t b, int64_t h, int64_t r0, int64_t nr,
                int64_t D, acc_t* dst) {
-  for (int64_t r = 0; r < nr; ++r) {
-    const scalar_t* p = src.row(b, h, r0 + r);
-    for (int64_t c = 0; c < D; ++c) dst[r * D + c] = static_cast<acc_t>(p[c * src.sc]);
-  }
+  pack_tile(src, b, h, r0, nr, D, dst, D, int64_t(1));
 }
 
 // dst[c * kBlockK + r] = src(b, h, r0 + r, c): the transposed tile, the B operand of Q K^T.
 template <typename scalar_t, typename acc_t>
 void pack_cols(const Strided4<const scalar_t>& src, int64_t b, int64_t h, int64_t r0, int64_t nr,
                int64_t D, acc_t* dst) {
-  for (int64_t r = 0; r < nr; ++r) {
-    const scalar_t* p = src.row(b, h, r0 + r);
-    for (int64_t c = 0; c < D; ++c) dst[c * kBlockK + r] = static_cast<acc_t>(p[c * src.sc]);
-  }
+  pack_tile(src, b, h, r0, nr, D, dst, int64_t(1), kBlockK);
 }
 
 // dst(b, h, r0 + r, c) = src[r * D + c] * mul.
@@ -448,16 +452,19 @@ at::Tensor new_output(const at::Tensor& like_rows, const at::Tensor& q) {
   return at::empty({q.size(0), q.size(1), like_rows.size(2), q.size(3)}, q.options());
 }
 
+at::Tensor new_lse(const at::Tensor& q) {
+  return at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(attention_lse_dtype(q)));
+}
+
 std::tuple<at::Tensor, at::Tensor> fused_attention_cpu(const at::Tensor& q, const at::Tensor& k,
                                                        const at::Tensor& v,
                                                        const std::optional<at::Tensor>& attn_mask,
                                                        std::optional<double> scale) {
   check_attention(q, k, v, kFusedOp);
   const double sc = attention_scale(scale, q.size(3), kFusedOp);
-  const at::Tensor mask =
-      attn_mask.has_value() ? expand_attention_mask(*attn_mask, q, k, kFusedOp) : at::Tensor();
+  const at::Tensor mask = expand_attention_mask(attn_mask, q, k, kFusedOp);
   at::Tensor out = new_output(q, q);
-  at::Tensor lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(attention_lse_dtype(q)));
+  at::Tensor lse = new_lse(q);
   attention_forward(q, k, v, mask, sc, out, lse);
   return {out, lse};
 }
@@ -469,16 +476,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_attention_backward_cpu(
   check_attention(q, k, v, kFusedBwdOp);
   check_attention_backward(grad_out, q, out, lse, grad_lse, kFusedBwdOp);
   const double sc = attention_scale(scale, q.size(3), kFusedBwdOp);
-  const at::Tensor mask =
-      attn_mask.has_value() ? expand_attention_mask(*attn_mask, q, k, kFusedBwdOp) : at::Tensor();
+  const at::Tensor mask = expand_attention_mask(attn_mask, q, k, kFusedBwdOp);
   at::Tensor dq = new_output(q, q), dk = new_output(k, q), dv = new_output(k, q);
   attention_backward(grad_out, q, k, v, out, lse, mask, sc, grad_lse, dq, dk, dv);
   return {dq, dk, dv};
-}
-
-// Keys 0, stride, 2*stride, ... as a view: the kernels read it in place.
-at::Tensor every_stride_key(const at::Tensor& t, int64_t stride) {
-  return t.slice(2, 0, t.size(2), stride);
 }
 
 std::tuple<at::Tensor, at::Tensor> strided_attention_cpu(const at::Tensor& q, const at::Tensor& k,
@@ -488,7 +489,7 @@ std::tuple<at::Tensor, at::Tensor> strided_attention_cpu(const at::Tensor& q, co
   check_stride(stride, kStridedOp);
   const double sc = attention_scale(scale, q.size(3), kStridedOp);
   at::Tensor out = new_output(q, q);
-  at::Tensor lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(attention_lse_dtype(q)));
+  at::Tensor lse = new_lse(q);
   attention_forward(q, every_stride_key(k, stride), every_stride_key(v, stride), at::Tensor(), sc,
                     out, lse);
   return {out, lse};

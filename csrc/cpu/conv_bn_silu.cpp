@@ -18,7 +18,6 @@
 namespace vd {
 namespace {
 
-
 // Calls fn(chunk, offset, count, channel) for every run of elements of one channel: whole (n, c)
 // planes for NCHW, single elements of each pixel's row for NHWC. The work is cut into n_chunks
 // fixed chunks, each run by one thread, so callers can keep per-chunk partial sums without atomics
@@ -50,13 +49,19 @@ int64_t channel_chunks(const ConvShape& s) {
   return std::max<int64_t>(1, std::min({units, by_size, 4 * int64_t(at::get_num_threads())}));
 }
 
+// The per-channel shift b' as a host vector of the compute type.
+template <typename opmath_t>
+std::vector<opmath_t> shift_values(const at::Tensor& shift, int64_t C) {
+  const at::Tensor t = shift.to(c10::CppTypeToScalarType<opmath_t>::value).contiguous();
+  const opmath_t* p = t.const_data_ptr<opmath_t>();
+  return std::vector<opmath_t>(p, p + C);
+}
+
 // y <- act(y + shift[c]) in place.
 void bias_act_(at::Tensor& y, const at::Tensor& shift, bool silu, const ConvShape& s) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, y.scalar_type(), "conv_bn_silu_cpu", [&] {
     using opmath_t = at::opmath_type<scalar_t>;
-    std::vector<opmath_t> sh(s.C_out);
-    at::Tensor shift_op = shift.to(c10::CppTypeToScalarType<opmath_t>::value);
-    for (int64_t c = 0; c < s.C_out; ++c) sh[c] = shift_op.const_data_ptr<opmath_t>()[c];
+    const std::vector<opmath_t> sh = shift_values<opmath_t>(shift, s.C_out);
     scalar_t* yp = y.mutable_data_ptr<scalar_t>();
     for_each_channel_run(s, channel_chunks(s), [&](int64_t, int64_t off, int64_t n, int64_t c) {
       const opmath_t b = sh[c];
@@ -77,9 +82,7 @@ at::Tensor grad_z_(at::Tensor& y, const at::Tensor& g, const at::Tensor& shift, 
   std::vector<double> partial(n_chunks * s.C_out, 0.0);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, g.scalar_type(), "conv_bn_silu_backward_cpu", [&] {
     using opmath_t = at::opmath_type<scalar_t>;
-    std::vector<opmath_t> sh(s.C_out);
-    at::Tensor shift_op = shift.to(c10::CppTypeToScalarType<opmath_t>::value);
-    for (int64_t c = 0; c < s.C_out; ++c) sh[c] = shift_op.const_data_ptr<opmath_t>()[c];
+    const std::vector<opmath_t> sh = shift_values<opmath_t>(shift, s.C_out);
     const scalar_t* gp = g.const_data_ptr<scalar_t>();
     scalar_t* yp = silu ? y.mutable_data_ptr<scalar_t>() : nullptr;
     for_each_channel_run(s, n_chunks, [&](int64_t chunk, int64_t off, int64_t n, int64_t c) {

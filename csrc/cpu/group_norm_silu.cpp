@@ -15,9 +15,6 @@
 namespace vd {
 namespace {
 
-constexpr const char* kOp = kGroupNormOp;
-
-
 // Per (n, g): mean and rstd, accumulated in double.
 template <typename scalar_t>
 void group_stats(const scalar_t* x, const GNShape& s, double eps, std::vector<double>& mean,
@@ -90,8 +87,7 @@ at::Tensor group_norm_silu_cpu(const at::Tensor& x_in, int64_t num_groups,
   at::Tensor x = x_in.contiguous(layout_memory_format(x_in));
   at::Tensor out = at::empty_like(x);
   if (x.numel() == 0) return out;
-  at::Tensor w = weight.has_value() ? weight->to(x.scalar_type()).contiguous() : at::Tensor();
-  at::Tensor b = bias.has_value() ? bias->to(x.scalar_type()).contiguous() : at::Tensor();
+  at::Tensor w = group_norm_param(weight, x), b = group_norm_param(bias, x);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "group_norm_silu_cpu", [&] {
     using opmath_t = at::opmath_type<scalar_t>;
     std::vector<double> mean, rstd, scale, beta;
@@ -135,9 +131,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_silu_backward_cpu(
     const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias, double eps,
     bool silu) {
   GNShape s = check_group_norm(x_in, num_groups, weight, bias, eps);
-  TORCH_CHECK(grad_out.sizes() == x_in.sizes(), kOp, "_backward: grad_out must have x's shape ",
-              x_in.sizes(), ", got ", grad_out.sizes());
-  check_same_dtype(x_in, grad_out, kOp, "x", "grad_out");
+  check_group_norm_grad_out(grad_out, x_in);
   const auto fmt = layout_memory_format(x_in);
   at::Tensor x = x_in.contiguous(fmt);
   at::Tensor dy = grad_out.contiguous(fmt);
@@ -146,8 +140,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_silu_backward_cpu(
   at::Tensor dw_acc = at::zeros({s.C}, x.options().dtype(at::kDouble));
   at::Tensor db_acc = at::zeros({s.C}, x.options().dtype(at::kDouble));
   if (x.numel() > 0) {
-    at::Tensor w = weight.has_value() ? weight->to(x.scalar_type()).contiguous() : at::Tensor();
-    at::Tensor b = bias.has_value() ? bias->to(x.scalar_type()).contiguous() : at::Tensor();
+    at::Tensor w = group_norm_param(weight, x), b = group_norm_param(bias, x);
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "group_norm_silu_backward_cpu", [&] {
       const scalar_t* xp = x.const_data_ptr<scalar_t>();
       const scalar_t* dyp = dy.const_data_ptr<scalar_t>();

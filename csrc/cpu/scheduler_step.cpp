@@ -50,13 +50,8 @@ std::tuple<at::Tensor, at::Tensor> scheduler_step_cpu(
     const std::optional<at::Tensor>& blend_weight, std::optional<double> clip_x0) {
   const StepShape s =
       check_scheduler_step(model_output, sample, coeffs, prev_x0, prev_frame, blend_weight, clip_x0);
-  const auto fmt = layout_memory_format(sample);
-  at::Tensor x = sample.contiguous(fmt);
-  at::Tensor m = model_output.contiguous(fmt);
-  at::Tensor px = s.has_prev_x0 ? prev_x0->contiguous(fmt) : at::Tensor();
-  at::Tensor pf = s.has_blend ? prev_frame->contiguous(fmt) : at::Tensor();
-  at::Tensor prev_out = at::empty_like(x);
-  at::Tensor x0_out = at::empty_like(x);
+  const StepTensors t = step_tensors(model_output, sample, prev_x0, prev_frame, s);
+  const at::Tensor &x = t.x, &m = t.m, &px = t.px, &pf = t.pf, &prev_out = t.prev_out, &x0_out = t.x0_out;
   if (x.numel() == 0) return {prev_out, x0_out};
 
   const at::Tensor cv = host_values(coeffs);

@@ -33,6 +33,7 @@
 #include <type_traits>
 
 #include "../attention.h"
+#include "launch.h"
 
 namespace vd {
 namespace {
@@ -42,7 +43,6 @@ constexpr const char* kFusedBwdOp = "vd::fused_attention_backward";
 constexpr const char* kStridedOp = "vd::strided_attention";
 constexpr const char* kStridedBwdOp = "vd::strided_attention_backward";
 
-constexpr unsigned kFullMask = 0xffffffffu;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
@@ -74,11 +74,6 @@ __device__ __forceinline__ T warp_sum(T v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFullMask, v, o);
   return v;
 }
-
-template <typename T, int N>
-struct alignas(sizeof(T) * N) Vec {
-  T v[N];
-};
 
 // A (B, H, L, D) operand read (or written) through its strides, in elements. vec: rows can be read
 // in 16-byte vectors (unit stride along D, D and the other strides multiples of the vector, aligned).
@@ -921,13 +916,6 @@ __global__ void __launch_bounds__(kRowThreads) attn_bwd_dkdv_kernel(const AttnAr
 // ---------------------------------------------------------------------------------------------
 // Host side.
 
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
-unsigned grid_of(int64_t blocks, const char* op) {
-  TORCH_CHECK(blocks <= std::numeric_limits<int32_t>::max(), op, ": input too large for one launch");
-  return static_cast<unsigned>(blocks);
-}
-
 // Opts the kernel into more than the default 48 KiB of dynamic shared memory when it needs it.
 template <typename Kernel>
 void set_smem(Kernel kernel, size_t bytes, const char* op) {
@@ -969,8 +957,6 @@ int smem_ld(int64_t D) {
   constexpr int64_t V = 16 / sizeof(acc_t);
   return static_cast<int>((D + 2 * V - 1) / (2 * V) * (2 * V) + V);
 }
-
-at::ScalarType lse_dtype(const at::Tensor& q) { return q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat; }
 
 // The tensor-core kernel reads 16-byte chunks of rows: unit stride along D, every row start aligned.
 bool mma_layout_ok(const at::Tensor& t) {
@@ -1079,7 +1065,7 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(const char* op, const at::T
                                                      const at::Tensor& v, const at::Tensor& mask, double scale) {
   const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), D = q.size(3);
   at::Tensor out = at::empty({B, H, Lq, D}, q.options());
-  at::Tensor lse = at::empty({B, H, Lq}, q.options().dtype(lse_dtype(q)));
+  at::Tensor lse = at::empty({B, H, Lq}, q.options().dtype(attention_lse_dtype(q)));
   if (B * H == 0) return {out, lse};
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "fused_attention_cuda", [&] {
@@ -1109,7 +1095,7 @@ at::Tensor attention_backward(const char* op, const at::Tensor& grad_out, const 
   const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), Lk = k.size(2), D = q.size(3);
   at::Tensor dq = at::empty({B, H, Lq, D}, q.options());
   if (B * H == 0) return dq;
-  const auto acc_type = lse_dtype(q);
+  const auto acc_type = attention_lse_dtype(q);
   const at::Tensor lse = lse_in.to(acc_type).contiguous();
   const at::Tensor grad_lse = grad_lse_in.has_value() ? grad_lse_in->to(acc_type).contiguous() : at::Tensor();
   at::Tensor delta = at::empty({B, H, Lq}, q.options().dtype(acc_type));
@@ -1150,7 +1136,7 @@ std::tuple<at::Tensor, at::Tensor> fused_attention_cuda(const at::Tensor& q, con
                                                         std::optional<double> scale) {
   check_attention(q, k, v, kFusedOp);
   const c10::cuda::CUDAGuard guard(q.device());
-  const at::Tensor mask = attn_mask.has_value() ? expand_attention_mask(*attn_mask, q, k, kFusedOp) : at::Tensor();
+  const at::Tensor mask = expand_attention_mask(attn_mask, q, k, kFusedOp);
   return attention_forward(kFusedOp, q, k, v, mask, attention_scale(scale, q.size(3), kFusedOp));
 }
 
@@ -1161,7 +1147,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_attention_backward_cuda(
   check_attention(q, k, v, kFusedBwdOp);
   check_attention_backward(grad_out, q, out, lse, grad_lse, kFusedBwdOp);
   const c10::cuda::CUDAGuard guard(q.device());
-  const at::Tensor mask = attn_mask.has_value() ? expand_attention_mask(*attn_mask, q, k, kFusedBwdOp) : at::Tensor();
+  const at::Tensor mask = expand_attention_mask(attn_mask, q, k, kFusedBwdOp);
   at::Tensor dk = at::empty(k.sizes(), q.options());
   at::Tensor dv = at::empty(v.sizes(), q.options());
   at::Tensor dq = attention_backward(kFusedBwdOp, grad_out, q, k, v, out, lse, mask, attention_scale(scale, q.size(3), kFusedBwdOp),
@@ -1174,8 +1160,7 @@ std::tuple<at::Tensor, at::Tensor> strided_attention_cuda(const at::Tensor& q, c
   check_attention(q, k, v, kStridedOp);
   check_stride(stride, kStridedOp);
   const c10::cuda::CUDAGuard guard(q.device());
-  const int64_t Lk = k.size(2);
-  return attention_forward(kStridedOp, q, k.slice(2, 0, Lk, stride), v.slice(2, 0, Lk, stride), at::Tensor(),
+  return attention_forward(kStridedOp, q, every_stride_key(k, stride), every_stride_key(v, stride), at::Tensor(),
                            attention_scale(scale, q.size(3), kStridedOp));
 }
 
@@ -1186,12 +1171,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> strided_attention_backward_cuda(
   check_stride(stride, kStridedBwdOp);
   check_attention_backward(grad_out, q, out, lse, grad_lse, kStridedBwdOp);
   const c10::cuda::CUDAGuard guard(q.device());
-  const int64_t Lk = k.size(2);
   // Keys off the stride get no gradient: zero-filled, the kernel writes the strided rows.
   at::Tensor dk = at::zeros(k.sizes(), q.options());
   at::Tensor dv = at::zeros(v.sizes(), q.options());
-  at::Tensor dk_s = dk.slice(2, 0, Lk, stride), dv_s = dv.slice(2, 0, Lk, stride);
-  at::Tensor dq = attention_backward(kStridedBwdOp, grad_out, q, k.slice(2, 0, Lk, stride), v.slice(2, 0, Lk, stride),
+  at::Tensor dk_s = every_stride_key(dk, stride), dv_s = every_stride_key(dv, stride);
+  at::Tensor dq = attention_backward(kStridedBwdOp, grad_out, q, every_stride_key(k, stride), every_stride_key(v, stride),
                                      out, lse, at::Tensor(), attention_scale(scale, q.size(3), kStridedBwdOp), grad_lse, dk_s, dv_s);
   return {dq, dk, dv};
 }

@@ -32,6 +32,7 @@
 
 #include "../activation.h"
 #include "../norm.h"
+#include "launch.h"
 
 namespace vd {
 namespace {
@@ -39,16 +40,10 @@ namespace {
 constexpr const char* kOp = kGroupNormOp;
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
-constexpr unsigned kFullMask = 0xffffffffu;
 // Vectors each lane handles per chunk in the "rows" kernels, and rows each thread walks per block in
 // the "cols" kernels: enough work per partial state that the partial buffers stay small.
 constexpr int kVecsPerLane = 8;
 constexpr int kRowsPerThread = 32;
-
-template <typename T, int N>
-struct alignas(sizeof(T) * N) Vec {
-  T v[N];
-};
 
 // 16-byte vectors: 8 halves, 4 floats or 2 doubles.
 template <typename T>
@@ -783,15 +778,6 @@ __global__ void __launch_bounds__(kFusedThreads, fused_min_blocks<V>())
 // ---------------------------------------------------------------------------------------------
 // Host side.
 
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
-unsigned grid_of(int64_t blocks) {
-  TORCH_CHECK(blocks <= std::numeric_limits<int32_t>::max(), kOp, ": input too large for one launch");
-  return static_cast<unsigned>(blocks);
-}
-
 // Fills the split fields of a: "rows" chunks over runs of `run` elements, or the "cols" tiling.
 template <typename A>
 void plan(A& a, int vec, int64_t run, bool channels_last) {
@@ -833,7 +819,7 @@ struct Launcher {
     const int64_t NG = s.N * s.G;
     at::Tensor part = at::empty({NG * K * 3}, mean.options().dtype(at::kDouble));
     auto* pp = reinterpret_cast<Welford<double>*>(part.mutable_data_ptr<double>());
-    const unsigned blocks = grid_of(channels_last ? s.items : ceil_div(s.items, kWarps));
+    const unsigned blocks = grid_of(channels_last ? s.items : ceil_div(s.items, kWarps), kOp);
     if (!channels_last) {
       if (vec) stats_rows_kernel<scalar_t, acc_t, kVec><<<blocks, kThreads, 0, stream>>>(s, pp);
       else stats_rows_kernel<scalar_t, acc_t, 1><<<blocks, kThreads, 0, stream>>>(s, pp);
@@ -842,7 +828,7 @@ struct Launcher {
       else stats_cols_kernel<scalar_t, acc_t, 1><<<blocks, kThreads, 0, stream>>>(s, pp);
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    stats_finalize_kernel<acc_t><<<grid_of(ceil_div(NG, kWarps)), kThreads, 0, stream>>>(
+    stats_finalize_kernel<acc_t><<<grid_of(ceil_div(NG, kWarps), kOp), kThreads, 0, stream>>>(
         pp, K, NG, eps, mean.mutable_data_ptr<acc_t>(), mean.mutable_data_ptr<acc_t>() + NG,
         rstd.mutable_data_ptr<acc_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -952,7 +938,7 @@ bool forward_fused(const GNShape& s, const scalar_t* x, scalar_t* out, const sca
     a.eps = eps;
     a.silu = silu;
     cudaLaunchConfig_t cfg{};
-    cfg.gridDim = dim3(grid_of(s.N * s.G * p.K));
+    cfg.gridDim = dim3(grid_of(s.N * s.G * p.K, kOp));
     cfg.blockDim = dim3(kFusedThreads);
     cfg.dynamicSmemBytes = 2 * cpg * sizeof(float);
     cfg.stream = stream;
@@ -992,8 +978,7 @@ at::Tensor group_norm_silu_cuda(const at::Tensor& x_in, int64_t num_groups, cons
   at::Tensor out = at::empty_like(x);
   if (x.numel() == 0) return out;
   // Like the CPU kernel, weight and bias are used in x's dtype.
-  at::Tensor w = weight.has_value() ? weight->to(x.scalar_type()).contiguous() : at::Tensor();
-  at::Tensor b = bias.has_value() ? bias->to(x.scalar_type()).contiguous() : at::Tensor();
+  at::Tensor w = group_norm_param(weight, x), b = group_norm_param(bias, x);
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "group_norm_silu_cuda", [&] {
     using L = Launcher<scalar_t>;
@@ -1008,7 +993,7 @@ at::Tensor group_norm_silu_cuda(const at::Tensor& x_in, int64_t num_groups, cons
     L::stats(a, s.channels_last, vec, eps, mean, rstd, stream);
     const int v = vec ? L::kVec : 1;
     plan(a, v, a.S, s.channels_last);
-    const unsigned blocks = grid_of(s.channels_last ? a.items : ceil_div(a.items, kWarps));
+    const unsigned blocks = grid_of(s.channels_last ? a.items : ceil_div(a.items, kWarps), kOp);
     if (!s.channels_last) {
       if (vec) apply_rows_kernel<scalar_t, acc_t, L::kVec><<<blocks, kThreads, 0, stream>>>(a);
       else apply_rows_kernel<scalar_t, acc_t, 1><<<blocks, kThreads, 0, stream>>>(a);
@@ -1025,10 +1010,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_silu_backward_cuda(
     const at::Tensor& grad_out, const at::Tensor& x_in, int64_t num_groups, const std::optional<at::Tensor>& weight,
     const std::optional<at::Tensor>& bias, double eps, bool silu) {
   GNShape s = check_group_norm(x_in, num_groups, weight, bias, eps);
-  TORCH_CHECK(grad_out.sizes() == x_in.sizes(), kOp, "_backward: grad_out must have x's shape ", x_in.sizes(),
-              ", got ", grad_out.sizes());
-  check_same_dtype(x_in, grad_out, kOp, "x", "grad_out");
-  check_same_device(x_in, grad_out, kOp, "x", "grad_out");
+  check_group_norm_grad_out(grad_out, x_in);
   const c10::cuda::CUDAGuard guard(x_in.device());
   const auto fmt = layout_memory_format(x_in);
   at::Tensor x = x_in.contiguous(fmt);
@@ -1038,8 +1020,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_silu_backward_cuda(
   const auto bdtype = bias.has_value() ? bias->scalar_type() : wdtype;
   if (x.numel() == 0)
     return {dx, at::zeros({s.C}, x.options().dtype(wdtype)), at::zeros({s.C}, x.options().dtype(bdtype))};
-  at::Tensor w = weight.has_value() ? weight->to(x.scalar_type()).contiguous() : at::Tensor();
-  at::Tensor b = bias.has_value() ? bias->to(x.scalar_type()).contiguous() : at::Tensor();
+  at::Tensor w = group_norm_param(weight, x), b = group_norm_param(bias, x);
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   at::Tensor dw, db;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "group_norm_silu_backward_cuda", [&] {
@@ -1060,7 +1041,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_silu_backward_cuda(
     plan(a, v, a.S, s.channels_last);
     at::Tensor part = at::empty({s.N * s.C * a.P * 2}, acc_opts);
     auto* pp = reinterpret_cast<Sum2<acc_t>*>(part.mutable_data_ptr<acc_t>());
-    const unsigned blocks = grid_of(s.channels_last ? a.items : ceil_div(a.items, kWarps));
+    const unsigned blocks = grid_of(s.channels_last ? a.items : ceil_div(a.items, kWarps), kOp);
     if (!s.channels_last) {
       if (vec) grad_sums_rows_kernel<scalar_t, acc_t, L::kVec><<<blocks, kThreads, 0, stream>>>(a, pp);
       else grad_sums_rows_kernel<scalar_t, acc_t, 1><<<blocks, kThreads, 0, stream>>>(a, pp);
@@ -1072,7 +1053,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_silu_backward_cuda(
 
     at::Tensor m1 = at::empty({NG}, acc_opts), m2 = at::empty({NG}, acc_opts);
     at::Tensor dw_acc = at::empty({s.C}, acc_opts), db_acc = at::empty({s.C}, acc_opts);
-    grad_reduce_kernel<scalar_t, acc_t><<<grid_of(ceil_div(NG + s.C, kThreads)), kThreads, 0, stream>>>(
+    grad_reduce_kernel<scalar_t, acc_t><<<grid_of(ceil_div(NG + s.C, kThreads), kOp), kThreads, 0, stream>>>(
         a, pp, m1.mutable_data_ptr<acc_t>(), m2.mutable_data_ptr<acc_t>(), dw_acc.mutable_data_ptr<acc_t>(),
         db_acc.mutable_data_ptr<acc_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -10,14 +10,10 @@
 #include <torch/library.h>
 
 #include "../scheduler.h"
+#include "launch.h"
 
 namespace vd {
 namespace {
-
-template <typename scalar_t, int VEC>
-struct alignas(sizeof(scalar_t) * VEC) Vec {
-  scalar_t v[VEC];
-};
 
 struct StepArgs {
   int64_t numel, inner;
@@ -60,8 +56,6 @@ __global__ void scheduler_step_kernel(const scalar_t* __restrict__ m, const scal
   }
 }
 
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
 std::tuple<at::Tensor, at::Tensor> scheduler_step_cuda(
     const at::Tensor& model_output, const at::Tensor& sample, const at::Tensor& coeffs,
     const std::optional<at::Tensor>& prev_x0, const std::optional<at::Tensor>& prev_frame,
@@ -69,13 +63,8 @@ std::tuple<at::Tensor, at::Tensor> scheduler_step_cuda(
   const StepShape s =
       check_scheduler_step(model_output, sample, coeffs, prev_x0, prev_frame, blend_weight, clip_x0);
   c10::cuda::CUDAGuard guard(sample.device());
-  const auto fmt = layout_memory_format(sample);
-  at::Tensor x = sample.contiguous(fmt);
-  at::Tensor m = model_output.contiguous(fmt);
-  at::Tensor px = s.has_prev_x0 ? prev_x0->contiguous(fmt) : at::Tensor();
-  at::Tensor pf = s.has_blend ? prev_frame->contiguous(fmt) : at::Tensor();
-  at::Tensor prev_out = at::empty_like(x);
-  at::Tensor x0_out = at::empty_like(x);
+  const StepTensors t = step_tensors(model_output, sample, prev_x0, prev_frame, s);
+  const at::Tensor &x = t.x, &m = t.m, &px = t.px, &pf = t.pf, &prev_out = t.prev_out, &x0_out = t.x0_out;
   if (x.numel() == 0) return {prev_out, x0_out};
   auto stream = c10::cuda::getCurrentCUDAStream();
   const bool is_double = x.scalar_type() == at::kDouble;
