@@ -117,13 +117,6 @@ struct TemporalConvShape {
   bool frames_major;   // x (and the output) are (B, C, F, H, W) views of contiguous (B, F, C, H, W)
 };
 
-// diffusers' temporal blocks reshape (B*F, C, H, W) activations to (B, F, C, H, W) and permute to
-// (B, C, F, H, W): no copy, so a Conv3d sees frames-major memory. Checked after the contiguous and
-// channels_last_3d rules (whose size-1 ambiguities keep their meaning); mirrored in vdcompile/ops/conv.py.
-inline bool frames_major_layout(const at::Tensor& x) {
-  return x.dim() == 5 && !x.is_contiguous() && !channels_last_layout(x) && x.transpose(1, 2).is_contiguous();
-}
-
 // temporal_conv and its backward: x (B, C_in, F, H, W), weight (C_out, C_in, k, 1, 1).
 inline TemporalConvShape check_temporal_conv(const at::Tensor& x, const at::Tensor& weight,
                                              int64_t padding) {

@@ -10,6 +10,7 @@ constexpr const char* kGroupNormOp = "vd::group_norm_silu";
 struct GNShape {
   int64_t N, C, G, S;  // S: product of the trailing (spatial) dims
   bool channels_last;
+  bool frames_major;   // 5-D frames-major (layout.h): read in place, answered frames-major
 };
 
 inline GNShape check_group_norm(const at::Tensor& x, int64_t num_groups,
@@ -32,7 +33,20 @@ inline GNShape check_group_norm(const at::Tensor& x, int64_t num_groups,
   s.S = x.numel() / std::max<int64_t>(1, s.N * C);
   if (s.N * C == 0) s.S = 0;
   s.channels_last = channels_last_layout(x);
+  s.frames_major = frames_major_layout(x);
   return s;
+}
+
+// The forward's output for x: x's layout when frames-major, else the layout rule's.
+inline at::Tensor group_norm_output(const at::Tensor& x, const GNShape& s) {
+  if (s.frames_major) return at::empty({x.size(0), x.size(2), x.size(1), x.size(3), x.size(4)}, x.options()).transpose(1, 2);
+  return at::empty(x.sizes(), x.options().memory_format(layout_memory_format(x)));
+}
+
+// out, computed contiguous, answered in the forward's output layout for x (a copy when frames-major:
+// the kernels that read frames-major memory in place write the output directly instead).
+inline at::Tensor group_norm_answer(const at::Tensor& out, const at::Tensor& x, const GNShape& s) {
+  return s.frames_major ? group_norm_output(x, s).copy_(out) : out;
 }
 
 // The backward's grad_out: x's shape, dtype and device.

@@ -28,7 +28,13 @@ def sample_inputs(device, requires_grad):
         (t(1, 8, 3, 4, 5), 8, w8, None, 1e-5, False),                      # 5-D, plain GroupNorm
         (t(2, 8, 3, 4, 5, memory_format=torch.channels_last_3d), 2, w8, b8, 1e-5, True),
         (t(2, 8, 6, 10)[:, :, :, ::2], 4, w8, b8, 1e-5, True),             # non-contiguous view
+        (frames_major(t(2, 3, 8, 4, 5)), 4, w8, b8, 1e-5, True),           # frames-major 5-D
     ]
+
+
+def frames_major(x):
+    """(B, F, C, H, W) memory seen as (B, C, F, H, W), as diffusers' temporal blocks see it."""
+    return x.detach().transpose(1, 2).requires_grad_(x.requires_grad)
 
 
 test_opcheck = opcheck_test(OP, sample_inputs, DEVICES)
@@ -144,6 +150,31 @@ FORWARD_CASES = [
     ((2, 6, 5, 7), 3),           # M 70: not whole vectors, two-pass
     ((1, 8192, 2), 1),           # cpg 8192: over the on-chip channel table, two-pass
 ]
+
+# Frames-major (B, C, F, H, W) views of (B, F, C, H, W) memory: a group is F segments of cpg * H * W
+# contiguous elements, read and written in place when a segment is whole 16-byte vectors.
+FRAMES_MAJOR_CASES = [
+    ((2, 320, 14, 9, 16), 32),   # segments of 1440: on chip, cluster of 2 (16-bit)
+    ((2, 640, 14, 18, 32), 32),  # segments of 11520: on chip, cluster of 8
+    ((2, 64, 25, 4, 4), 8),      # 25 frames, segments of 128
+    ((1, 32, 3, 5, 7), 4),       # segments of 280, H * W = 35: vectors straddle two channels
+    ((2, 6, 3, 5, 7), 3),        # segments of 70: not whole vectors, computed contiguous and copied
+    ((1, 64, 14, 32, 64), 8),    # groups of 229376 elements: two-pass, copied
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape,groups", FRAMES_MAJOR_CASES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_frames_major(device, shape, groups, dtype):
+    torch.manual_seed(0)
+    B, C, F, H, W = shape
+    x = frames_major((torch.randn(B, F, C, H, W, device=device) * 3 + 1).to(dtype))
+    w, b = torch.randn(C, device=device, dtype=dtype), torch.randn(C, device=device, dtype=dtype)
+    out = group_norm_silu(x, groups, w, b, 1e-5)
+    assert out.stride() == x.stride(), "a frames-major input gives a frames-major output"
+    ref = reference_group_norm_silu(x.double(), groups, w.double(), b.double(), 1e-5)
+    assert_close_to(out, ref, dtype)
 
 
 @pytest.mark.parametrize("device", CUDA)

@@ -86,7 +86,7 @@ at::Tensor group_norm_silu_cpu(const at::Tensor& x_in, int64_t num_groups,
   GNShape s = check_group_norm(x_in, num_groups, weight, bias, eps);
   at::Tensor x = x_in.contiguous(layout_memory_format(x_in));
   at::Tensor out = at::empty_like(x);
-  if (x.numel() == 0) return out;
+  if (x.numel() == 0) return group_norm_answer(out, x_in, s);
   at::Tensor w = group_norm_param(weight, x), b = group_norm_param(bias, x);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "group_norm_silu_cpu", [&] {
     using opmath_t = at::opmath_type<scalar_t>;
@@ -123,7 +123,7 @@ at::Tensor group_norm_silu_cpu(const at::Tensor& x_in, int64_t num_groups,
       });
     }
   });
-  return out;
+  return group_norm_answer(out, x_in, s);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_silu_backward_cpu(

@@ -27,7 +27,7 @@ __global__ void bias_act_kernel(scalar_t* __restrict__ y, const acc_t* __restric
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
     const acc_t z = static_cast<acc_t>(y[i]) + shift[channel_of(i, C, S, channels_last)];
-    y[i] = static_cast<scalar_t>(silu ? silu_fn(z) : z);
+    y[i] = static_cast<scalar_t>(silu ? silu_fast(z) : z);
   }
 }
 

@@ -178,6 +178,7 @@ struct GNArgs {
   const acc_t* m1;        // (N * G) backward: group means of dxhat
   const acc_t* m2;        // (N * G) backward: group means of dxhat * xhat
   int64_t N, C, G, S, cpg;
+  int64_t F;              // NC*: 1; frames-major: the frames, S is then one frame's H * W
   // "rows" split: items of CH elements; P items per row (or per group for the statistics).
   int64_t CH, P, items;
   // "cols" split: TCV vector columns per block tile, R row lanes, RB positions per block.
@@ -214,17 +215,18 @@ __device__ __forceinline__ ColBlock col_block(const A& a, int vec) {
 // ---------------------------------------------------------------------------------------------
 // Statistics: partial Welford states, then one merge per (n, g).
 
-// NC*: item w covers chunk p of group ng's cpg * S contiguous elements.
+// NC*: item w covers chunk p of group ng's cpg * S contiguous elements; frames-major: chunk p of frame f
+// of group (n, g), whose cpg * S elements (S = H * W) are contiguous.
 template <typename scalar_t, typename acc_t, int VEC>
 __global__ void __launch_bounds__(kThreads) stats_rows_kernel(GNArgs<scalar_t, acc_t> a,
                                                               Welford<double>* __restrict__ part) {
   const int lane = threadIdx.x & 31;
   const int64_t w = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
   if (w >= a.items) return;  // uniform per warp
-  const int64_t M = a.cpg * a.S;
-  const int64_t ng = w / a.P, p = w % a.P;
-  const int64_t lo = ng * M + p * a.CH;
-  const int64_t hi = lo + a.CH < (ng + 1) * M ? lo + a.CH : (ng + 1) * M;
+  const int64_t M = a.cpg * a.S;  // a run: a group (NC*) or one frame of a group (frames-major)
+  const int64_t run = w / a.P, p = w % a.P;
+  const int64_t lo = run * M + p * a.CH;
+  const int64_t hi = lo + a.CH < (run + 1) * M ? lo + a.CH : (run + 1) * M;
   LaneWelford<acc_t, VEC> lw;
   Welford<double> single{0.0, 0.0, 0.0};
   warp_visit<VEC>(
@@ -239,7 +241,15 @@ __global__ void __launch_bounds__(kThreads) stats_rows_kernel(GNArgs<scalar_t, a
 #pragma unroll
   for (int j = 0; j < VEC; ++j) s = combine(s, lw.get(j));
   s = warp_combine(s);
-  if (lane == 0) part[w] = s;
+  if (lane == 0) {
+    // Runs are in memory order (n, f, g); a group's F * P states go together, frame by frame.
+    int64_t slot = w;
+    if (a.F > 1) {
+      const int64_t g = run % a.G, nf = run / a.G;
+      slot = ((nf / a.F * a.G + g) * a.F + nf % a.F) * a.P + p;
+    }
+    part[slot] = s;
+  }
 }
 
 // N*C: one state per (n, c, p), stored at part[(n * C + c) * P + p].
@@ -313,11 +323,11 @@ __global__ void __launch_bounds__(kThreads) apply_rows_kernel(GNArgs<scalar_t, a
   const int64_t row = w / a.P, p = w % a.P;
   const int64_t lo = row * a.S + p * a.CH;
   const int64_t hi = lo + a.CH < (row + 1) * a.S ? lo + a.CH : (row + 1) * a.S;
-  const ChannelParams<acc_t> cp(a, row / a.C, row % a.C);
+  const ChannelParams<acc_t> cp(a, row / (a.C * a.F), row % a.C);  // rows are (n, f, c) in memory order
   const acc_t sc = cp.rstd * cp.gamma;
   auto f = [&](acc_t v) {
     const acc_t z = centered(v, cp.mean, cp.mean_lo) * sc + cp.beta;
-    return a.silu ? silu_fn(z) : z;
+    return a.silu ? silu_fast(z) : z;
   };
   warp_visit<VEC>(
       lo, hi, lane,
@@ -351,7 +361,7 @@ __global__ void __launch_bounds__(kThreads) apply_cols_kernel(GNArgs<scalar_t, a
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
       const acc_t z = centered(v[j], mu[j], lo[j]) * sc[j] + be[j];
-      v[j] = a.silu ? silu_fn(z) : z;
+      v[j] = a.silu ? silu_fast(z) : z;
     }
     store_vec<VEC>(a.out + i, v);
   }
@@ -574,13 +584,20 @@ __global__ void __launch_bounds__(kThreads) dx_cols_kernel(GNArgs<scalar_t, acc_
 }
 
 // ---------------------------------------------------------------------------------------------
-// Version 2 forward, NC* with 16-byte vectors: one read of x, one write of y. A group's cpg * S
-// contiguous elements are split over a cluster of K CTAs (K = 1 without clusters); each thread holds
-// up to V vectors of its CTA's part in registers from the load to the store. Statistics are two-pass
-// over the registers, in float, of d = x - pivot where pivot is the group's first element: d is small
-// wherever the mean dwarfs the spread, so the float sums keep the spread, and the mean is handed on
-// as (pivot, mean of d) like v1's (hi, lo) pair. Block sums are combined through distributed shared
-// memory in rank order, so every CTA of a cluster gets bit-identical statistics.
+// Version 3 forward, NC* and frames-major with 16-byte vectors: one read of x, one write of y. A
+// group is F segments of cpg * S contiguous elements (F = 1 for NC*; for a frames-major (B, C, F, H, W)
+// view of (B, F, C, H, W) memory, one segment per frame at stride C * S). Its M = F * cpg * S elements
+// are split over a cluster of K CTAs (K = 1 without clusters); each thread holds up to V vectors of its
+// CTA's part in registers from the load to the store.
+// Statistics: each thread takes the mean and the sum of squared deviations of its own elements (two
+// passes over its registers, no barrier between them) on d = x - pivot, pivot the group's first
+// element, so that a mean which dwarfs the spread costs no precision; the per-thread states are merged
+// with Chan's formula (warp tree, warps in order, then the cluster's CTAs in rank order through
+// distributed shared memory): one cluster exchange, the same bits in every CTA.
+// The store pass computes z = (x - pivot) * a_c + b_c with per-channel a_c = rstd * gamma_c and
+// b_c = beta_c - mean_d * a_c from shared memory, SiLU on the special-function unit, and packs pairs.
+// Version 2 spent ~44 issue slots per element (precise expf and division, per-element packing, a
+// second cluster exchange) and was issue-bound at 29 % of DRAM bandwidth (ncu, H200); this one ~15.
 
 constexpr int kFusedThreads = 256;
 constexpr int kFusedWarps = kFusedThreads / 32;
@@ -592,7 +609,9 @@ struct FusedArgs {
   const scalar_t* w;  // nullptr: gamma = 1
   const scalar_t* b;  // nullptr: beta = 0
   int64_t G;
-  int cpg, S, M;      // M = cpg * S < 2^31: the host only takes groups that fit on chip
+  int64_t nstride;    // elements between samples
+  int64_t fstride;    // elements between a group's segments (F > 1)
+  int cpg, S, seg, M; // seg = cpg * S, M = F * seg < 2^31: the host only takes groups that fit on chip
   int K;              // CTAs per group (the cluster size)
   int part;           // vectors per CTA; the last CTA of a group may hold fewer
   double eps;
@@ -615,7 +634,7 @@ __device__ __forceinline__ void cluster_wait() {
 }
 
 // *p in the shared memory of the cluster's CTA of rank r.
-__device__ __forceinline__ float cluster_load(float* p, unsigned r) {
+__device__ __forceinline__ Welford<float> cluster_load(Welford<float>* p, unsigned r) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   return *cooperative_groups::this_cluster().map_shared_rank(p, r);
 #else
@@ -623,52 +642,91 @@ __device__ __forceinline__ float cluster_load(float* p, unsigned r) {
 #endif
 }
 
-// Sum of v over the whole cluster, the same bits in every thread. sh_warp: kFusedWarps slots of
-// this pass, sh_cta: this CTA's slot of this pass (read by the other CTAs after the barrier).
-__device__ __forceinline__ float cluster_sum(float v, int K, float* sh_warp, float* sh_cta) {
+// Merges every thread's state over the cluster; returns the whole group's (mean, m2, n) in every
+// thread, the same bits in every CTA. sh_warp: kFusedWarps slots, sh_cta: this CTA's slot (read by
+// the other CTAs after the barrier).
+__device__ __forceinline__ Welford<float> cluster_combine(Welford<float> s, int K, Welford<float>* sh_warp,
+                                                          Welford<float>* sh_cta) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
-  v = warp_sum(v);
-  if (lane == 0) sh_warp[warp] = v;
+  s = warp_combine(s);
+  if (lane == 0) sh_warp[warp] = s;
   __syncthreads();
   if (threadIdx.x == 0) {
-    float t = 0.f;
+    Welford<float> t = sh_warp[0];
 #pragma unroll
-    for (int i = 0; i < kFusedWarps; ++i) t += sh_warp[i];
+    for (int i = 1; i < kFusedWarps; ++i) t = combine(t, sh_warp[i]);
     *sh_cta = t;
   }
   cluster_arrive();
   cluster_wait();
-  // Lane r fetches CTA r's sum; the warp adds them in a fixed tree and broadcasts lane 0's total.
-  float t = lane < K ? cluster_load(sh_cta, lane) : 0.f;
-  t = warp_sum(t);
-  return __shfl_sync(kFullMask, t, 0);
+  Welford<float> t = lane < K ? cluster_load(sh_cta, lane) : Welford<float>{0.f, 0.f, 0.f};
+  t = warp_combine(t);
+  return {__shfl_sync(kFullMask, t.mean, 0), __shfl_sync(kFullMask, t.m2, 0), __shfl_sync(kFullMask, t.n, 0)};
 }
 
-// Element j of a 16-byte vector as float, and back, on the raw bits: c10's Half / BFloat16 types in an
-// array held across the kernel make ptxas put the whole buffer on the stack.
+// Element j of a 16-byte vector as float, on the raw bits: c10's Half / BFloat16 types in an array
+// held across the kernel make ptxas put the whole buffer on the stack.
 template <typename scalar_t>
 __device__ __forceinline__ float elt_to_float(const uint4& r, int j) {
   const unsigned w = (&r.x)[j * static_cast<int>(sizeof(scalar_t)) / 4];
   if constexpr (std::is_same_v<scalar_t, float>) {
     return __uint_as_float(w);
+  } else if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+    return __uint_as_float(j % 2 ? w & 0xffff0000u : w << 16);
   } else {
-    const unsigned short h = static_cast<unsigned short>(j % 2 ? w >> 16 : w & 0xffffu);
-    if constexpr (std::is_same_v<scalar_t, at::BFloat16>) return __uint_as_float(static_cast<unsigned>(h) << 16);
-    else return __half2float(__ushort_as_half(h));
+    return __half2float(__ushort_as_half(static_cast<unsigned short>(j % 2 ? w >> 16 : w & 0xffffu)));
   }
 }
 
+// Elements 2i and 2i + 1 (one for float) of the output vector from floats: one packing conversion.
 template <typename scalar_t>
-__device__ __forceinline__ void float_to_elt(uint4& r, int j, float f) {
+__device__ __forceinline__ void store_pair(uint4& r, int i, float lo, float hi) {
   if constexpr (std::is_same_v<scalar_t, float>) {
-    (&r.x)[j] = __float_as_uint(f);
+    (&r.x)[2 * i] = __float_as_uint(lo);
+    (&r.x)[2 * i + 1] = __float_as_uint(hi);
+  } else if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+    const __nv_bfloat162 p = __floats2bfloat162_rn(lo, hi);
+    (&r.x)[i] = *reinterpret_cast<const unsigned*>(&p);
   } else {
-    unsigned h;
-    if constexpr (std::is_same_v<scalar_t, at::BFloat16>) h = __bfloat16_as_ushort(__float2bfloat16_rn(f));
-    else h = __half_as_ushort(__float2half_rn(f));
-    unsigned& w = (&r.x)[j / 2];
-    w = j % 2 ? (w & 0xffffu) | (h << 16) : h;  // even j is written first
+    const __half2 p = __floats2half2_rn(lo, hi);
+    (&r.x)[i] = *reinterpret_cast<const unsigned*>(&p);
   }
+}
+
+// Position of a group's element e = (f * cpg + c) * S + r: segment f, channel c, offset r; stepped
+// by a fixed stride without divisions.
+struct GroupPos {
+  int f, c, r;
+  __device__ __forceinline__ GroupPos(int e, int S, int cpg) {
+    const int row = e / S;
+    r = e - row * S;
+    f = row / cpg;
+    c = row - f * cpg;
+  }
+  __device__ __forceinline__ void advance(const GroupPos& d, int S, int cpg) {
+    r += d.r;
+    c += d.c;
+    f += d.f;
+    if (r >= S) {
+      r -= S;
+      ++c;
+    }
+    if (c >= cpg) {
+      c -= cpg;
+      ++f;
+    }
+  }
+  __device__ __forceinline__ int64_t offset(int64_t fstride, int S) const {
+    return f * fstride + static_cast<int64_t>(c * S + r);
+  }
+};
+
+// An empty asm that "changes" the buffer: each pass converts the raw bits again instead of the compiler
+// keeping the first pass's floats (or x - pivot) live, which would double the registers per vector.
+template <int V>
+__device__ __forceinline__ void launder(uint4 (&buf)[V]) {
+#pragma unroll
+  for (int k = 0; k < V; ++k) asm volatile("" : "+r"(buf[k].x), "+r"(buf[k].y), "+r"(buf[k].z), "+r"(buf[k].w));
 }
 
 template <int V>
@@ -681,96 +739,108 @@ template <typename scalar_t, int V>
 __global__ void __launch_bounds__(kFusedThreads, fused_min_blocks<V>())
     fused_rows_kernel(FusedArgs<scalar_t> a) {
   constexpr int VEC = max_vec<scalar_t>();
-  extern __shared__ float sh_chan[];  // [0, cpg): rstd * gamma, [cpg, 2 cpg): beta
-  __shared__ float sh_warp[2][kFusedWarps];
-  __shared__ float sh_cta[2];
+  constexpr int kStep = kFusedThreads * VEC;  // elements between a thread's consecutive vectors
+  extern __shared__ float sh_chan[];  // [0, cpg): a_c = rstd * gamma, [cpg, 2 cpg): b_c
+  __shared__ Welford<float> sh_warp[kFusedWarps];
+  __shared__ Welford<float> sh_cta;
 
   const int tid = threadIdx.x;
   const int64_t ng = blockIdx.x / a.K;
-  const int r = static_cast<int>(blockIdx.x % a.K);
-  const int64_t g0 = ng * a.M;
+  const int rank = static_cast<int>(blockIdx.x % a.K);
+  const int64_t g = ng % a.G;
+  const int64_t base = (ng / a.G) * a.nstride + g * a.seg;
   const int Mv = a.M / VEC;
-  const int v0 = r * a.part;
+  const int v0 = rank * a.part;
   const int v1 = v0 + a.part < Mv ? v0 + a.part : Mv;
-
+  const int mine = v1 - v0 > tid ? (v1 - v0 - tid + kFusedThreads - 1) / kFusedThreads : 0;  // my vectors
   uint4 buf[V];
+  {
+    const GroupPos step(kStep, a.S, a.cpg);
+    GroupPos p((v0 + tid) * VEC, a.S, a.cpg);
 #pragma unroll
-  for (int k = 0; k < V; ++k) {
-    const int v = v0 + tid + k * kFusedThreads;
-    if (v < v1) buf[k] = *reinterpret_cast<const uint4*>(a.x + g0 + static_cast<int64_t>(v) * VEC);
+    for (int k = 0; k < V; ++k) {
+      if (k < mine) buf[k] = *reinterpret_cast<const uint4*>(a.x + base + p.offset(a.fstride, a.S));
+      p.advance(step, a.S, a.cpg);
+    }
   }
-  const float pivot = static_cast<float>(a.x[g0]);
-  const float inv_m = 1.f / static_cast<float>(a.M);
+  const float pivot = static_cast<float>(a.x[base]);
 
+  // This thread's mean of d and sum of squared deviations.
   float s = 0.f;
 #pragma unroll
   for (int k = 0; k < V; ++k)
-    if (v0 + tid + k * kFusedThreads < v1) {
+    if (k < mine) {
 #pragma unroll
       for (int j = 0; j < VEC; ++j) s += elt_to_float<scalar_t>(buf[k], j) - pivot;
     }
-  const float mean_d = cluster_sum(s, a.K, sh_warp[0], &sh_cta[0]) * inv_m;
-
+  const float n = static_cast<float>(mine * VEC);
+  const float m = mine ? s / n : 0.f;
+  launder(buf);
   float q = 0.f;
 #pragma unroll
   for (int k = 0; k < V; ++k)
-    if (v0 + tid + k * kFusedThreads < v1) {
+    if (k < mine) {
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {
-        const float d = (elt_to_float<scalar_t>(buf[k], j) - pivot) - mean_d;
-        q += d * d;
+        const float d = (elt_to_float<scalar_t>(buf[k], j) - pivot) - m;
+        q = fmaf(d, d, q);
       }
     }
-  const float var = cluster_sum(q, a.K, sh_warp[1], &sh_cta[1]) * inv_m;
+  const Welford<float> st = cluster_combine({m, q, n}, a.K, sh_warp, &sh_cta);
   // Done reading the other CTAs' shared memory; the matching wait is just before exit, so no CTA
-  // leaves while its sums may still be read.
+  // leaves while its state may still be read.
   cluster_arrive();
 
-  const float rstd = static_cast<float>(1.0 / sqrt(static_cast<double>(var) + a.eps));
-  const int64_t c0 = (ng % a.G) * a.cpg;
+  const float mean_d = st.mean;
+  const float rstd = static_cast<float>(1.0 / sqrt(static_cast<double>(st.m2 / st.n) + a.eps));
+  const int64_t c0 = g * a.cpg;
   for (int c = tid; c < a.cpg; c += kFusedThreads) {
-    sh_chan[c] = rstd * (a.w ? static_cast<float>(a.w[c0 + c]) : 1.f);
-    sh_chan[a.cpg + c] = a.b ? static_cast<float>(a.b[c0 + c]) : 0.f;
+    const float ac = rstd * (a.w ? static_cast<float>(a.w[c0 + c]) : 1.f);
+    sh_chan[c] = ac;
+    sh_chan[a.cpg + c] = fmaf(-mean_d, ac, a.b ? static_cast<float>(a.b[c0 + c]) : 0.f);
   }
   __syncthreads();
 
-  auto f = [&](float x, int c) {
-    const float z = ((x - pivot) - mean_d) * sh_chan[c] + sh_chan[a.cpg + c];
-    return a.silu ? silu_fn(z) : z;
+  launder(buf);
+  auto f = [&](float x, float ac, float bc) {
+    const float z = fmaf(x - pivot, ac, bc);
+    return a.silu ? silu_fast(z) : z;
   };
-  // Channel (c) and offset in it (rr) of this thread's vector k, stepped without a division per vector.
-  constexpr int kStep = kFusedThreads * VEC;
-  const int e0 = (v0 + tid) * VEC;
-  int c = e0 / a.S, rr = e0 % a.S;
-  const int dq = kStep / a.S, dr = kStep % a.S;
   const bool whole = a.S % VEC == 0;  // a vector never straddles two channels
+  // Positions again, from laundered inputs: otherwise the compiler keeps the load pass's V offsets
+  // live through the statistics (spilling under the register budget).
+  int e0 = (v0 + tid) * VEC, st0 = kStep;
+  asm volatile("" : "+r"(e0), "+r"(st0));
+  const GroupPos step(st0, a.S, a.cpg);
+  GroupPos p(e0, a.S, a.cpg);
 #pragma unroll
   for (int k = 0; k < V; ++k) {
-    const int v = v0 + tid + k * kFusedThreads;
-    if (v < v1) {
+    if (k < mine) {
       uint4 o;
       if (whole) {
+        const float ac = sh_chan[p.c], bc = sh_chan[a.cpg + p.c];
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) float_to_elt<scalar_t>(o, j, f(elt_to_float<scalar_t>(buf[k], j), c));
+        for (int j = 0; j < VEC; j += 2)
+          store_pair<scalar_t>(o, j / 2, f(elt_to_float<scalar_t>(buf[k], j), ac, bc),
+                               f(elt_to_float<scalar_t>(buf[k], j + 1), ac, bc));
       } else {
-        int cj = c, rj = rr;
+        // Within one segment (the host asks seg % VEC == 0), channel by channel.
+        int cj = p.c, rj = p.r;
+        float y[VEC];
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
-          float_to_elt<scalar_t>(o, j, f(elt_to_float<scalar_t>(buf[k], j), cj));
+          y[j] = f(elt_to_float<scalar_t>(buf[k], j), sh_chan[cj], sh_chan[a.cpg + cj]);
           if (++rj == a.S) {
             rj = 0;
             ++cj;
           }
         }
+#pragma unroll
+        for (int j = 0; j < VEC; j += 2) store_pair<scalar_t>(o, j / 2, y[j], y[j + 1]);
       }
-      *reinterpret_cast<uint4*>(a.out + g0 + static_cast<int64_t>(v) * VEC) = o;
+      *reinterpret_cast<uint4*>(a.out + base + p.offset(a.fstride, a.S)) = o;
     }
-    c += dq;
-    rr += dr;
-    if (rr >= a.S) {
-      rr -= a.S;
-      ++c;
-    }
+    p.advance(step, a.S, a.cpg);
   }
   cluster_wait();
 }
@@ -784,7 +854,7 @@ void plan(A& a, int vec, int64_t run, bool channels_last) {
   if (!channels_last) {
     a.CH = static_cast<int64_t>(32) * vec * kVecsPerLane;
     a.P = ceil_div(run, a.CH);
-    a.items = ceil_div(a.N * a.C * a.S, run) * a.P;  // runs * chunks per run
+    a.items = ceil_div(a.N * a.F * a.C * a.S, run) * a.P;  // runs * chunks per run
   } else {
     const int64_t CV = a.C / vec;
     a.TCV = static_cast<int>(std::min<int64_t>(CV, kThreads));
@@ -815,7 +885,7 @@ struct Launcher {
     const int v = vec ? kVec : 1;
     Args s = a;
     plan(s, v, s.cpg * s.S, channels_last);
-    const int64_t K = channels_last ? s.cpg * s.P : s.P;
+    const int64_t K = channels_last ? s.cpg * s.P : s.F * s.P;
     const int64_t NG = s.N * s.G;
     at::Tensor part = at::empty({NG * K * 3}, mean.options().dtype(at::kDouble));
     auto* pp = reinterpret_cast<Welford<double>*>(part.mutable_data_ptr<double>());
@@ -848,9 +918,10 @@ struct FusedPlan {
 // Per-channel scale and shift live in dynamic shared memory: 2 * cpg floats.
 constexpr int64_t kFusedMaxCpg = 4096;
 
-FusedPlan plan_fused(int64_t M, int64_t cpg, int vec) {
+FusedPlan plan_fused(int64_t M, int64_t seg, int64_t cpg, int vec) {
   FusedPlan p;
-  if (M % vec != 0 || cpg > kFusedMaxCpg) return p;
+  // Whole vectors per segment keep a vector inside one segment (and every vector 16-byte aligned).
+  if (seg % vec != 0 || cpg > kFusedMaxCpg) return p;
   const int64_t Mv = M / vec;
   for (int K = 1; K <= 8; K *= 2) {
     const int64_t part = ceil_div(Mv, K);
@@ -908,17 +979,18 @@ bool cluster_ok(Kernel kernel, int K, int device) {
   return ok;
 }
 
-// Runs version 2 when the shape, dtype and alignment allow it; false leaves the work to version 1.
+// Runs version 3 when the shape, dtype and alignment allow it; false leaves the work to version 1.
+// F: the frames of a frames-major x (its groups are F segments), else 1.
 template <typename scalar_t>
-bool forward_fused(const GNShape& s, const scalar_t* x, scalar_t* out, const scalar_t* w, const scalar_t* b,
-                   double eps, bool silu, bool vec, int device, cudaStream_t stream) {
+bool forward_fused(const GNShape& s, int64_t F, const scalar_t* x, scalar_t* out, const scalar_t* w,
+                   const scalar_t* b, double eps, bool silu, bool vec, int device, cudaStream_t stream) {
   if constexpr (std::is_same_v<scalar_t, double>) {
     return false;  // float statistics only; fp64 keeps the double-precision path
   } else {
     constexpr int kVec = max_vec<scalar_t>();
     if (s.channels_last || !vec) return false;
-    const int64_t cpg = s.C / s.G;
-    const FusedPlan p = plan_fused(cpg * s.S, cpg, kVec);
+    const int64_t cpg = s.C / s.G, S = s.S / F, seg = cpg * S;
+    const FusedPlan p = plan_fused(F * seg, seg, cpg, kVec);
     if (p.K == 0) return false;
     auto kernel = p.V == 4 ? fused_rows_kernel<scalar_t, 4>
                 : p.V == 8 ? fused_rows_kernel<scalar_t, 8>
@@ -930,9 +1002,12 @@ bool forward_fused(const GNShape& s, const scalar_t* x, scalar_t* out, const sca
     a.w = w;
     a.b = b;
     a.G = s.G;
+    a.nstride = s.C * s.S;
+    a.fstride = s.C * S;
     a.cpg = static_cast<int>(cpg);
-    a.S = static_cast<int>(s.S);
-    a.M = static_cast<int>(cpg * s.S);
+    a.S = static_cast<int>(S);
+    a.seg = static_cast<int>(seg);
+    a.M = static_cast<int>(F * seg);
     a.K = p.K;
     a.part = p.part;
     a.eps = eps;
@@ -962,6 +1037,7 @@ GNArgs<scalar_t, at::opmath_type<scalar_t>> make_args(const GNShape& s, const at
   a.N = s.N;
   a.C = s.C;
   a.G = s.G;
+  a.F = 1;
   a.S = s.S;
   a.cpg = s.C / s.G;
   a.w = w.defined() ? w.const_data_ptr<scalar_t>() : nullptr;
@@ -974,9 +1050,10 @@ at::Tensor group_norm_silu_cuda(const at::Tensor& x_in, int64_t num_groups, cons
                                 const std::optional<at::Tensor>& bias, double eps, bool silu) {
   GNShape s = check_group_norm(x_in, num_groups, weight, bias, eps);
   const c10::cuda::CUDAGuard guard(x_in.device());
-  at::Tensor x = x_in.contiguous(layout_memory_format(x_in));
-  at::Tensor out = at::empty_like(x);
-  if (x.numel() == 0) return out;
+  at::Tensor out = group_norm_output(x_in, s);
+  if (x_in.numel() == 0) return out;
+  // Frames-major memory is read and written in place; everything else in the layout rule's format.
+  at::Tensor x = s.frames_major ? x_in : x_in.contiguous(layout_memory_format(x_in));
   // Like the CPU kernel, weight and bias are used in x's dtype.
   at::Tensor w = group_norm_param(weight, x), b = group_norm_param(bias, x);
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
@@ -987,7 +1064,11 @@ at::Tensor group_norm_silu_cuda(const at::Tensor& x_in, int64_t num_groups, cons
     a.x = x.const_data_ptr<scalar_t>();
     a.out = out.mutable_data_ptr<scalar_t>();
     const bool vec = L::can_vectorize(a, s.channels_last, {a.x, a.out});
-    if (forward_fused<scalar_t>(s, a.x, a.out, a.w, a.b, eps, silu, vec, x.get_device(), stream)) return;
+    if (s.frames_major) {  // version 1 walks (n, f, c) rows of H * W elements
+      a.F = x.size(2);
+      a.S = s.S / a.F;
+    }
+    if (forward_fused<scalar_t>(s, a.F, a.x, a.out, a.w, a.b, eps, silu, vec, x.get_device(), stream)) return;
     const auto acc_opts = x.options().dtype(c10::CppTypeToScalarType<acc_t>::value);
     at::Tensor mean = at::empty({2, s.N * s.G}, acc_opts), rstd = at::empty({s.N * s.G}, acc_opts);
     L::stats(a, s.channels_last, vec, eps, mean, rstd, stream);

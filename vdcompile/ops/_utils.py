@@ -15,6 +15,18 @@ def channels_last_layout(x: torch.Tensor) -> bool:
     return False
 
 
+def frames_major_layout(x: torch.Tensor) -> bool:
+    """Same rule as csrc/layout.h: a 5-D (B, C, F, H, W) view of contiguous (B, F, C, H, W) memory."""
+    return (x.dim() == 5 and not x.is_contiguous() and not channels_last_layout(x)
+            and x.transpose(1, 2).is_contiguous())
+
+
+def empty_frames_major(shape, like: torch.Tensor, dtype=None) -> torch.Tensor:
+    """An empty (B, C, F, H, W) tensor with frames-major memory."""
+    B, C, F, H, W = shape
+    return like.new_empty((B, F, C, H, W), dtype=dtype or like.dtype).transpose(1, 2)
+
+
 def layout_memory_format(x: torch.Tensor) -> torch.memory_format:
     if channels_last_layout(x):
         return torch.channels_last if x.dim() == 4 else torch.channels_last_3d

@@ -7,8 +7,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from vdcompile.ops._utils import (FLOAT_DTYPES, channels_last_layout, compute_dtype, empty_in_layout, grads_for,
-                                  pad_inputs)
+from vdcompile.ops._utils import (FLOAT_DTYPES, compute_dtype, empty_frames_major, empty_in_layout,
+                                  frames_major_layout, grads_for, pad_inputs)
 
 __all__ = ["conv_bn_silu", "reference_conv_bn_silu", "temporal_conv", "reference_temporal_conv"]
 
@@ -206,19 +206,13 @@ def _temporal_conv_out_shape(x, weight, padding):
     return (B, C_out, F_out, H, W)
 
 
-def _frames_major(x):
-    """Same rule as frames_major_layout in csrc/conv.h."""
-    return x.dim() == 5 and not x.is_contiguous() and not channels_last_layout(x) and x.transpose(1, 2).is_contiguous()
-
-
 @torch.library.register_fake(_TC)
 def _temporal_conv_fake(x, weight, bias=None, padding=0):
     shape = _temporal_conv_out_shape(x, weight, padding)
     if bias is not None:
         _check_vector(_TC, x, "bias", bias, weight.shape[0])
-    if _frames_major(x):
-        B, C_out, F_out, H, W = shape
-        return x.new_empty((B, F_out, C_out, H, W)).transpose(1, 2)
+    if frames_major_layout(x):
+        return empty_frames_major(shape, x)
     return empty_in_layout(x, shape)
 
 

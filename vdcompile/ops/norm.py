@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from vdcompile.ops._utils import empty_in_layout, grads_for, pad_inputs
+from vdcompile.ops._utils import empty_frames_major, empty_in_layout, frames_major_layout, grads_for, pad_inputs
 
 __all__ = ["group_norm_silu", "reference_group_norm_silu"]
 
@@ -26,7 +26,9 @@ def group_norm_silu(
               \qquad y = z \cdot \mathrm{sigmoid}(z)
 
     ``silu=False`` returns ``z`` (plain GroupNorm). The output has x's dtype; a channels_last input
-    gives a channels_last output. Statistics are accumulated in float64 on the CPU and float32 on the
+    gives a channels_last output, and a frames-major 5-D input (a (B, C, F, H, W) view of
+    (B, F, C, H, W) memory, as diffusers' temporal blocks make) a frames-major output, read and
+    written in place on the GPU. Statistics are accumulated in float64 on the CPU and float32 on the
     GPU, whatever the input dtype.
     """
     return torch.ops.vd.group_norm_silu.default(x, num_groups, weight, bias, eps, silu)
@@ -61,6 +63,8 @@ def _check_args(x, num_groups, weight, bias):
 @torch.library.register_fake("vd::group_norm_silu")
 def _group_norm_silu_fake(x, num_groups, weight=None, bias=None, eps=1e-5, silu=True):
     _check_args(x, num_groups, weight, bias)
+    if frames_major_layout(x):
+        return empty_frames_major(x.shape, x)
     return empty_in_layout(x)
 
 
