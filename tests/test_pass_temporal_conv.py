@@ -4,10 +4,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-from diffusers.models.resnet import TemporalConvLayer
+from diffusers.models.resnet import SpatioTemporalResBlock, TemporalConvLayer
 from expecttest import TestCase
 
-from tests.backend_checks import assert_fired, assert_rejected, code, compare_with_eager, leaf, rewrite
+from tests.backend_checks import (BACKEND, FORCE_VD, assert_fired, assert_rejected, code, compare_with_eager, leaf,
+                                  rewrite)
 from vdcompile import built_backends
 
 pytestmark = pytest.mark.skipif("CPU" not in built_backends("temporal_conv"),
@@ -23,8 +24,10 @@ class TestTemporalConv(TestCase):
         assert_fired(out, {"temporal_conv": 1})
         self.assertExpectedInline(code(out), """\
 def forward(args_0, bias, weight):
-    v0 = vd.temporal_conv(args_0, weight, bias, 1)
-    return (v0,)""")
+    v0 = vd.temporal_conv(args_0, weight, None, 1)
+    v1 = bias.view(1, -1, 1, 1, 1)
+    v2 = operator.add(v0, v1)
+    return (v2,)""")
 
     def test_diffusers_temporal_conv_layer(self):
         # UNet3DConditionModel's TemporalConvLayer: four (3, 1, 1) convs after group_norm + silu.
@@ -57,3 +60,38 @@ def forward(args_0, bias, weight):
         out = compare_with_eager(nn.Conv3d(4, 4, 3, padding=1), leaf(1, 4, 3, 5, 5))
         assert_fired(out, {})
         self.assertEqual(out.rejected, {})
+
+
+def _vd_input_strides(fn):
+    """(op name, strides of its first input) of every vd op that fn() calls, from the profiler."""
+    with torch.profiler.profile(record_shapes=True) as prof:
+        fn()
+    return [(e.name(), e.structured_input_strides()[0]) for e in prof.profiler.kineto_results.events()
+            if e.name().startswith("vd::")]
+
+
+def test_svd_temporal_block_stays_frames_major():
+    # SVD's SpatioTemporalResBlock hands its temporal half a (B, C, F, H, W) view of (B, F, C, H, W)
+    # memory. group_norm_silu and temporal_conv keep that layout, so every vd op of the temporal half
+    # reads frames-major memory in place (a contiguous answer would make each temporal_conv copy its
+    # input back to frames-major).
+    torch.manual_seed(0)
+    F = 3
+    m = SpatioTemporalResBlock(32, 32, temb_channels=16).eval()
+    x, temb = torch.randn(2 * F, 32, 4, 5), torch.randn(2 * F, 16)
+    indicator = torch.zeros(2, F)
+    compiled = torch.compile(m, backend=BACKEND, fullgraph=True,
+                             options={"inner_compiler": "inductor", **FORCE_VD})
+    torch._dynamo.reset()
+    with torch.no_grad():
+        ref = m(x, temb, image_only_indicator=indicator)
+        out = compiled(x, temb, image_only_indicator=indicator)
+        calls = _vd_input_strides(lambda: compiled(x, temb, image_only_indicator=indicator))
+    torch._dynamo.reset()
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    fm = list(torch.empty(2, F, 32, 4, 5).transpose(1, 2).stride())
+    temporal = [c for c in calls if c[0] == "vd::temporal_conv"]
+    norms_5d = [c for c in calls if c[0] == "vd::group_norm_silu" and len(c[1]) == 5]
+    assert len(temporal) == 2 and len(norms_5d) == 2, calls
+    for name, stride in temporal + norms_5d:
+        assert stride == fm, (name, stride, calls)
