@@ -1,5 +1,6 @@
 """One warm call of a vd op on a benchmark shape, for profilers (ncu, nsys, compute-sanitizer):
     ncu --set full -k regex:attn_fwd python bench/one_call.py attention temporal-14a
+    ncu --set full -k regex:fused_rows python bench/one_call.py group_norm_silu 28,320,72,128
 """
 from __future__ import annotations
 
@@ -14,6 +15,13 @@ from bench.attention import SHAPES
 def main():
     what, name = sys.argv[1], sys.argv[2]
     dtype = torch.float16 if "--fp16" in sys.argv else torch.bfloat16
+    if what == "group_norm_silu":
+        x = torch.randn(*map(int, name.split(",")), device="cuda", dtype=dtype)
+        w, b = (torch.randn(x.shape[1], device="cuda", dtype=dtype) for _ in range(2))
+        for _ in range(2):
+            torch.ops.vd.group_norm_silu(x, 32, w, b, 1e-5, True)
+        torch.cuda.synchronize()
+        return
     if what != "attention":
         raise SystemExit(f"unknown op family {what!r}")
     shape = {s[0]: s[1:] for s in SHAPES}[name]
