@@ -43,6 +43,12 @@ def main():
                 if x.dim() == 4:
                     _grad(lambda x: torch.ops.vd.group_norm_silu(x, 8, None, None, 1e-5, True),
                           x.to(memory_format=torch.channels_last))
+            # Frames-major 5-D (B, C, F, H, W) views: on chip (cluster of 2), segments of 70 (two-pass),
+            # and a group over the on-chip limit (two-pass, frames-major runs).
+            for (B, C, F, H, W), groups in [((2, 320, 14, 9, 16), 32), ((2, 6, 3, 5, 7), 3),
+                                            ((1, 64, 14, 32, 64), 8)]:
+                x = torch.randn(B, F, C, H, W, device=dev, dtype=dtype).transpose(1, 2)
+                torch.ops.vd.group_norm_silu(x, groups, None, None, 1e-5, True)
             ran.append("group_norm_silu")
         if has_cuda_kernels("conv_bn_silu"):
             x = torch.randn(2, 16, 9, 13, device=dev, dtype=dtype)

@@ -20,7 +20,11 @@ C10_HOST_DEVICE inline T silu_fn(T z) {
 // passes of the CUDA kernels, where precise expf and division cost several times the rest of the
 // arithmetic. The backward keeps silu_grad. For z < -87, 1 + e^-z passes 2^126 and the result is -0
 // (the exact value is below 1e-36).
-__device__ __forceinline__ float silu_fast(float z) { return __fdividef(z, 1.f + __expf(-z)); }
+__device__ __forceinline__ float silu_fast(float z) {
+  float e;  // 2^(-z log2 e), flushing subnormal results (z > 87: silu is z) instead of rescaling them
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(z * -1.4426950408889634f));
+  return __fdividef(z, 1.f + e);
+}
 __device__ __forceinline__ double silu_fast(double z) { return silu_fn(z); }
 #endif
 

@@ -14,6 +14,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
+#include <ATen/cuda/detail/IntegerDivider.cuh>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -612,6 +613,8 @@ struct FusedArgs {
   int64_t nstride;    // elements between samples
   int64_t fstride;    // elements between a group's segments (F > 1)
   int cpg, S, seg, M; // seg = cpg * S, M = F * seg < 2^31: the host only takes groups that fit on chip
+  at::cuda::detail::IntDivider<unsigned> div_S, div_cpg;  // multiply-shift division by S and cpg
+  int step_f, step_c, step_r;  // kFusedThreads * VEC elements as (segments, channels, offset)
   int K;              // CTAs per group (the cluster size)
   int part;           // vectors per CTA; the last CTA of a group may hold fewer
   double eps;
@@ -642,25 +645,43 @@ __device__ __forceinline__ Welford<float> cluster_load(Welford<float>* p, unsign
 #endif
 }
 
+// Chan's merge in float with the approximate reciprocal (the statistics' weights need no more).
+__device__ __forceinline__ Welford<float> combine_f(const Welford<float>& a, const Welford<float>& b) {
+  const float n = a.n + b.n;
+  const float wb = n > 0.f ? __fdividef(b.n, n) : 0.f;
+  const float delta = b.mean - a.mean;
+  return {a.mean + delta * wb, a.m2 + b.m2 + delta * delta * a.n * wb, n};
+}
+
+__device__ __forceinline__ Welford<float> warp_combine_f(Welford<float> s) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    Welford<float> t{__shfl_down_sync(kFullMask, s.mean, o), __shfl_down_sync(kFullMask, s.m2, o),
+                     __shfl_down_sync(kFullMask, s.n, o)};
+    s = combine_f(s, t);
+  }
+  return s;
+}
+
 // Merges every thread's state over the cluster; returns the whole group's (mean, m2, n) in every
 // thread, the same bits in every CTA. sh_warp: kFusedWarps slots, sh_cta: this CTA's slot (read by
 // the other CTAs after the barrier).
 __device__ __forceinline__ Welford<float> cluster_combine(Welford<float> s, int K, Welford<float>* sh_warp,
                                                           Welford<float>* sh_cta) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
-  s = warp_combine(s);
+  s = warp_combine_f(s);
   if (lane == 0) sh_warp[warp] = s;
   __syncthreads();
   if (threadIdx.x == 0) {
     Welford<float> t = sh_warp[0];
 #pragma unroll
-    for (int i = 1; i < kFusedWarps; ++i) t = combine(t, sh_warp[i]);
+    for (int i = 1; i < kFusedWarps; ++i) t = combine_f(t, sh_warp[i]);
     *sh_cta = t;
   }
   cluster_arrive();
   cluster_wait();
   Welford<float> t = lane < K ? cluster_load(sh_cta, lane) : Welford<float>{0.f, 0.f, 0.f};
-  t = warp_combine(t);
+  t = warp_combine_f(t);
   return {__shfl_sync(kFullMask, t.mean, 0), __shfl_sync(kFullMask, t.m2, 0), __shfl_sync(kFullMask, t.n, 0)};
 }
 
@@ -697,22 +718,25 @@ __device__ __forceinline__ void store_pair(uint4& r, int i, float lo, float hi) 
 // by a fixed stride without divisions.
 struct GroupPos {
   int f, c, r;
-  __device__ __forceinline__ GroupPos(int e, int S, int cpg) {
-    const int row = e / S;
-    r = e - row * S;
-    f = row / cpg;
-    c = row - f * cpg;
+  template <typename A>
+  __device__ __forceinline__ GroupPos(unsigned e, const A& a) {
+    const auto row = a.div_S.divmod(e);
+    const auto fc = a.div_cpg.divmod(row.div);
+    f = fc.div;
+    c = fc.mod;
+    r = row.mod;
   }
-  __device__ __forceinline__ void advance(const GroupPos& d, int S, int cpg) {
-    r += d.r;
-    c += d.c;
-    f += d.f;
-    if (r >= S) {
-      r -= S;
+  template <typename A>
+  __device__ __forceinline__ void advance(const A& a) {
+    r += a.step_r;
+    c += a.step_c;
+    f += a.step_f;
+    if (r >= a.S) {
+      r -= a.S;
       ++c;
     }
-    if (c >= cpg) {
-      c -= cpg;
+    if (c >= a.cpg) {
+      c -= a.cpg;
       ++f;
     }
   }
@@ -731,15 +755,63 @@ __device__ __forceinline__ void launder(uint4 (&buf)[V]) {
 
 template <int V>
 constexpr int fused_min_blocks() {
-  // Register budget per thread (65536 / (256 * blocks)): data are 4 registers per vector.
-  return V <= 4 ? 6 : V <= 8 ? 4 : 3;
+  // Register budget per thread (65536 / (256 * blocks)): data are 4 registers per vector; V = 8 needs
+  // 78 (at 64 it spills), so 3 CTAs an SM hold up to 96 KB of x, over twice what hides DRAM latency.
+  return V <= 4 ? 6 : 3;
+}
+
+// The store pass of fused_rows_kernel: y = act((x - pivot) * a_c + b_c) from the registers; SILU as a
+// template argument keeps the choice out of the per-element code.
+template <typename scalar_t, int V, bool SILU>
+__device__ __forceinline__ void store_pass(const FusedArgs<scalar_t>& a, const uint4 (&buf)[V], int mine,
+                                           int64_t base, int v0, float pivot, const float* sh_chan) {
+  constexpr int VEC = max_vec<scalar_t>();
+  const int tid = threadIdx.x;
+  auto f = [&](float x, float ac, float bc) {
+    const float z = fmaf(x - pivot, ac, bc);
+    return SILU ? silu_fast(z) : z;
+  };
+  const bool whole = a.S % VEC == 0;  // a vector never straddles two channels
+  // Positions again, from laundered inputs: otherwise the compiler keeps the load pass's V offsets
+  // live through the statistics (spilling under the register budget).
+  unsigned e0 = (v0 + tid) * VEC;
+  asm volatile("" : "+r"(e0));
+  GroupPos p(e0, a);
+#pragma unroll
+  for (int k = 0; k < V; ++k) {
+    if (k < mine) {
+      uint4 o;
+      if (whole) {
+        const float ac = sh_chan[p.c], bc = sh_chan[a.cpg + p.c];
+#pragma unroll
+        for (int j = 0; j < VEC; j += 2)
+          store_pair<scalar_t>(o, j / 2, f(elt_to_float<scalar_t>(buf[k], j), ac, bc),
+                               f(elt_to_float<scalar_t>(buf[k], j + 1), ac, bc));
+      } else {
+        // Within one segment (the host asks seg % VEC == 0), channel by channel.
+        int cj = p.c, rj = p.r;
+        float y[VEC];
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+          y[j] = f(elt_to_float<scalar_t>(buf[k], j), sh_chan[cj], sh_chan[a.cpg + cj]);
+          if (++rj == a.S) {
+            rj = 0;
+            ++cj;
+          }
+        }
+#pragma unroll
+        for (int j = 0; j < VEC; j += 2) store_pair<scalar_t>(o, j / 2, y[j], y[j + 1]);
+      }
+      *reinterpret_cast<uint4*>(a.out + base + p.offset(a.fstride, a.S)) = o;
+    }
+    p.advance(a);
+  }
 }
 
 template <typename scalar_t, int V>
 __global__ void __launch_bounds__(kFusedThreads, fused_min_blocks<V>())
     fused_rows_kernel(FusedArgs<scalar_t> a) {
   constexpr int VEC = max_vec<scalar_t>();
-  constexpr int kStep = kFusedThreads * VEC;  // elements between a thread's consecutive vectors
   extern __shared__ float sh_chan[];  // [0, cpg): a_c = rstd * gamma, [cpg, 2 cpg): b_c
   __shared__ Welford<float> sh_warp[kFusedWarps];
   __shared__ Welford<float> sh_cta;
@@ -755,12 +827,11 @@ __global__ void __launch_bounds__(kFusedThreads, fused_min_blocks<V>())
   const int mine = v1 - v0 > tid ? (v1 - v0 - tid + kFusedThreads - 1) / kFusedThreads : 0;  // my vectors
   uint4 buf[V];
   {
-    const GroupPos step(kStep, a.S, a.cpg);
-    GroupPos p((v0 + tid) * VEC, a.S, a.cpg);
+    GroupPos p(static_cast<unsigned>((v0 + tid) * VEC), a);
 #pragma unroll
     for (int k = 0; k < V; ++k) {
       if (k < mine) buf[k] = *reinterpret_cast<const uint4*>(a.x + base + p.offset(a.fstride, a.S));
-      p.advance(step, a.S, a.cpg);
+      p.advance(a);
     }
   }
   const float pivot = static_cast<float>(a.x[base]);
@@ -792,7 +863,7 @@ __global__ void __launch_bounds__(kFusedThreads, fused_min_blocks<V>())
   cluster_arrive();
 
   const float mean_d = st.mean;
-  const float rstd = static_cast<float>(1.0 / sqrt(static_cast<double>(st.m2 / st.n) + a.eps));
+  const float rstd = rsqrtf(__fdividef(st.m2, st.n) + static_cast<float>(a.eps));
   const int64_t c0 = g * a.cpg;
   for (int c = tid; c < a.cpg; c += kFusedThreads) {
     const float ac = rstd * (a.w ? static_cast<float>(a.w[c0 + c]) : 1.f);
@@ -802,48 +873,11 @@ __global__ void __launch_bounds__(kFusedThreads, fused_min_blocks<V>())
   __syncthreads();
 
   launder(buf);
-  auto f = [&](float x, float ac, float bc) {
-    const float z = fmaf(x - pivot, ac, bc);
-    return a.silu ? silu_fast(z) : z;
-  };
-  const bool whole = a.S % VEC == 0;  // a vector never straddles two channels
-  // Positions again, from laundered inputs: otherwise the compiler keeps the load pass's V offsets
-  // live through the statistics (spilling under the register budget).
-  int e0 = (v0 + tid) * VEC, st0 = kStep;
-  asm volatile("" : "+r"(e0), "+r"(st0));
-  const GroupPos step(st0, a.S, a.cpg);
-  GroupPos p(e0, a.S, a.cpg);
-#pragma unroll
-  for (int k = 0; k < V; ++k) {
-    if (k < mine) {
-      uint4 o;
-      if (whole) {
-        const float ac = sh_chan[p.c], bc = sh_chan[a.cpg + p.c];
-#pragma unroll
-        for (int j = 0; j < VEC; j += 2)
-          store_pair<scalar_t>(o, j / 2, f(elt_to_float<scalar_t>(buf[k], j), ac, bc),
-                               f(elt_to_float<scalar_t>(buf[k], j + 1), ac, bc));
-      } else {
-        // Within one segment (the host asks seg % VEC == 0), channel by channel.
-        int cj = p.c, rj = p.r;
-        float y[VEC];
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) {
-          y[j] = f(elt_to_float<scalar_t>(buf[k], j), sh_chan[cj], sh_chan[a.cpg + cj]);
-          if (++rj == a.S) {
-            rj = 0;
-            ++cj;
-          }
-        }
-#pragma unroll
-        for (int j = 0; j < VEC; j += 2) store_pair<scalar_t>(o, j / 2, y[j], y[j + 1]);
-      }
-      *reinterpret_cast<uint4*>(a.out + base + p.offset(a.fstride, a.S)) = o;
-    }
-    p.advance(step, a.S, a.cpg);
-  }
+  if (a.silu) store_pass<scalar_t, V, true>(a, buf, mine, base, v0, pivot, sh_chan);
+  else store_pass<scalar_t, V, false>(a, buf, mine, base, v0, pivot, sh_chan);
   cluster_wait();
 }
+
 
 // ---------------------------------------------------------------------------------------------
 // Host side.
@@ -1008,6 +1042,12 @@ bool forward_fused(const GNShape& s, int64_t F, const scalar_t* x, scalar_t* out
     a.S = static_cast<int>(S);
     a.seg = static_cast<int>(seg);
     a.M = static_cast<int>(F * seg);
+    a.div_S = at::cuda::detail::IntDivider<unsigned>(static_cast<unsigned>(S));
+    a.div_cpg = at::cuda::detail::IntDivider<unsigned>(static_cast<unsigned>(cpg));
+    const int64_t step = static_cast<int64_t>(kFusedThreads) * kVec;
+    a.step_r = static_cast<int>(step % S);
+    a.step_c = static_cast<int>(step / S % cpg);
+    a.step_f = static_cast<int>(step / S / cpg);
     a.K = p.K;
     a.part = p.part;
     a.eps = eps;
