@@ -68,16 +68,22 @@ __device__ __forceinline__ Welford<T> combine(const Welford<T>& a, const Welford
   return {a.mean + delta * wb, a.m2 + b.m2 + delta * delta * a.n * wb, n};
 }
 
-// Tree merge across the warp; lane 0 ends up with the whole warp's state. The order is fixed.
-template <typename T>
-__device__ __forceinline__ Welford<T> warp_combine(Welford<T> s) {
+// Tree merge across the warp with `merge`; lane 0 ends up with the whole warp's state. The order is
+// fixed.
+template <typename T, typename Merge>
+__device__ __forceinline__ Welford<T> warp_combine(Welford<T> s, Merge merge) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {
     Welford<T> t{__shfl_down_sync(kFullMask, s.mean, o), __shfl_down_sync(kFullMask, s.m2, o),
                  __shfl_down_sync(kFullMask, s.n, o)};
-    s = combine(s, t);
+    s = merge(s, t);
   }
   return s;
+}
+
+template <typename T>
+__device__ __forceinline__ Welford<T> warp_combine(Welford<T> s) {
+  return warp_combine(s, [](const Welford<T>& a, const Welford<T>& b) { return combine(a, b); });
 }
 
 template <typename T>
@@ -654,13 +660,7 @@ __device__ __forceinline__ Welford<float> combine_f(const Welford<float>& a, con
 }
 
 __device__ __forceinline__ Welford<float> warp_combine_f(Welford<float> s) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    Welford<float> t{__shfl_down_sync(kFullMask, s.mean, o), __shfl_down_sync(kFullMask, s.m2, o),
-                     __shfl_down_sync(kFullMask, s.n, o)};
-    s = combine_f(s, t);
-  }
-  return s;
+  return warp_combine(s, [](const Welford<float>& a, const Welford<float>& b) { return combine_f(a, b); });
 }
 
 // Merges every thread's state over the cluster; returns the whole group's (mean, m2, n) in every
