@@ -21,6 +21,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
     ("aten::native_group_norm", "norm"),
     ("aten::addmm", "matmul"),
     ("sm90_xmma_gemm_bf16bf16", "matmul"),
+    ("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_bias_TNT", "matmul"),  # cuBLAS 13's GEMM kernels
     ("aten::silu", "elementwise"),
     ("aten::copy_", "copy/layout"),
     ("vd::group_norm_silu", "vd ops"),

@@ -30,7 +30,7 @@ OP_FAMILIES: list[tuple[str, tuple[str, ...]]] = [
     ("attention", ("attention", "sdpa", "flash", "fmha", "softmax")),
     ("conv", ("conv", "cudnn", "mkldnn_convolution", "implicit_gemm", "winograd")),
     ("norm", ("norm", "welford")),
-    ("matmul", ("mm", "matmul", "linear", "gemm", "cutlass", "sm90_xmma", "sm80_xmma", "ampere_")),
+    ("matmul", ("mm", "matmul", "linear", "gemm", "cutlass", "sm90_xmma", "sm80_xmma", "ampere_", "nvjet")),
     ("copy/layout", ("copy", "contiguous", "cat", "clone", "to_copy", "permute", "transpose", "stack",
                      "index", "pad", "memcpy", "memset", "fill", "_to_", "view", "reshape", "slice",
                      "interpolate", "upsample")),
