@@ -745,14 +745,6 @@ struct GroupPos {
   }
 };
 
-// An empty asm that "changes" the buffer: each pass converts the raw bits again instead of the compiler
-// keeping the first pass's floats (or x - pivot) live, which would double the registers per vector.
-template <int V>
-__device__ __forceinline__ void launder(uint4 (&buf)[V]) {
-#pragma unroll
-  for (int k = 0; k < V; ++k) asm volatile("" : "+r"(buf[k].x), "+r"(buf[k].y), "+r"(buf[k].z), "+r"(buf[k].w));
-}
-
 template <int V>
 constexpr int fused_min_blocks() {
   // Register budget per thread (65536 / (256 * blocks)): data are 4 registers per vector; V = 8 needs
@@ -846,7 +838,6 @@ __global__ void __launch_bounds__(kFusedThreads, fused_min_blocks<V>())
     }
   const float n = static_cast<float>(mine * VEC);
   const float m = mine ? s / n : 0.f;
-  launder(buf);
   float q = 0.f;
 #pragma unroll
   for (int k = 0; k < V; ++k)
@@ -872,7 +863,6 @@ __global__ void __launch_bounds__(kFusedThreads, fused_min_blocks<V>())
   }
   __syncthreads();
 
-  launder(buf);
   if (a.silu) store_pass<scalar_t, V, true>(a, buf, mine, base, v0, pivot, sh_chan);
   else store_pass<scalar_t, V, false>(a, buf, mine, base, v0, pivot, sh_chan);
   cluster_wait();
