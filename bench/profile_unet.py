@@ -12,6 +12,7 @@ import torch
 
 import vdcompile  # noqa: F401
 from vdcompile.models import build_unet, get_preset, unet_inputs, vae_scale_factor_of
+from vdcompile.profiler import op_family
 
 
 def profile(fn, iters: int):
@@ -32,11 +33,13 @@ def main():
     ap.add_argument("--width", type=int)
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--iters", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--no-cfg", action="store_true", help="UNet batch = --batch (no CFG doubling)")
     args = ap.parse_args()
     preset = get_preset(args.preset)
     dev, dtype = torch.device("cuda"), torch.bfloat16
     unet = build_unet(preset, dtype=dtype, device=dev).eval()
-    inputs = unet_inputs(unet, frames=args.frames or preset.frames, height=args.height or preset.height,
+    inputs = unet_inputs(unet, batch=args.batch, cfg=not args.no_cfg, frames=args.frames or preset.frames, height=args.height or preset.height,
                          width=args.width or preset.width, vae_scale_factor=vae_scale_factor_of(preset),
                          dtype=dtype, device=dev)
     for backend in args.backends:
@@ -57,6 +60,13 @@ def main():
         total = sum(v[0] for v in kernels.values())
         print(f"\n=== {backend}: {total:.2f} ms of kernels per step, {sum(v[1] for v in kernels.values()) // args.iters}"
               f" launches ===")
+        fams = defaultdict(lambda: [0.0, 0])
+        for name, (ms, n) in kernels.items():
+            f = fams["triton (inductor)" if name.startswith("triton") else op_family(name)]
+            f[0] += ms
+            f[1] += n // args.iters
+        print("by family: " + ", ".join(f"{k} {v[0]:.2f} ms ({v[1]})" for k, v in
+                                         sorted(fams.items(), key=lambda kv: -kv[1][0])))
         for name, (ms, n) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:args.top]:
             print(f"{ms:8.3f} ms {n // args.iters:5d}x  {name}")
         print(f"--- {backend}: ATen copies (device ms per step, by input shape) ---")

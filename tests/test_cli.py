@@ -79,6 +79,18 @@ def test_bench_table_json_chart_and_disagreement(tmp_path, capsys):
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+def test_bench_without_cfg_runs_the_unet_on_the_plain_batch(tmp_path, capsys):
+    rc = _bench(tmp_path, "--no-cfg", "--backends", "eager,vdtest_exact")
+    out, _ = capsys.readouterr()
+    assert rc == 0 and "x2 CFG" not in out
+    (js,) = glob.glob(str(tmp_path / "bench_tiny_cpu_*.json"))
+    data = json.load(open(js))
+    assert data["config"]["cfg"] is False
+    assert data["config"]["unet_input_shape"] == [1, 2, 8, 16, 16]
+    rows = {r["backend"]: r for r in data["results"]}
+    assert rows["vdtest_exact"]["latents_max_rel_err"] == 0.0
+
+
 def test_generate_profiles_and_saves(tmp_path, capsys):
     rc = cli.main(["generate", "--preset", "tiny", "--device", "cpu", "--compile", "none", "--steps", "2",
                    "--frames", "3", "--format", "gif", "--out", str(tmp_path)])

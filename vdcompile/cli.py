@@ -125,7 +125,8 @@ class _Sync:
 class DenoiseLoop:
     """The sampling loop of a video pipeline around a UNet: CFG batch, UNet call, guidance, scheduler step."""
 
-    def __init__(self, unet, inputs: dict, steps: int, scheduler_step: Callable | None = None, seed: int = 0):
+    def __init__(self, unet, inputs: dict, steps: int, scheduler_step: Callable | None = None, seed: int = 0,
+                 cfg: bool = True):
         import torch
 
         from vdcompile.models import build_scheduler
@@ -136,7 +137,8 @@ class DenoiseLoop:
         self.step_fn = scheduler_step
         x = inputs["sample"]
         g = torch.Generator().manual_seed(seed + 1)
-        b = x.shape[0] // 2
+        self.cfg = cfg
+        b = x.shape[0] // 2 if cfg else x.shape[0]
         if self.svd:  # half the channels are the repeated conditioning-image latents
             c = x.shape[2] // 2
             self.latents0 = torch.randn(b, *x.shape[1:2], c, *x.shape[3:], generator=g).to(x)
@@ -160,12 +162,14 @@ class DenoiseLoop:
         step = self.step_fn or sched.step
         lat = self.latents0 * sched.init_noise_sigma
         for t in sched.timesteps:
-            inp = sched.scale_model_input(torch.cat([lat, lat]), t)
+            inp = sched.scale_model_input(torch.cat([lat, lat]) if self.cfg else lat, t)
             if self.cond is not None:
                 inp = torch.cat([inp, self.cond], dim=2)
             out = unet(inp, t, **self.kw, return_dict=False)[0]
-            u, c = out.chunk(2)
-            lat = step(u + self.guidance * (c - u), t, lat).prev_sample
+            if self.cfg:
+                u, c = out.chunk(2)
+                out = u + self.guidance * (c - u)
+            lat = step(out, t, lat).prev_sample
         return lat
 
 
@@ -199,7 +203,7 @@ def _bench_one(name: str, unet, inputs: dict, ref_out, args, device, progress: _
     mode = "reduce-overhead" if args.cuda_graphs and name in ("inductor", "vdcompile") else None
     module = unet if name == "eager" else compile_module(
         unet, name, mode=mode, options=options if name == "vdcompile" else None, dynamic=False)
-    loop = DenoiseLoop(unet, inputs, args.steps, seed=args.seed)
+    loop = DenoiseLoop(unet, inputs, args.steps, seed=args.seed, cfg=not args.no_cfg)
     if fused_step is not None:  # bound to the loop's own scheduler, as optimize() does
         loop.step_fn = functools.partial(fused_step, loop.sched)
 
@@ -364,11 +368,12 @@ def cmd_bench(args) -> int:
             warnings.simplefilter("ignore")  # diffusers' note on casting with .to()
             unet = models.build_unet(preset, seed=args.seed, dtype=dtype, device=device)
     inputs = models.unet_inputs(unet, batch=args.batch, frames=frames, height=height, width=width,
-                                vae_scale_factor=vsf, dtype=dtype, device=device, seed=args.seed)
+                                vae_scale_factor=vsf, dtype=dtype, device=device, seed=args.seed,
+                                cfg=not args.no_cfg)
     n_params = sum(p.numel() for p in unet.parameters())
     shape = tuple(inputs["sample"].shape)
     print(f"vdcompile bench: {what} ({type(unet).__name__}, {n_params / 1e6:.1f} M params), "
-          f"{frames} frames {height}x{width}, batch {args.batch} (x2 CFG), {dtype_name(dtype)} on {device}; "
+          f"{frames} frames {height}x{width}, batch {args.batch}{'' if args.no_cfg else ' (x2 CFG)'}, {dtype_name(dtype)} on {device}; "
           f"UNet input {shape}; {args.steps} steps x {args.iters} iters after {args.warmup} warmup")
 
     vd_ok, vd_why = backend_status()
@@ -441,7 +446,7 @@ def cmd_bench(args) -> int:
     config = {
         "preset": preset.name if preset else None, "model": args.model, "unet_class": type(unet).__name__,
         "unet_params": n_params, "frames": frames, "height": height, "width": width, "batch": args.batch,
-        "cfg": True, "unet_input_shape": list(shape), "dtype": dtype_name(dtype), "steps": args.steps,
+        "cfg": not args.no_cfg, "unet_input_shape": list(shape), "dtype": dtype_name(dtype), "steps": args.steps,
         "warmup": args.warmup, "iters": args.iters, "backends": backends, "backend_options": options,
         "tolerance": rtol, "seed": args.seed, "cuda_graphs": args.cuda_graphs,
         "fused_scheduler_in_vdcompile_row": fused is not None and not args.no_fused_scheduler,
@@ -585,7 +590,11 @@ def cmd_generate(args) -> int:
 
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            optimize(pipe, backend=args.compile, cuda_graphs=args.cuda_graphs)
+            if args.compile == "inductor-unet":  # what a user writes without vdcompile
+                optimize(pipe, backend="inductor", cuda_graphs=args.cuda_graphs, compile_vae=False,
+                         fuse_scheduler=False)
+            else:
+                optimize(pipe, backend=args.compile, cuda_graphs=args.cuda_graphs)
         for w in caught:
             print("note:", w.message)
         print("optimize:", json.dumps(pipe.vdcompile_info))
@@ -619,7 +628,8 @@ def cmd_generate(args) -> int:
         print("wrote", chart)
     with open(stem + ".json", "w") as f:
         json.dump({"environment": _environment(device), "run": result.to_dict(), "profile": report.to_dict(),
-                   "optimize": getattr(pipe, "vdcompile_info", None), "label": label}, f, indent=1)
+                   "optimize": getattr(pipe, "vdcompile_info", None), "compile": args.compile,
+                   "label": label}, f, indent=1)
     print("wrote", stem + ".json")
     return 0
 
@@ -682,6 +692,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("kernel_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     _model_args(b, bench=True)
     b.add_argument("--batch", type=int, default=1, help="videos per step (doubled for CFG; default 1)")
+    b.add_argument("--no-cfg", action="store_true",
+                   help="no classifier-free guidance: the UNet sees --batch samples, not twice that")
     b.add_argument("--steps", type=int, default=4, help="denoising steps per timed run (default 4)")
     b.add_argument("--warmup", type=int, default=1, help="untimed runs after the compile (default 1)")
     b.add_argument("--iters", type=int, default=3, help="timed runs; the median is reported (default 3)")
@@ -706,8 +718,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="run a whole video pipeline, profile it, save the video")
     _model_args(g, bench=False)
     g.add_argument("--steps", type=int, default=4, help="denoising steps (default 4)")
-    g.add_argument("--compile", default="vdcompile", choices=["vdcompile", "inductor", "none"],
-                   help="vdcompile.optimize backend, or none (default vdcompile)")
+    g.add_argument("--compile", default="vdcompile", choices=["vdcompile", "inductor", "inductor-unet", "none"],
+                   help="vdcompile.optimize backend; inductor-unet: only torch.compile(pipe.unet), the "
+                        "one-line baseline (plain scheduler step, eager VAE); none (default vdcompile)")
     g.add_argument("--cuda-graphs", action="store_true", help="capture CUDA graphs (mode=reduce-overhead)")
     g.add_argument("--warmup", type=int, help="untimed runs first (default 1 when compiling, else 0)")
     g.add_argument("--decode-chunk-size", type=int, help="frames decoded at once by the VAE")
