@@ -179,10 +179,14 @@ inline at::Tensor frames(const at::Tensor& t, int64_t f0, int64_t n) {
   return t.narrow(2, f0, n).view({t.size(0), t.size(1), n * t.size(3) * t.size(4)});
 }
 
-// (C_out, C_in, k, 1, 1) -> (k, C_out, C_in): one contiguous matrix per tap.
-inline at::Tensor taps(const at::Tensor& weight) {
-  return weight.select(4, 0).select(3, 0).permute({2, 0, 1}).contiguous();
-}
+// (C_out, C_in, k, 1, 1) -> (C_out, k, C_in) contiguous: the fused GEMMs' (C_out, k * C_in) matrix, and
+// tap t's (C_out, C_in) matrix as the row slice [:, t] (row stride k * C_in, which cuBLAS takes as is).
+// The one copy a call makes of its weight; on CUDA a kernel of csrc/cuda/temporal_conv.cu does it (ATen's
+// permuted copy ran at ~1/4 of the copy rate: 0.5 ms an SVD step). Defined in csrc/cpu/temporal_conv.cpp.
+at::Tensor tap_rows(const at::Tensor& weight);
+
+// Tap t's (C_out, C_in) matrix of tap_rows().
+inline at::Tensor tap(const at::Tensor& rows, int64_t t) { return rows.select(1, t); }
 
 // out (n, C_out, N) = w (C_out, K) @ x (n, K, N) [+ bias per row]. The bias goes in as baddbmm's
 // beta = 1 input (ATen writes it into out, the GEMM accumulates onto it): no separate pass.
@@ -215,7 +219,7 @@ inline bool fused_pays_off(const TemporalConvShape& s) {
 inline void temporal_conv_fused(const at::Tensor& xf, const at::Tensor& of, const at::Tensor& weight,
                                 const std::optional<at::Tensor>& bias, const TemporalConvShape& s) {
   const int64_t HW = s.H * s.W, C = s.C_in, frame = C * HW, sB = s.F * frame;
-  const at::Tensor w = weight.select(4, 0).select(3, 0).permute({0, 2, 1}).reshape({s.C_out, s.k * C});
+  const at::Tensor w = tap_rows(weight).view({s.C_out, s.k * C});
   const at::Tensor o4 = of.view({s.B, s.F_out, s.C_out, HW});
   const std::optional<at::Tensor> bias_row = temporal_bias_row(bias, xf, s);
   // Input frames [f, f + nt) of nb samples (or nb consecutive windows), as (nb, nt * C_in, H*W).
@@ -256,7 +260,7 @@ inline void temporal_conv_fused(const at::Tensor& xf, const at::Tensor& of, cons
 // x and out in the same layout (NCDHW or channels_last_3d).
 inline void temporal_conv_taps(const at::Tensor& x, const at::Tensor& out, const at::Tensor& weight,
                                const std::optional<at::Tensor>& bias, const TemporalConvShape& s) {
-  const at::Tensor w = taps(weight);
+  const at::Tensor w = tap_rows(weight);
   const std::optional<at::Tensor> bias_row = temporal_bias_row(bias, x, s);
   // The first GEMM writes (bias as its beta input) when one tap covers every output frame, the
   // centre tap of a "same" convolution; otherwise out starts as the bias (or zeros).
@@ -279,9 +283,9 @@ inline void temporal_conv_taps(const at::Tensor& x, const at::Tensor& out, const
     at::Tensor os = frames(out, o0, o1 - o0);
     at::Tensor xs = frames(x, o0 + t - s.padding, o1 - o0);
     if (t == first)
-      batched_gemm(os, w.select(0, t), xs, bias_row);
+      batched_gemm(os, tap(w, t), xs, bias_row);
     else
-      os.baddbmm_(w.select(0, t).expand({s.B, s.C_out, s.C_in}), xs);
+      os.baddbmm_(tap(w, t).expand({s.B, s.C_out, s.C_in}), xs);
   }
 }
 
@@ -319,7 +323,7 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> temporal_conv_backward(con
   at::Tensor dw = at::zeros({s.k, s.C_out, s.C_in}, x.options().dtype(acc));
   at::Tensor dbias = at::zeros({s.C_out}, x.options().dtype(acc));
   if (x.numel() > 0) {
-    at::Tensor w = taps(weight);
+    at::Tensor w = tap_rows(weight);
     const bool acc_in_place = x.scalar_type() == acc;
     for (int64_t t = 0; t < s.k; ++t) {
       auto [o0, o1] = temporal_tap_range(s, t);
@@ -327,7 +331,7 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> temporal_conv_backward(con
       at::Tensor xs = frames(x, o0 + t - s.padding, o1 - o0);
       at::Tensor dxs = frames(dx, o0 + t - s.padding, o1 - o0);
       at::Tensor gs = frames(g, o0, o1 - o0);
-      at::Tensor wt = w.select(0, t).t();
+      at::Tensor wt = tap(w, t).t();
       at::Tensor dwt = dw.select(0, t);
       for (int64_t b = 0; b < s.B; ++b) {
         at::Tensor gb = gs.select(0, b), xbt = xs.select(0, b).t();

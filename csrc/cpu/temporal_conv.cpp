@@ -6,6 +6,17 @@
 
 namespace vd {
 
+#ifdef VD_WITH_CUDA
+at::Tensor tap_rows_cuda(const at::Tensor& weight);  // csrc/cuda/temporal_conv.cu
+#endif
+
+at::Tensor tap_rows(const at::Tensor& weight) {
+#ifdef VD_WITH_CUDA
+  if (weight.is_cuda()) return tap_rows_cuda(weight);
+#endif
+  return weight.select(4, 0).select(3, 0).transpose(1, 2).contiguous();
+}
+
 TORCH_LIBRARY_IMPL(vd, CPU, m) {
   m.impl("temporal_conv", &temporal_conv_forward);
   m.impl("temporal_conv_backward", &temporal_conv_backward);

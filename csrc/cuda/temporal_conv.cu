@@ -1,12 +1,58 @@
 // CUDA kernels for vd::temporal_conv: the per-tap GEMMs of csrc/conv_gemm.h on cuBLAS, reading
-// (B, C, F, H, W) through views (no permute copies).
+// (B, C, F, H, W) through views (no permute copies), and the weight's reorder to tap-major rows.
 #include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <limits>
+
 #include "../conv_gemm.h"
+#include "launch.h"
 
 namespace vd {
+namespace {
+
+// out[o, t, c] = w[o, c, t]: one CTA per output channel o, whose k * C_in elements (a few KB) are
+// read from one contiguous span (L1 serves the stride-k reads) and written coalesced. T carries the
+// element's bits (the copy is dtype-agnostic).
+template <typename T>
+__global__ void tap_rows_kernel(const T* __restrict__ w, T* __restrict__ out, int C, int k) {
+  const int n = C * k;
+  const int64_t base = static_cast<int64_t>(blockIdx.x) * n;
+  for (int j = threadIdx.x; j < n; j += blockDim.x) {
+    const int t = j / C, c = j - t * C;
+    out[base + j] = w[base + static_cast<int64_t>(c) * k + t];
+  }
+}
+
+template <typename T>
+void launch_tap_rows(const at::Tensor& w, at::Tensor& out, int64_t C_out, int C, int k) {
+  tap_rows_kernel<T><<<grid_of(C_out, "temporal_conv"), 256, 0, c10::cuda::getCurrentCUDAStream()>>>(
+      static_cast<const T*>(w.const_data_ptr()), static_cast<T*>(out.mutable_data_ptr()), C, k);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+at::Tensor tap_rows_cuda(const at::Tensor& weight) {
+  c10::cuda::CUDAGuard guard(weight.device());
+  const int64_t C_out = weight.size(0), C = weight.size(1), k = weight.size(2);
+  const at::Tensor w = weight.contiguous();
+  at::Tensor out = at::empty({C_out, k, C}, w.options());
+  if (out.numel() == 0) return out;
+  if (C * k > std::numeric_limits<int>::max())  // a row per CTA indexes in int
+    return weight.select(4, 0).select(3, 0).transpose(1, 2).contiguous();
+  switch (w.element_size()) {
+    case 2: launch_tap_rows<uint16_t>(w, out, C_out, static_cast<int>(C), static_cast<int>(k)); break;
+    case 4: launch_tap_rows<uint32_t>(w, out, C_out, static_cast<int>(C), static_cast<int>(k)); break;
+    case 8: launch_tap_rows<uint64_t>(w, out, C_out, static_cast<int>(C), static_cast<int>(k)); break;
+    default: return weight.select(4, 0).select(3, 0).transpose(1, 2).contiguous();
+  }
+  return out;
+}
+
 namespace {
 
 at::Tensor temporal_conv_cuda(const at::Tensor& x, const at::Tensor& weight,
