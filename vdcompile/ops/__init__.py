@@ -3,7 +3,7 @@
 Every op is also reachable as ``torch.ops.vd.<name>`` once :mod:`vdcompile` is imported.
 Each family lives in its own module (the C++ schemas name it with set_python_module).
 """
-from vdcompile.ops import attention, conv, ff, norm, scheduler  # noqa: F401
+from vdcompile.ops import attention, conv, norm, scheduler  # noqa: F401
 from vdcompile.ops.attention import (
     fused_attention,
     reference_fused_attention,
@@ -11,7 +11,6 @@ from vdcompile.ops.attention import (
     strided_attention,
 )
 from vdcompile.ops.conv import conv_bn_silu, reference_conv_bn_silu, reference_temporal_conv, temporal_conv
-from vdcompile.ops.ff import linear_geglu, reference_linear_geglu
 from vdcompile.ops.norm import group_norm_silu, reference_group_norm_silu
 from vdcompile.ops.scheduler import reference_scheduler_step, scheduler_step
 
@@ -28,6 +27,4 @@ __all__ = [
     "reference_group_norm_silu",
     "scheduler_step",
     "reference_scheduler_step",
-    "linear_geglu",
-    "reference_linear_geglu",
 ]
