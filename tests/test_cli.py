@@ -111,6 +111,27 @@ def test_generate_profiles_and_saves(tmp_path, capsys):
     assert (tmp_path / "generate_tiny_cpu_profile.png").stat().st_size > 0
 
 
+def test_generate_inductor_unet_is_the_one_line_baseline(tmp_path, monkeypatch, capsys):
+    """--compile inductor-unet compiles the UNet alone: no VAE compile, diffusers' own scheduler step."""
+    import importlib
+
+    opt = importlib.import_module("vdcompile.optimize")  # the module (vdcompile.optimize is also the function)
+    seen = {}
+
+    def fake_optimize(pipe, **kw):
+        seen.update(kw)
+        pipe.vdcompile_info = {"backend": kw["backend"]}
+        return pipe
+
+    monkeypatch.setattr(opt, "optimize", fake_optimize)
+    rc = cli.main(["generate", "--preset", "tiny", "--device", "cpu", "--compile", "inductor-unet", "--steps", "1",
+                   "--frames", "2", "--warmup", "0", "--no-op-profile", "--format", "gif", "--out", str(tmp_path)])
+    capsys.readouterr()
+    assert rc == 0
+    assert seen == {"backend": "inductor", "cuda_graphs": False, "compile_vae": False, "fuse_scheduler": False}
+    assert json.load(open(tmp_path / "generate_tiny_cpu.json"))["compile"] == "inductor-unet"
+
+
 @pytest.mark.parametrize("argv,msg", [
     (["bench", "--preset", "nope"], "unknown preset 'nope'; choose one of: tiny, small, svd"),
     (["bench", "--model", "/no/such/dir"], "--model /no/such/dir: no such directory"),
