@@ -39,9 +39,9 @@ def main():
     preset = get_preset(args.preset)
     dev, dtype = torch.device("cuda"), torch.bfloat16
     unet = build_unet(preset, dtype=dtype, device=dev).eval()
-    inputs = unet_inputs(unet, batch=args.batch, cfg=not args.no_cfg, frames=args.frames or preset.frames, height=args.height or preset.height,
-                         width=args.width or preset.width, vae_scale_factor=vae_scale_factor_of(preset),
-                         dtype=dtype, device=dev)
+    inputs = unet_inputs(unet, batch=args.batch, cfg=not args.no_cfg, frames=args.frames or preset.frames,
+                         height=args.height or preset.height, width=args.width or preset.width,
+                         vae_scale_factor=vae_scale_factor_of(preset), dtype=dtype, device=dev)
     for backend in args.backends:
         torch._dynamo.reset()
         fn = vdcompile.vdcompile_backend if backend == "vdcompile" else backend  # also without the entry point

@@ -185,6 +185,11 @@ inline at::Tensor frames(const at::Tensor& t, int64_t f0, int64_t n) {
 // permuted copy ran at ~1/4 of the copy rate: 0.5 ms an SVD step). Defined in csrc/cpu/temporal_conv.cpp.
 at::Tensor tap_rows(const at::Tensor& weight);
 
+// The same reorder as an ATen copy: the CPU path, and CUDA's for what its kernel does not take.
+inline at::Tensor tap_rows_aten(const at::Tensor& weight) {
+  return weight.select(4, 0).select(3, 0).transpose(1, 2).contiguous();
+}
+
 // Tap t's (C_out, C_in) matrix of tap_rows().
 inline at::Tensor tap(const at::Tensor& rows, int64_t t) { return rows.select(1, t); }
 

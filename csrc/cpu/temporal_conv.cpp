@@ -14,7 +14,7 @@ at::Tensor tap_rows(const at::Tensor& weight) {
 #ifdef VD_WITH_CUDA
   if (weight.is_cuda()) return tap_rows_cuda(weight);
 #endif
-  return weight.select(4, 0).select(3, 0).transpose(1, 2).contiguous();
+  return tap_rows_aten(weight);
 }
 
 TORCH_LIBRARY_IMPL(vd, CPU, m) {

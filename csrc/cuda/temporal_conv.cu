@@ -38,19 +38,19 @@ void launch_tap_rows(const at::Tensor& w, at::Tensor& out, int64_t C_out, int C,
 }  // namespace
 
 at::Tensor tap_rows_cuda(const at::Tensor& weight) {
-  c10::cuda::CUDAGuard guard(weight.device());
   const int64_t C_out = weight.size(0), C = weight.size(1), k = weight.size(2);
+  // A row per CTA indexes in int; the element is copied as 2, 4 or 8 bytes.
+  const int64_t esize = weight.element_size();
+  if (C * k > std::numeric_limits<int>::max() || (esize != 2 && esize != 4 && esize != 8))
+    return tap_rows_aten(weight);
+  c10::cuda::CUDAGuard guard(weight.device());
   const at::Tensor w = weight.contiguous();
   at::Tensor out = at::empty({C_out, k, C}, w.options());
   if (out.numel() == 0) return out;
-  if (C * k > std::numeric_limits<int>::max())  // a row per CTA indexes in int
-    return weight.select(4, 0).select(3, 0).transpose(1, 2).contiguous();
-  switch (w.element_size()) {
-    case 2: launch_tap_rows<uint16_t>(w, out, C_out, static_cast<int>(C), static_cast<int>(k)); break;
-    case 4: launch_tap_rows<uint32_t>(w, out, C_out, static_cast<int>(C), static_cast<int>(k)); break;
-    case 8: launch_tap_rows<uint64_t>(w, out, C_out, static_cast<int>(C), static_cast<int>(k)); break;
-    default: return weight.select(4, 0).select(3, 0).transpose(1, 2).contiguous();
-  }
+  const int Ci = static_cast<int>(C), ki = static_cast<int>(k);
+  if (esize == 2) launch_tap_rows<uint16_t>(w, out, C_out, Ci, ki);
+  else if (esize == 4) launch_tap_rows<uint32_t>(w, out, C_out, Ci, ki);
+  else launch_tap_rows<uint64_t>(w, out, C_out, Ci, ki);
   return out;
 }
 
