@@ -5,6 +5,8 @@ compute-sanitizer (memcheck, racecheck):
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 import vdcompile  # noqa: F401
@@ -49,6 +51,19 @@ def main():
                                             ((1, 64, 14, 32, 64), 8)]:
                 x = torch.randn(B, F, C, H, W, device=dev, dtype=dtype).transpose(1, 2)
                 torch.ops.vd.group_norm_silu(x, groups, None, None, 1e-5, True)
+            # Each forward kernel family on its own: one block, a cluster of 4, a cluster of 16 (bf16;
+            # two-pass in fp32), frames-major over a cluster of 8 / 16.
+            for family in ("l2", "onchip"):
+                os.environ["VD_GROUP_NORM_KERNEL"] = family
+                try:
+                    for shape, groups in [((2, 64, 9, 11), 8), ((2, 640, 36, 64), 32), ((1, 64, 256, 256), 8)]:
+                        x = torch.randn(shape, device=dev, dtype=dtype)
+                        w, b = torch.randn(shape[1], device=dev, dtype=dtype), torch.randn(shape[1], device=dev, dtype=dtype)
+                        torch.ops.vd.group_norm_silu(x, groups, w, b, 1e-5, True)
+                    x = torch.randn(1, 14, 64, 32, 64, device=dev, dtype=dtype).transpose(1, 2)
+                    torch.ops.vd.group_norm_silu(x, 8, None, None, 1e-5, True)
+                finally:
+                    del os.environ["VD_GROUP_NORM_KERNEL"]
             ran.append("group_norm_silu")
         if has_cuda_kernels("conv_bn_silu"):
             x = torch.randn(2, 16, 9, 13, device=dev, dtype=dtype)

@@ -134,16 +134,19 @@ def test_large_mean_small_spread(device, channels_last):
 
 CUDA = [p for p in DEVICES if p.id == "cuda"]
 
-# Forward paths of the CUDA kernel: a group of cpg * S elements that is a whole number of 16-byte
-# vectors is held on chip by a cluster of 1, 2, 4 or 8 blocks when it fits (up to 196608 16-bit or
-# 98304 fp32 elements, cpg <= 4096); other groups take the two-pass path. Comments give M = cpg * S.
+# Forward paths of the CUDA kernel. A group of cpg * S elements that is a whole number of 16-byte
+# vectors (cpg <= 4096) goes to version 4 (streamed twice through L2 by a cluster of 1-16 blocks, groups
+# up to 1.5 MB) or version 3 (held in registers by a cluster of 1-8 blocks, up to 393 KB; first choice
+# for inputs under 16 MB); other groups take the two-pass path. test_forward_kernel_families runs each
+# family on its own. Comments give M = cpg * S and version 4's cluster.
 FORWARD_CASES = [
     ((2, 64, 16, 16), 32),       # M 512: one block
     ((2, 1280, 18, 32), 32),     # M 23040: cluster of 2 (16-bit), 4 (fp32)
     ((2, 640, 36, 64), 32),      # M 46080: cluster of 4 (16-bit), 8 (fp32)
     ((2, 320, 72, 128), 32),     # M 92160: cluster of 8 with 8 (16-bit) or 12 (fp32) vectors a thread
-    ((1, 512, 72, 128), 32),     # M 147456: cluster of 8 with 12 vectors (16-bit), two-pass (fp32)
-    ((1, 64, 256, 256), 8),      # M 524288: two-pass
+    ((1, 512, 72, 128), 32),     # M 147456: cluster of 4 (16-bit), 8 (fp32)
+    ((1, 64, 256, 256), 8),      # M 524288: cluster of 16 (16-bit); two-pass (fp32)
+    ((1, 64, 512, 512), 16),     # M 1048576: over 1.5 MB, two-pass
     ((2, 24, 5, 7), 3),          # M 280, S 35: vectors straddle two channels
     ((2, 16, 3), 2),             # M 24, S 3: a vector spans several channels
     ((2, 40, 4, 4, 3), 4),       # 5-D, M 480
@@ -159,7 +162,7 @@ FRAMES_MAJOR_CASES = [
     ((2, 64, 25, 4, 4), 8),      # 25 frames, segments of 128
     ((1, 32, 3, 5, 7), 4),       # segments of 280, H * W = 35: vectors straddle two channels
     ((2, 6, 3, 5, 7), 3),        # segments of 70: not whole vectors, computed contiguous and copied
-    ((1, 64, 14, 32, 64), 8),    # groups of 229376 elements: two-pass, copied
+    ((1, 64, 14, 32, 64), 8),    # groups of 229376 elements: cluster of 8 (16-bit), 16 (fp32)
 ]
 
 
@@ -193,6 +196,32 @@ def test_forward_paths(device, shape, groups, dtype):
     assert_close_to(out, reference_group_norm_silu(x.double(), groups), dtype, what="no affine")
 
 
+# Each forward kernel family on its own (VD_GROUP_NORM_KERNEL; a family that does not apply to a
+# shape leaves it to the two-pass path), on the cases above.
+FAMILIES = ["l2", "onchip", "twopass"]
+
+
+@pytest.mark.parametrize("device", CUDA)
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_forward_kernel_families(device, family, dtype, monkeypatch):
+    monkeypatch.setenv("VD_GROUP_NORM_KERNEL", family)
+    torch.manual_seed(0)
+    cases = [(s, g, False) for s, g in FORWARD_CASES] + [(s, g, True) for s, g in FRAMES_MAJOR_CASES]
+    for shape, groups, fm in cases:
+        C = shape[1]
+        if fm:
+            B, _, F, H, W = shape
+            x = frames_major((torch.randn(B, F, C, H, W, device=device) * 3 + 1).to(dtype))
+        else:
+            x = (torch.randn(shape, device=device) * 3 + 1).to(dtype)
+        w, b = torch.randn(C, device=device, dtype=dtype), torch.randn(C, device=device, dtype=dtype)
+        for silu in (True, False):
+            out = group_norm_silu(x, groups, w, b, 1e-5, silu)
+            ref = reference_group_norm_silu(x.double(), groups, w.double(), b.double(), 1e-5, silu)
+            assert_close_to(out, ref, dtype, what=f"{family} {shape} silu={silu}")
+
+
 @pytest.mark.parametrize("device", CUDA)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_misaligned_input(device, dtype):
@@ -206,10 +235,12 @@ def test_misaligned_input(device, dtype):
 
 
 @pytest.mark.parametrize("device", CUDA)
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_cluster_blocks_share_statistics(device, dtype):
+def test_cluster_blocks_share_statistics(device, family, dtype, monkeypatch):
     # Without affine, equal inputs of a group must give equal outputs, bit for bit, whichever block of
     # the cluster holds them: every block must end with the same mean and rstd.
+    monkeypatch.setenv("VD_GROUP_NORM_KERNEL", family)
     torch.manual_seed(0)
     x = torch.randint(0, 5, (2, 320, 72, 128), device=device).to(dtype)
     out = group_norm_silu(x, 32).reshape(2, 32, -1)
@@ -222,10 +253,12 @@ def test_cluster_blocks_share_statistics(device, dtype):
 
 
 @pytest.mark.parametrize("device", CUDA)
-@pytest.mark.parametrize("shape,groups", [((2, 320, 72, 128), 32), ((1, 512, 72, 128), 32)])
-def test_large_mean_small_spread_on_chip(device, shape, groups):
-    # As test_large_mean_small_spread, over a group split across a cluster (and, fp32 (1, 512, ...),
-    # the two-pass path).
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("shape,groups", [((2, 320, 72, 128), 32), ((1, 512, 72, 128), 32), ((1, 64, 256, 256), 8)])
+def test_large_mean_small_spread_on_chip(device, family, shape, groups, monkeypatch):
+    # As test_large_mean_small_spread, over a group split across a cluster (and, where a family does not
+    # take the shape, the two-pass path).
+    monkeypatch.setenv("VD_GROUP_NORM_KERNEL", family)
     torch.manual_seed(0)
     x = torch.randn(shape, device=device) * 0.05 + 1000
     assert_close_to(group_norm_silu(x, groups), reference_group_norm_silu(x.double(), groups), torch.float32,

@@ -24,10 +24,12 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <initializer_list>
 #include <limits>
 #include <map>
 #include <mutex>
+#include <string>
 #include <tuple>
 #include <type_traits>
 
@@ -664,8 +666,9 @@ __device__ __forceinline__ Welford<float> warp_combine_f(Welford<float> s) {
 }
 
 // Merges every thread's state over the cluster; returns the whole group's (mean, m2, n) in every
-// thread, the same bits in every CTA. sh_warp: kFusedWarps slots, sh_cta: this CTA's slot (read by
-// the other CTAs after the barrier).
+// thread, the same bits in every CTA. sh_warp: WARPS slots, sh_cta: this CTA's slot (read by the other
+// CTAs after the barrier).
+template <int WARPS>
 __device__ __forceinline__ Welford<float> cluster_combine(Welford<float> s, int K, Welford<float>* sh_warp,
                                                           Welford<float>* sh_cta) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
@@ -675,7 +678,7 @@ __device__ __forceinline__ Welford<float> cluster_combine(Welford<float> s, int 
   if (threadIdx.x == 0) {
     Welford<float> t = sh_warp[0];
 #pragma unroll
-    for (int i = 1; i < kFusedWarps; ++i) t = combine_f(t, sh_warp[i]);
+    for (int i = 1; i < WARPS; ++i) t = combine_f(t, sh_warp[i]);
     *sh_cta = t;
   }
   cluster_arrive();
@@ -745,6 +748,26 @@ struct GroupPos {
   }
 };
 
+// This CTA's share of its group (versions 3 and 4): group g of sample n starts at element base; the CTA
+// of cluster rank r holds vectors [v0, v0 + part), v0 = r * part, of it; thread t those at v0 + t + k * THREADS,
+// mine of them.
+struct ClusterPart {
+  int64_t g, base;
+  int v0, mine;
+};
+
+template <int THREADS, int VEC, typename A>
+__device__ __forceinline__ ClusterPart cluster_part(const A& a) {
+  const int tid = threadIdx.x;
+  const int64_t ng = blockIdx.x / a.K;
+  const int rank = static_cast<int>(blockIdx.x % a.K);
+  const int64_t g = ng % a.G;
+  const int Mv = a.M / VEC;
+  const int v0 = rank * a.part;
+  const int v1 = v0 + a.part < Mv ? v0 + a.part : Mv;
+  return {g, (ng / a.G) * a.nstride + g * a.seg, v0, v1 - v0 > tid ? (v1 - v0 - tid + THREADS - 1) / THREADS : 0};
+}
+
 template <int V>
 constexpr int fused_min_blocks() {
   // Register budget per thread (65536 / (256 * blocks)): data are 4 registers per vector; V = 8 needs
@@ -752,18 +775,47 @@ constexpr int fused_min_blocks() {
   return V <= 4 ? 6 : 3;
 }
 
-// The store pass of fused_rows_kernel: y = act((x - pivot) * a_c + b_c) from the registers; SILU as a
-// template argument keeps the choice out of the per-element code.
+// One output vector: y = act((x - pivot) * a_c + b_c) for the input vector `in` at group position p, or
+// without SHIFT y = act(x * a_c + b_c) (b_c then holds the pivot's share); SILU and SHIFT as template
+// arguments keep the choices out of the per-element code.
+template <typename scalar_t, bool SILU, bool SHIFT = true, typename A>
+__device__ __forceinline__ uint4 norm_vec(const uint4& in, const GroupPos& p, const A& a, float pivot,
+                                          const float* sh_chan) {
+  constexpr int VEC = max_vec<scalar_t>();
+  auto f = [&](float x, float ac, float bc) {
+    const float z = fmaf(SHIFT ? x - pivot : x, ac, bc);
+    return SILU ? silu_fast(z) : z;
+  };
+  uint4 o;
+  if (a.S % VEC == 0) {  // a vector never straddles two channels
+    const float ac = sh_chan[p.c], bc = sh_chan[a.cpg + p.c];
+#pragma unroll
+    for (int j = 0; j < VEC; j += 2)
+      store_pair<scalar_t>(o, j / 2, f(elt_to_float<scalar_t>(in, j), ac, bc), f(elt_to_float<scalar_t>(in, j + 1), ac, bc));
+  } else {
+    // Within one segment (the host asks seg % VEC == 0), channel by channel.
+    int cj = p.c, rj = p.r;
+    float y[VEC];
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      y[j] = f(elt_to_float<scalar_t>(in, j), sh_chan[cj], sh_chan[a.cpg + cj]);
+      if (++rj == a.S) {
+        rj = 0;
+        ++cj;
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < VEC; j += 2) store_pair<scalar_t>(o, j / 2, y[j], y[j + 1]);
+  }
+  return o;
+}
+
+// The store pass of fused_rows_kernel, from the registers.
 template <typename scalar_t, int V, bool SILU>
 __device__ __forceinline__ void store_pass(const FusedArgs<scalar_t>& a, const uint4 (&buf)[V], int mine,
                                            int64_t base, int v0, float pivot, const float* sh_chan) {
   constexpr int VEC = max_vec<scalar_t>();
   const int tid = threadIdx.x;
-  auto f = [&](float x, float ac, float bc) {
-    const float z = fmaf(x - pivot, ac, bc);
-    return SILU ? silu_fast(z) : z;
-  };
-  const bool whole = a.S % VEC == 0;  // a vector never straddles two channels
   // Positions again, from laundered inputs: otherwise the compiler keeps the load pass's V offsets
   // live through the statistics (spilling under the register budget).
   unsigned e0 = (v0 + tid) * VEC;
@@ -771,31 +823,9 @@ __device__ __forceinline__ void store_pass(const FusedArgs<scalar_t>& a, const u
   GroupPos p(e0, a);
 #pragma unroll
   for (int k = 0; k < V; ++k) {
-    if (k < mine) {
-      uint4 o;
-      if (whole) {
-        const float ac = sh_chan[p.c], bc = sh_chan[a.cpg + p.c];
-#pragma unroll
-        for (int j = 0; j < VEC; j += 2)
-          store_pair<scalar_t>(o, j / 2, f(elt_to_float<scalar_t>(buf[k], j), ac, bc),
-                               f(elt_to_float<scalar_t>(buf[k], j + 1), ac, bc));
-      } else {
-        // Within one segment (the host asks seg % VEC == 0), channel by channel.
-        int cj = p.c, rj = p.r;
-        float y[VEC];
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) {
-          y[j] = f(elt_to_float<scalar_t>(buf[k], j), sh_chan[cj], sh_chan[a.cpg + cj]);
-          if (++rj == a.S) {
-            rj = 0;
-            ++cj;
-          }
-        }
-#pragma unroll
-        for (int j = 0; j < VEC; j += 2) store_pair<scalar_t>(o, j / 2, y[j], y[j + 1]);
-      }
-      *reinterpret_cast<uint4*>(a.out + base + p.offset(a.fstride, a.S)) = o;
-    }
+    if (k < mine)
+      *reinterpret_cast<uint4*>(a.out + base + p.offset(a.fstride, a.S)) =
+          norm_vec<scalar_t, SILU>(buf[k], p, a, pivot, sh_chan);
     p.advance(a);
   }
 }
@@ -809,14 +839,7 @@ __global__ void __launch_bounds__(kFusedThreads, fused_min_blocks<V>())
   __shared__ Welford<float> sh_cta;
 
   const int tid = threadIdx.x;
-  const int64_t ng = blockIdx.x / a.K;
-  const int rank = static_cast<int>(blockIdx.x % a.K);
-  const int64_t g = ng % a.G;
-  const int64_t base = (ng / a.G) * a.nstride + g * a.seg;
-  const int Mv = a.M / VEC;
-  const int v0 = rank * a.part;
-  const int v1 = v0 + a.part < Mv ? v0 + a.part : Mv;
-  const int mine = v1 - v0 > tid ? (v1 - v0 - tid + kFusedThreads - 1) / kFusedThreads : 0;  // my vectors
+  const auto [g, base, v0, mine] = cluster_part<kFusedThreads, VEC>(a);
   uint4 buf[V];
   {
     GroupPos p(static_cast<unsigned>((v0 + tid) * VEC), a);
@@ -848,7 +871,7 @@ __global__ void __launch_bounds__(kFusedThreads, fused_min_blocks<V>())
         q = fmaf(d, d, q);
       }
     }
-  const Welford<float> st = cluster_combine({m, q, n}, a.K, sh_warp, &sh_cta);
+  const Welford<float> st = cluster_combine<kFusedWarps>({m, q, n}, a.K, sh_warp, &sh_cta);
   // Done reading the other CTAs' shared memory; the matching wait is just before exit, so no CTA
   // leaves while its state may still be read.
   cluster_arrive();
@@ -868,6 +891,177 @@ __global__ void __launch_bounds__(kFusedThreads, fused_min_blocks<V>())
   cluster_wait();
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// Version 4 forward ("l2"), NC* and frames-major with 16-byte vectors: x is read twice but leaves
+// DRAM once. Version 3 holds a CTA's part of the group in registers, so a CTA issues its loads once
+// and then waits through the reduction and its stores: at 3 CTAs an SM the DRAM pipe idles between
+// those phases (45-54 % of the copy rate). Here the cluster's K CTAs stream their parts twice
+// through the cache: pass 1 reads with an L2 evict-last hint and reduces, pass 2 reads the same lines
+// back with evict-first (they are still in L2: a part is at most 96 KB, so the resident parts stay
+// well inside the 50 MB L2), normalizes and stores with evict-first. Each thread keeps U vectors in
+// flight per step in both passes, and two CTAs at different phases share an SM. Statistics: shifted
+// sums over each batch of U vectors (about the batch's first element), closed into a (mean, m2, n)
+// state of x - pivot and merged with Chan's formula, threads and CTAs in a fixed order: every CTA of
+// the cluster gets the same bits. Loops run whole batches without per-vector predicates, then the
+// rest: the first version of this kernel (per-vector predicates, two-pass batches) spent 42
+// instructions an element and was issue-bound (ncu: issue 75 %, DRAM 34 %); this one ~27.
+
+constexpr int kL2Threads = 512;  // two CTAs an SM
+constexpr int kL2Unroll = 8;
+// A CTA's part: 2 CTAs an SM keep at most 132 * 2 * 96 KB = 25 MB of x waiting in L2 for pass 2.
+constexpr int64_t kL2PartBytes = 96 * 1024;
+
+// L2 eviction-priority policies (sm_80+) and the loads / stores that carry them.
+__device__ __forceinline__ uint64_t l2_evict_last() {
+  uint64_t p = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(p));
+#endif
+  return p;
+}
+
+__device__ __forceinline__ uint64_t l2_evict_first() {
+  uint64_t p = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
+#endif
+  return p;
+}
+
+__device__ __forceinline__ uint4 load_hint(const void* ptr, uint64_t policy) {
+  uint4 r;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("ld.global.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "l"(ptr), "l"(policy));
+#else
+  (void)policy;
+  r = *reinterpret_cast<const uint4*>(ptr);
+#endif
+  return r;
+}
+
+__device__ __forceinline__ void store_hint(void* ptr, const uint4& v, uint64_t policy) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("st.global.L1::no_allocate.L2::cache_hint.v4.u32 [%0], {%1, %2, %3, %4}, %5;"
+               :
+               : "l"(ptr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w), "l"(policy)
+               : "memory");
+#else
+  (void)policy;
+  *reinterpret_cast<uint4*>(ptr) = v;
+#endif
+}
+
+// Shifted sums of one vector's elements: d = x - shift, s1 += d, s2 += d * d.
+template <typename scalar_t>
+__device__ __forceinline__ void add_vec(const uint4& r, float shift, float& s1, float& s2) {
+#pragma unroll
+  for (int j = 0; j < max_vec<scalar_t>(); ++j) {
+    const float d = elt_to_float<scalar_t>(r, j) - shift;
+    s1 += d;
+    s2 = fmaf(d, d, s2);
+  }
+}
+
+// Closes a batch of shifted sums over n elements into st (statistics of x - pivot).
+__device__ __forceinline__ void close_batch(Welford<float>& st, float s1, float s2, float n, float shift, float pivot) {
+  const float m = __fdividef(s1, n);
+  st = combine_f(st, {(shift - pivot) + m, fmaxf(fmaf(-s1, m, s2), 0.f), n});
+}
+
+template <typename scalar_t, bool SILU>
+__global__ void __launch_bounds__(kL2Threads, 2) l2_rows_kernel(FusedArgs<scalar_t> a) {
+  constexpr int THREADS = kL2Threads;
+  constexpr int VEC = max_vec<scalar_t>();
+  constexpr int U = kL2Unroll;
+  // 16-bit inputs fold the pivot into b_c (z = x * a_c + b_c): the rounding this adds, 2^-24 of |mean| /
+  // std, is 2^-16 of what the input format's own rounding already carries. fp32 keeps x - pivot.
+  constexpr bool kShift = sizeof(scalar_t) > 2;
+  extern __shared__ float sh_chan[];  // [0, cpg): a_c = rstd * gamma, [cpg, 2 cpg): b_c
+  __shared__ Welford<float> sh_warp[THREADS / 32];
+  __shared__ Welford<float> sh_cta;
+
+  const int tid = threadIdx.x;
+  const auto [g, base, v0, mine] = cluster_part<THREADS, VEC>(a);
+  const int full = mine / U * U;  // vectors in whole batches of U
+  const unsigned e0 = static_cast<unsigned>((v0 + tid) * VEC);
+  const float pivot = static_cast<float>(a.x[base]);
+  const uint64_t keep = l2_evict_last(), drop = l2_evict_first();
+
+  // Pass 1: batches of U vectors (all loads in flight, then shifted sums about the batch's first
+  // element), then the remaining vectors as one more batch.
+  Welford<float> st{0.f, 0.f, 0.f};
+  {
+    GroupPos p(e0, a);
+    int k = 0;
+    for (; k < full; k += U) {
+      uint4 buf[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        buf[u] = load_hint(a.x + base + p.offset(a.fstride, a.S), keep);
+        p.advance(a);
+      }
+      const float shift = elt_to_float<scalar_t>(buf[0], 0);
+      float s1 = 0.f, s2 = 0.f;
+#pragma unroll
+      for (int u = 0; u < U; ++u) add_vec<scalar_t>(buf[u], shift, s1, s2);
+      close_batch(st, s1, s2, static_cast<float>(U * VEC), shift, pivot);
+    }
+    if (k < mine) {
+      float shift = 0.f, s1 = 0.f, s2 = 0.f;
+      for (int i = k; i < mine; ++i) {
+        const uint4 r = load_hint(a.x + base + p.offset(a.fstride, a.S), keep);
+        p.advance(a);
+        if (i == k) shift = elt_to_float<scalar_t>(r, 0);
+        add_vec<scalar_t>(r, shift, s1, s2);
+      }
+      close_batch(st, s1, s2, static_cast<float>((mine - k) * VEC), shift, pivot);
+    }
+  }
+  st = cluster_combine<THREADS / 32>(st, a.K, sh_warp, &sh_cta);
+  cluster_arrive();  // done reading the other CTAs' shared memory; the wait is just before exit
+
+  const float rstd = rsqrtf(__fdividef(st.m2, st.n) + static_cast<float>(a.eps));
+  const float shift_c = kShift ? st.mean : st.mean + pivot;  // b_c = beta_c - shift_c * a_c
+  const int64_t c0 = g * a.cpg;
+  for (int c = tid; c < a.cpg; c += THREADS) {
+    const float ac = rstd * (a.w ? static_cast<float>(a.w[c0 + c]) : 1.f);
+    sh_chan[c] = ac;
+    sh_chan[a.cpg + c] = fmaf(-shift_c, ac, a.b ? static_cast<float>(a.b[c0 + c]) : 0.f);
+  }
+  __syncthreads();
+
+  // Pass 2: the same vectors again (from L2), normalized and stored; whole batches, then the rest.
+  {
+    GroupPos p(e0, a);
+    int k = 0;
+    for (; k < full; k += U) {
+      uint4 buf[U];
+      const GroupPos p0 = p;
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        buf[u] = load_hint(a.x + base + p.offset(a.fstride, a.S), drop);
+        p.advance(a);
+      }
+      GroupPos q = p0;
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        store_hint(a.out + base + q.offset(a.fstride, a.S),
+                   norm_vec<scalar_t, SILU, kShift>(buf[u], q, a, pivot, sh_chan), drop);
+        q.advance(a);
+      }
+    }
+    for (; k < mine; ++k) {
+      const int64_t off = base + p.offset(a.fstride, a.S);
+      store_hint(a.out + off, norm_vec<scalar_t, SILU, kShift>(load_hint(a.x + off, drop), p, a, pivot, sh_chan),
+                 drop);
+      p.advance(a);
+    }
+  }
+  cluster_wait();
+}
 
 // ---------------------------------------------------------------------------------------------
 // Host side.
@@ -965,51 +1159,153 @@ FusedPlan plan_fused(int64_t M, int64_t seg, int64_t cpg, int vec) {
   return p;
 }
 
-// Whether `kernel` can run in clusters of K CTAs on `device`: its binary holds the cluster code
-// (built for sm_90 or later) and the device can place at least one such cluster. Cached: the answer
-// depends only on the kernel, K and the device.
+// Whether `kernel` can run in clusters of K CTAs of `threads` threads and `smem` bytes of dynamic
+// shared memory on `device`: its binary holds the cluster code (built for sm_90 or later) and the
+// device can place at least one such cluster. Allows clusters of 16 (over the portable 8) on the
+// kernel first. Cached: the answer depends only on these.
 template <typename Kernel>
-bool cluster_ok(Kernel kernel, int K, int device) {
-  if (K == 1) return true;
+bool cluster_ok(Kernel kernel, int K, int device, int threads, size_t smem) {
   static std::mutex mu;
-  static std::map<std::tuple<const void*, int, int>, bool> cache;
-  const auto key = std::make_tuple(reinterpret_cast<const void*>(kernel), K, device);
+  static std::map<std::tuple<const void*, int, int, int, size_t>, bool> cache;
+  const auto key = std::make_tuple(reinterpret_cast<const void*>(kernel), K, device, threads, smem);
   const std::lock_guard<std::mutex> lock(mu);
   const auto it = cache.find(key);
   if (it != cache.end()) return it->second;
-  cudaFuncAttributes fa{};
-  C10_CUDA_CHECK(cudaFuncGetAttributes(&fa, kernel));
-  bool ok = fa.binaryVersion >= 90;
-  if (ok) {
-    cudaLaunchConfig_t cfg{};
-    cfg.gridDim = dim3(K);
-    cfg.blockDim = dim3(kFusedThreads);
-    cfg.dynamicSmemBytes = 2 * kFusedMaxCpg * sizeof(float);  // the most any launch asks for
-    cudaLaunchAttribute at{};
-    at.id = cudaLaunchAttributeClusterDimension;
-    at.val.clusterDim.x = K;
-    at.val.clusterDim.y = 1;
-    at.val.clusterDim.z = 1;
-    cfg.attrs = &at;
-    cfg.numAttrs = 1;
-    int clusters = 0;
-    if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) != cudaSuccess) {
-      (void)cudaGetLastError();  // a refused query is an answer (no), not an error to carry on
-      clusters = 0;
+  bool ok = true;
+  if (K > 1) {
+    cudaFuncAttributes fa{};
+    C10_CUDA_CHECK(cudaFuncGetAttributes(&fa, kernel));
+    ok = fa.binaryVersion >= 90;
+    if (ok && K > 8 && cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess) {
+      (void)cudaGetLastError();  // a refusal is an answer (no), not an error to carry on
+      ok = false;
     }
-    ok = clusters > 0;
+    if (ok) {
+      cudaLaunchConfig_t cfg{};
+      cfg.gridDim = dim3(K);
+      cfg.blockDim = dim3(threads);
+      cfg.dynamicSmemBytes = smem;
+      cudaLaunchAttribute at{};
+      at.id = cudaLaunchAttributeClusterDimension;
+      at.val.clusterDim.x = K;
+      at.val.clusterDim.y = 1;
+      at.val.clusterDim.z = 1;
+      cfg.attrs = &at;
+      cfg.numAttrs = 1;
+      int clusters = 0;
+      if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) != cudaSuccess) {
+        (void)cudaGetLastError();
+        clusters = 0;
+      }
+      ok = clusters > 0;
+    }
   }
   cache.emplace(key, ok);
   return ok;
 }
 
-// Runs version 3 when the shape, dtype and alignment allow it; false leaves the work to version 1.
+// Which forward kernels may run. VD_GROUP_NORM_KERNEL=l2|onchip|twopass restricts the choice to one
+// family (benchmarks compare them in one process); unset: as measured (bench/notes/norm_and_elementwise.md),
+// version 4 first, version 3 first for inputs under kSmallBytes, then version 1.
+enum class GNKernels { kAny, kL2, kOnChip, kTwoPass };
+// Under this many bytes of x, version 3's shorter CTAs beat version 4 by 1-2 us (H200).
+constexpr int64_t kSmallBytes = 16 << 20;
+
+GNKernels gn_kernels() {
+  const char* e = std::getenv("VD_GROUP_NORM_KERNEL");
+  if (e == nullptr) return GNKernels::kAny;
+  const std::string v(e);
+  if (v == "l2") return GNKernels::kL2;
+  if (v == "onchip") return GNKernels::kOnChip;
+  if (v == "twopass") return GNKernels::kTwoPass;
+  return GNKernels::kAny;
+}
+
+// The arguments of versions 3 and 4 for `threads` threads a CTA and K CTAs a group of part vectors each.
+template <typename scalar_t>
+FusedArgs<scalar_t> fused_args(const GNShape& s, int64_t F, const scalar_t* x, scalar_t* out, const scalar_t* w,
+                               const scalar_t* b, double eps, bool silu, int threads, int K, int64_t part) {
+  constexpr int kVec = max_vec<scalar_t>();
+  const int64_t cpg = s.C / s.G, S = s.S / F, seg = cpg * S;
+  FusedArgs<scalar_t> a{};
+  a.x = x;
+  a.out = out;
+  a.w = w;
+  a.b = b;
+  a.G = s.G;
+  a.nstride = s.C * s.S;
+  a.fstride = s.C * S;
+  a.cpg = static_cast<int>(cpg);
+  a.S = static_cast<int>(S);
+  a.seg = static_cast<int>(seg);
+  a.M = static_cast<int>(F * seg);
+  a.div_S = at::cuda::detail::IntDivider<unsigned>(static_cast<unsigned>(S));
+  a.div_cpg = at::cuda::detail::IntDivider<unsigned>(static_cast<unsigned>(cpg));
+  const int64_t step = static_cast<int64_t>(threads) * kVec;
+  a.step_r = static_cast<int>(step % S);
+  a.step_c = static_cast<int>(step / S % cpg);
+  a.step_f = static_cast<int>(step / S / cpg);
+  a.K = K;
+  a.part = static_cast<int>(part);
+  a.eps = eps;
+  a.silu = silu;
+  return a;
+}
+
+// Launches `kernel` over N * G * K CTAs in clusters of K.
+template <typename Kernel, typename Args>
+void launch_clusters(Kernel kernel, const Args& a, int64_t groups, int K, int threads, size_t smem,
+                     cudaStream_t stream) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(grid_of(groups * K, kOp));
+  cfg.blockDim = dim3(threads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute at{};
+  at.id = cudaLaunchAttributeClusterDimension;
+  at.val.clusterDim.x = K;
+  at.val.clusterDim.y = 1;
+  at.val.clusterDim.z = 1;
+  cfg.attrs = &at;
+  cfg.numAttrs = K > 1 ? 1 : 0;  // no cluster attribute at all for K = 1: pre-sm_90 devices reject it
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, a));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// Runs version 4 when the shape, dtype and alignment allow it; false leaves the work to the others.
 // F: the frames of a frames-major x (its groups are F segments), else 1.
+template <typename scalar_t>
+bool forward_l2(const GNShape& s, int64_t F, const scalar_t* x, scalar_t* out, const scalar_t* w, const scalar_t* b,
+                double eps, bool silu, bool vec, int device, cudaStream_t stream) {
+  if constexpr (std::is_same_v<scalar_t, double>) {
+    return false;  // float statistics only; fp64 keeps the double-precision path
+  } else {
+    constexpr int kVec = max_vec<scalar_t>();
+    if (s.channels_last || !vec) return false;
+    const int64_t cpg = s.C / s.G, seg = cpg * (s.S / F), M = F * seg;
+    if (seg % kVec != 0 || cpg > kFusedMaxCpg) return false;
+    // The smallest cluster (up to 16 CTAs) whose parts fit kL2PartBytes. Larger groups go elsewhere:
+    // clusters of 16 CTAs that each hold one SM (parts up to 192 KB, 21 MB in L2) measured slower
+    // than the two-pass path (0.20-0.22 vs 0.196 ms on (2, 320, 14, 72, 128) frames-major, H200).
+    const int64_t bytes = M * static_cast<int64_t>(sizeof(scalar_t));
+    int K = 1;
+    while (K < 16 && ceil_div(bytes, K) > kL2PartBytes) K *= 2;
+    if (ceil_div(bytes, K) > kL2PartBytes) return false;
+    const size_t smem = 2 * cpg * sizeof(float);
+    auto kernel = silu ? l2_rows_kernel<scalar_t, true> : l2_rows_kernel<scalar_t, false>;
+    if (!cluster_ok(kernel, K, device, kL2Threads, smem)) return false;
+    const auto a = fused_args(s, F, x, out, w, b, eps, silu, kL2Threads, K, ceil_div(M / kVec, K));
+    launch_clusters(kernel, a, s.N * s.G, K, kL2Threads, smem, stream);
+    return true;
+  }
+}
+
+// Runs version 3 when the shape, dtype and alignment allow it; false leaves the work to version 1.
 template <typename scalar_t>
 bool forward_fused(const GNShape& s, int64_t F, const scalar_t* x, scalar_t* out, const scalar_t* w,
                    const scalar_t* b, double eps, bool silu, bool vec, int device, cudaStream_t stream) {
   if constexpr (std::is_same_v<scalar_t, double>) {
-    return false;  // float statistics only; fp64 keeps the double-precision path
+    return false;
   } else {
     constexpr int kVec = max_vec<scalar_t>();
     if (s.channels_last || !vec) return false;
@@ -1019,43 +1315,10 @@ bool forward_fused(const GNShape& s, int64_t F, const scalar_t* x, scalar_t* out
     auto kernel = p.V == 4 ? fused_rows_kernel<scalar_t, 4>
                 : p.V == 8 ? fused_rows_kernel<scalar_t, 8>
                            : fused_rows_kernel<scalar_t, 12>;
-    if (!cluster_ok(kernel, p.K, device)) return false;
-    FusedArgs<scalar_t> a{};
-    a.x = x;
-    a.out = out;
-    a.w = w;
-    a.b = b;
-    a.G = s.G;
-    a.nstride = s.C * s.S;
-    a.fstride = s.C * S;
-    a.cpg = static_cast<int>(cpg);
-    a.S = static_cast<int>(S);
-    a.seg = static_cast<int>(seg);
-    a.M = static_cast<int>(F * seg);
-    a.div_S = at::cuda::detail::IntDivider<unsigned>(static_cast<unsigned>(S));
-    a.div_cpg = at::cuda::detail::IntDivider<unsigned>(static_cast<unsigned>(cpg));
-    const int64_t step = static_cast<int64_t>(kFusedThreads) * kVec;
-    a.step_r = static_cast<int>(step % S);
-    a.step_c = static_cast<int>(step / S % cpg);
-    a.step_f = static_cast<int>(step / S / cpg);
-    a.K = p.K;
-    a.part = p.part;
-    a.eps = eps;
-    a.silu = silu;
-    cudaLaunchConfig_t cfg{};
-    cfg.gridDim = dim3(grid_of(s.N * s.G * p.K, kOp));
-    cfg.blockDim = dim3(kFusedThreads);
-    cfg.dynamicSmemBytes = 2 * cpg * sizeof(float);
-    cfg.stream = stream;
-    cudaLaunchAttribute at{};
-    at.id = cudaLaunchAttributeClusterDimension;
-    at.val.clusterDim.x = p.K;
-    at.val.clusterDim.y = 1;
-    at.val.clusterDim.z = 1;
-    cfg.attrs = &at;
-    cfg.numAttrs = p.K > 1 ? 1 : 0;  // no cluster attribute at all for K = 1: pre-sm_90 devices reject it
-    C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, a));
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    // The occupancy query asks for the most shared memory any launch of this kernel does.
+    if (!cluster_ok(kernel, p.K, device, kFusedThreads, 2 * kFusedMaxCpg * sizeof(float))) return false;
+    const auto a = fused_args(s, F, x, out, w, b, eps, silu, kFusedThreads, p.K, p.part);
+    launch_clusters(kernel, a, s.N * s.G, p.K, kFusedThreads, 2 * cpg * sizeof(float), stream);
     return true;
   }
 }
@@ -1098,7 +1361,16 @@ at::Tensor group_norm_silu_cuda(const at::Tensor& x_in, int64_t num_groups, cons
       a.F = x.size(2);
       a.S = s.S / a.F;
     }
-    if (forward_fused<scalar_t>(s, a.F, a.x, a.out, a.w, a.b, eps, silu, vec, x.get_device(), stream)) return;
+    const GNKernels use = gn_kernels();
+    const bool any = use == GNKernels::kAny;
+    auto l2 = [&] { return forward_l2<scalar_t>(s, a.F, a.x, a.out, a.w, a.b, eps, silu, vec, x.get_device(), stream); };
+    auto onchip = [&] {
+      return forward_fused<scalar_t>(s, a.F, a.x, a.out, a.w, a.b, eps, silu, vec, x.get_device(), stream);
+    };
+    const bool small = x.numel() * static_cast<int64_t>(sizeof(scalar_t)) < kSmallBytes;
+    if (any && small && onchip()) return;
+    if ((any || use == GNKernels::kL2) && l2()) return;
+    if ((any || use == GNKernels::kOnChip) && onchip()) return;
     const auto acc_opts = x.options().dtype(c10::CppTypeToScalarType<acc_t>::value);
     at::Tensor mean = at::empty({2, s.N * s.G}, acc_opts), rstd = at::empty({s.N * s.G}, acc_opts);
     L::stats(a, s.channels_last, vec, eps, mean, rstd, stream);
