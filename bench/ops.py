@@ -1,6 +1,7 @@
 """Benchmarks of the non-attention vd ops against eager PyTorch and inductor, on video UNet/VAE shapes.
 
     python bench/ops.py [--ops group_norm_silu,scheduler_step,conv_bn_silu,temporal_conv] [--dtype bf16]
+                        [--gn-variants]
 
 Per shape: eager, inductor (torch.compile of the same eager code), ours — ms, GB/s or TFLOP/s, % of the
 measured ceiling, ratios. JSON goes to bench/results/.
@@ -43,16 +44,33 @@ def _row(name, eager_ms, inductor_ms, ours_ms, work, unit, ceiling):
     return r
 
 
-def bench_group_norm_silu(dtype, dev, ceil, backward=False):
-    shapes = [("unet-320", (28, 320, 72, 128)), ("unet-640", (28, 640, 36, 64)), ("unet-1280", (28, 1280, 18, 32)),
-              ("vae-512", (14, 512, 72, 128)), ("vae-128-full", (14, 128, 576, 1024))]
+# group_norm_silu's forward kernel families (VD_GROUP_NORM_KERNEL, read by the op on every call):
+# "l2" (version 4), "onchip" (version 3) and "twopass" (version 1), each where it applies.
+GN_VARIANTS = ("l2", "onchip", "twopass")
+
+
+def bench_group_norm_silu(dtype, dev, ceil, variants=False):
+    # (name, shape, frames): frames > 0 is a frames-major (B, C, F, H, W) view of (B, F, C, H, W) memory,
+    # what SVD's temporal res blocks pass (shape is then (B, C, F, H, W)).
+    shapes = [("unet-320", (28, 320, 72, 128), 0), ("unet-640", (28, 640, 36, 64), 0),
+              ("unet-1280", (28, 1280, 18, 32), 0), ("unet-960", (28, 960, 72, 128), 0),
+              ("vae-512", (14, 512, 72, 128), 0), ("vae-128-full", (14, 128, 576, 1024), 0),
+              ("temporal-320", (2, 320, 14, 72, 128), 14), ("temporal-640", (2, 640, 14, 36, 64), 14),
+              ("temporal-1280", (2, 1280, 14, 18, 32), 14), ("unet256-320", (14, 320, 32, 32), 0),
+              ("temporal256-320", (1, 320, 14, 32, 32), 14)]
     rows = []
     for cl in (False, True):
-        for name, shape in shapes:
+        for name, shape, frames in shapes:
+            if cl and (frames or name.startswith("unet256")):
+                continue
             numel = torch.Size(shape).numel()
             per = 2 * numel * _elt(dtype)
             n_sets = rotation_sets(per // 2, dev) if per < 2**30 else 1
-            xs = [torch.randn(shape, device=dev, dtype=dtype) for _ in range(n_sets)]
+            if frames:
+                B, C, F_, H, W = shape
+                xs = [torch.randn(B, F_, C, H, W, device=dev, dtype=dtype).transpose(1, 2) for _ in range(n_sets)]
+            else:
+                xs = [torch.randn(shape, device=dev, dtype=dtype) for _ in range(n_sets)]
             if cl:
                 xs = [x.to(memory_format=torch.channels_last) for x in xs]
             C = shape[1]
@@ -68,6 +86,16 @@ def bench_group_norm_silu(dtype, dev, ceil, backward=False):
             err = (torch.ops.vd.group_norm_silu(xs[0], 32, w, b, 1e-5, True).float() - ref).abs().max().item()
             r = _row(name + ("-cl" if cl else ""), e, n, o, per, "GBps", ceil)
             r["max_err"] = err
+            if variants and not cl:
+                for v in GN_VARIANTS:
+                    os.environ["VD_GROUP_NORM_KERNEL"] = v
+                    try:
+                        r[f"{v}_ms"] = time_cuda(lambda i: torch.ops.vd.group_norm_silu(xs[i], 32, w, b, 1e-5, True),
+                                                 n_sets)
+                        got = torch.ops.vd.group_norm_silu(xs[0], 32, w, b, 1e-5, True).float()
+                        r[f"{v}_max_err"] = (got - ref).abs().max().item()
+                    finally:
+                        del os.environ["VD_GROUP_NORM_KERNEL"]
             rows.append(r)
             del xs
             torch.cuda.empty_cache()
@@ -155,6 +183,8 @@ def main():
     p = argparse.ArgumentParser(description="vd op benchmarks vs eager and inductor")
     p.add_argument("--ops", default="group_norm_silu,scheduler_step,conv_bn_silu,temporal_conv")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    p.add_argument("--gn-variants", action="store_true",
+                   help="also time each group_norm_silu forward kernel family on its own (NC* shapes)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/ops.py needs a CUDA device")
@@ -170,7 +200,7 @@ def main():
     for op in args.ops.split(","):
         try:
             if op == "group_norm_silu":
-                rows = bench_group_norm_silu(dtype, dev, ceil.get("copy_GBps"))
+                rows = bench_group_norm_silu(dtype, dev, ceil.get("copy_GBps"), args.gn_variants)
             elif op == "scheduler_step":
                 rows = bench_scheduler_step(dtype, dev, ceil.get("copy_GBps"))
             elif op == "conv_bn_silu":
@@ -185,6 +215,9 @@ def main():
             continue
         print(f"\n{op} ({args.dtype})")
         print_table(rows, cols)
+        if op == "group_norm_silu" and args.gn_variants:
+            print_table(rows, [("shape", "shape", "")] + [(f"{v}_ms", f"{v} ms", ".3f") for v in GN_VARIANTS]
+                        + [(f"{v}_max_err", f"{v} err", ".1e") for v in GN_VARIANTS])
         payload[op] = rows
     print("wrote", write_json(f"ops_{args.dtype}", payload))
 
