@@ -620,9 +620,9 @@ struct FusedArgs {
   int64_t G;
   int64_t nstride;    // elements between samples
   int64_t fstride;    // elements between a group's segments (F > 1)
-  int cpg, S, seg, M; // seg = cpg * S, M = F * seg < 2^31: the host only takes groups that fit on chip
+  int cpg, S, seg, M; // seg = cpg * S, M = F * seg < 2^31: the host only takes groups of a few MB
   at::cuda::detail::IntDivider<unsigned> div_S, div_cpg;  // multiply-shift division by S and cpg
-  int step_f, step_c, step_r;  // kFusedThreads * VEC elements as (segments, channels, offset)
+  int step_f, step_c, step_r;  // (threads a CTA) * VEC elements as (segments, channels, offset)
   int K;              // CTAs per group (the cluster size)
   int part;           // vectors per CTA; the last CTA of a group may hold fewer
   double eps;
@@ -768,6 +768,21 @@ __device__ __forceinline__ ClusterPart cluster_part(const A& a) {
   return {g, (ng / a.G) * a.nstride + g * a.seg, v0, v1 - v0 > tid ? (v1 - v0 - tid + THREADS - 1) / THREADS : 0};
 }
 
+// The per-channel table of group g from its statistics st: sh_chan[c] = a_c = rstd * gamma_c and
+// sh_chan[cpg + c] = b_c = beta_c - shift * a_c, then a block barrier.
+template <int THREADS, typename A>
+__device__ __forceinline__ void fill_channel_table(const A& a, int64_t g, const Welford<float>& st, float shift,
+                                                   float* sh_chan) {
+  const float rstd = rsqrtf(__fdividef(st.m2, st.n) + static_cast<float>(a.eps));
+  const int64_t c0 = g * a.cpg;
+  for (int c = threadIdx.x; c < a.cpg; c += THREADS) {
+    const float ac = rstd * (a.w ? static_cast<float>(a.w[c0 + c]) : 1.f);
+    sh_chan[c] = ac;
+    sh_chan[a.cpg + c] = fmaf(-shift, ac, a.b ? static_cast<float>(a.b[c0 + c]) : 0.f);
+  }
+  __syncthreads();
+}
+
 template <int V>
 constexpr int fused_min_blocks() {
   // Register budget per thread (65536 / (256 * blocks)): data are 4 registers per vector; V = 8 needs
@@ -876,15 +891,7 @@ __global__ void __launch_bounds__(kFusedThreads, fused_min_blocks<V>())
   // leaves while its state may still be read.
   cluster_arrive();
 
-  const float mean_d = st.mean;
-  const float rstd = rsqrtf(__fdividef(st.m2, st.n) + static_cast<float>(a.eps));
-  const int64_t c0 = g * a.cpg;
-  for (int c = tid; c < a.cpg; c += kFusedThreads) {
-    const float ac = rstd * (a.w ? static_cast<float>(a.w[c0 + c]) : 1.f);
-    sh_chan[c] = ac;
-    sh_chan[a.cpg + c] = fmaf(-mean_d, ac, a.b ? static_cast<float>(a.b[c0 + c]) : 0.f);
-  }
-  __syncthreads();
+  fill_channel_table<kFusedThreads>(a, g, st, st.mean, sh_chan);
 
   if (a.silu) store_pass<scalar_t, V, true>(a, buf, mine, base, v0, pivot, sh_chan);
   else store_pass<scalar_t, V, false>(a, buf, mine, base, v0, pivot, sh_chan);
@@ -1023,15 +1030,7 @@ __global__ void __launch_bounds__(kL2Threads, 2) l2_rows_kernel(FusedArgs<scalar
   st = cluster_combine<THREADS / 32>(st, a.K, sh_warp, &sh_cta);
   cluster_arrive();  // done reading the other CTAs' shared memory; the wait is just before exit
 
-  const float rstd = rsqrtf(__fdividef(st.m2, st.n) + static_cast<float>(a.eps));
-  const float shift_c = kShift ? st.mean : st.mean + pivot;  // b_c = beta_c - shift_c * a_c
-  const int64_t c0 = g * a.cpg;
-  for (int c = tid; c < a.cpg; c += THREADS) {
-    const float ac = rstd * (a.w ? static_cast<float>(a.w[c0 + c]) : 1.f);
-    sh_chan[c] = ac;
-    sh_chan[a.cpg + c] = fmaf(-shift_c, ac, a.b ? static_cast<float>(a.b[c0 + c]) : 0.f);
-  }
-  __syncthreads();
+  fill_channel_table<THREADS>(a, g, st, kShift ? st.mean : st.mean + pivot, sh_chan);
 
   // Pass 2: the same vectors again (from L2), normalized and stored; whole batches, then the rest.
   {
@@ -1159,46 +1158,50 @@ FusedPlan plan_fused(int64_t M, int64_t seg, int64_t cpg, int vec) {
   return p;
 }
 
+// The launch attribute for clusters of K CTAs along x.
+inline cudaLaunchAttribute cluster_attr(int K) {
+  cudaLaunchAttribute at{};
+  at.id = cudaLaunchAttributeClusterDimension;
+  at.val.clusterDim.x = K;
+  at.val.clusterDim.y = 1;
+  at.val.clusterDim.z = 1;
+  return at;
+}
+
 // Whether `kernel` can run in clusters of K CTAs of `threads` threads and `smem` bytes of dynamic
 // shared memory on `device`: its binary holds the cluster code (built for sm_90 or later) and the
 // device can place at least one such cluster. Allows clusters of 16 (over the portable 8) on the
 // kernel first. Cached: the answer depends only on these.
 template <typename Kernel>
 bool cluster_ok(Kernel kernel, int K, int device, int threads, size_t smem) {
+  if (K == 1) return true;  // no cluster: any device runs it
   static std::mutex mu;
   static std::map<std::tuple<const void*, int, int, int, size_t>, bool> cache;
   const auto key = std::make_tuple(reinterpret_cast<const void*>(kernel), K, device, threads, smem);
   const std::lock_guard<std::mutex> lock(mu);
   const auto it = cache.find(key);
   if (it != cache.end()) return it->second;
-  bool ok = true;
-  if (K > 1) {
-    cudaFuncAttributes fa{};
-    C10_CUDA_CHECK(cudaFuncGetAttributes(&fa, kernel));
-    ok = fa.binaryVersion >= 90;
-    if (ok && K > 8 && cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess) {
-      (void)cudaGetLastError();  // a refusal is an answer (no), not an error to carry on
-      ok = false;
+  cudaFuncAttributes fa{};
+  C10_CUDA_CHECK(cudaFuncGetAttributes(&fa, kernel));
+  bool ok = fa.binaryVersion >= 90;
+  if (ok && K > 8 && cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess) {
+    (void)cudaGetLastError();  // a refusal is an answer (no), not an error to carry on
+    ok = false;
+  }
+  if (ok) {
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = dim3(K);
+    cfg.blockDim = dim3(threads);
+    cfg.dynamicSmemBytes = smem;
+    cudaLaunchAttribute at = cluster_attr(K);
+    cfg.attrs = &at;
+    cfg.numAttrs = 1;
+    int clusters = 0;
+    if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) != cudaSuccess) {
+      (void)cudaGetLastError();
+      clusters = 0;
     }
-    if (ok) {
-      cudaLaunchConfig_t cfg{};
-      cfg.gridDim = dim3(K);
-      cfg.blockDim = dim3(threads);
-      cfg.dynamicSmemBytes = smem;
-      cudaLaunchAttribute at{};
-      at.id = cudaLaunchAttributeClusterDimension;
-      at.val.clusterDim.x = K;
-      at.val.clusterDim.y = 1;
-      at.val.clusterDim.z = 1;
-      cfg.attrs = &at;
-      cfg.numAttrs = 1;
-      int clusters = 0;
-      if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) != cudaSuccess) {
-        (void)cudaGetLastError();
-        clusters = 0;
-      }
-      ok = clusters > 0;
-    }
+    ok = clusters > 0;
   }
   cache.emplace(key, ok);
   return ok;
@@ -1261,11 +1264,7 @@ void launch_clusters(Kernel kernel, const Args& a, int64_t groups, int K, int th
   cfg.blockDim = dim3(threads);
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
-  cudaLaunchAttribute at{};
-  at.id = cudaLaunchAttributeClusterDimension;
-  at.val.clusterDim.x = K;
-  at.val.clusterDim.y = 1;
-  at.val.clusterDim.z = 1;
+  cudaLaunchAttribute at = cluster_attr(K);
   cfg.attrs = &at;
   cfg.numAttrs = K > 1 ? 1 : 0;  // no cluster attribute at all for K = 1: pre-sm_90 devices reject it
   C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, a));
