@@ -91,6 +91,23 @@ def test_bench_without_cfg_runs_the_unet_on_the_plain_batch(tmp_path, capsys):
     assert rows["vdtest_exact"]["latents_max_rel_err"] == 0.0
 
 
+def test_bench_channels_last_weights_for_every_row(tmp_path, capsys):
+    have_vd = backend_status()[0]
+    ok_backend = "vdcompile" if have_vd else "vdtest_exact"
+    rc = _bench(tmp_path, "--channels-last", "--backends", f"eager,{ok_backend}",
+                "--backend-option", "inner_compiler=eager") if have_vd else \
+        _bench(tmp_path, "--channels-last", "--backends", f"eager,{ok_backend}")
+    out, _ = capsys.readouterr()
+    assert rc == 0 and "2-D conv weights channels_last" in out
+    (js,) = glob.glob(str(tmp_path / "bench_tiny_cpu_*.json"))
+    data = json.load(open(js))
+    assert data["config"]["channels_last"] is True
+    rows = {r["backend"]: r for r in data["results"]}
+    assert rows[ok_backend]["max_rel_err"] < 1e-3 and rows[ok_backend]["latents_max_rel_err"] < 1e-3
+    if have_vd:  # the vd ops take the channels_last activations
+        assert rows["vdcompile"]["rewrites"].get("group_norm_silu", 0) > 0
+
+
 def test_generate_profiles_and_saves(tmp_path, capsys):
     rc = cli.main(["generate", "--preset", "tiny", "--device", "cpu", "--compile", "none", "--steps", "2",
                    "--frames", "3", "--format", "gif", "--out", str(tmp_path)])

@@ -227,3 +227,20 @@ def test_unet2d_training_gradients():
         torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-3, msg=lambda m: f"{name}: {m}")
     fired = sink[0][0].fired
     assert fired["attention"] == 8 and fired["group_norm_silu"] == 17, fired
+
+
+def test_conv_weights_channels_last_leaves_temporal_convs_and_values():
+    from vdcompile.models import conv_weights_channels_last
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.Conv3d(4, 4, (3, 1, 1)),
+                            torch.nn.Linear(4, 4))
+    x = torch.randn(1, 3, 8, 8)
+    ref = m[0](x)
+    w3d = m[1].weight.data.clone()
+    assert conv_weights_channels_last(m) == 1  # Module.to(memory_format=channels_last) raises on the Conv3d
+    assert m[0].weight.is_contiguous(memory_format=torch.channels_last) and not m[0].weight.is_contiguous()
+    assert m[1].weight.is_contiguous() and torch.equal(m[1].weight, w3d)
+    y = m[0](x)
+    assert y.is_contiguous(memory_format=torch.channels_last)  # the activations follow the weight
+    torch.testing.assert_close(y, ref)

@@ -367,6 +367,8 @@ def cmd_bench(args) -> int:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # diffusers' note on casting with .to()
             unet = models.build_unet(preset, seed=args.seed, dtype=dtype, device=device)
+    if args.channels_last:
+        models.conv_weights_channels_last(unet)
     inputs = models.unet_inputs(unet, batch=args.batch, frames=frames, height=height, width=width,
                                 vae_scale_factor=vsf, dtype=dtype, device=device, seed=args.seed,
                                 cfg=not args.no_cfg)
@@ -374,7 +376,8 @@ def cmd_bench(args) -> int:
     shape = tuple(inputs["sample"].shape)
     print(f"vdcompile bench: {what} ({type(unet).__name__}, {n_params / 1e6:.1f} M params), "
           f"{frames} frames {height}x{width}, batch {args.batch}{'' if args.no_cfg else ' (x2 CFG)'}, {dtype_name(dtype)} on {device}; "
-          f"UNet input {shape}; {args.steps} steps x {args.iters} iters after {args.warmup} warmup")
+          f"UNet input {shape}; {args.steps} steps x {args.iters} iters after {args.warmup} warmup"
+          + ("; 2-D conv weights channels_last" if args.channels_last else ""))
 
     vd_ok, vd_why = backend_status()
     fused = fused_scheduler_step()
@@ -448,7 +451,7 @@ def cmd_bench(args) -> int:
         "unet_params": n_params, "frames": frames, "height": height, "width": width, "batch": args.batch,
         "cfg": not args.no_cfg, "unet_input_shape": list(shape), "dtype": dtype_name(dtype), "steps": args.steps,
         "warmup": args.warmup, "iters": args.iters, "backends": backends, "backend_options": options,
-        "tolerance": rtol, "seed": args.seed, "cuda_graphs": args.cuda_graphs,
+        "tolerance": rtol, "seed": args.seed, "cuda_graphs": args.cuda_graphs, "channels_last": args.channels_last,
         "fused_scheduler_in_vdcompile_row": fused is not None and not args.no_fused_scheduler,
     }
     payload = {
@@ -706,6 +709,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--no-fused-scheduler", action="store_true", help="vdcompile row: plain scheduler.step")
     b.add_argument("--cuda-graphs", action="store_true",
                    help="inductor and vdcompile rows with CUDA graphs (mode=reduce-overhead); CUDA only")
+    b.add_argument("--channels-last", action="store_true",
+                   help="store the UNet's 2-D conv weights channels_last, for every row: convolutions then "
+                        "answer channels_last activations (a layout experiment; default NCHW)")
     b.add_argument("--no-progress", action="store_true")
     b.add_argument("--out", default="vdcompile-bench", help="directory for the JSON and PNG (default ./vdcompile-bench)")
     b.set_defaults(fn=cmd_bench)

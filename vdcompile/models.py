@@ -368,6 +368,20 @@ def load_unet(path: str, *, dtype=torch.float32, device="cpu"):
 # Example inputs
 
 
+def conv_weights_channels_last(module: nn.Module) -> int:
+    """Stores the weight of every Conv2d in ``module`` channels_last, in place; returns how many.
+    PyTorch's convolutions answer channels_last when their weight is, even for NCHW input, so the
+    activations between convolutions follow (what ``module.to(memory_format=torch.channels_last)``
+    aims at, without its failure on the 5-D weights of temporal Conv3d layers)."""
+    n = 0
+    with torch.no_grad():
+        for m in module.modules():
+            if isinstance(m, nn.Conv2d) and m.weight.dim() == 4:
+                m.weight.data = m.weight.data.contiguous(memory_format=torch.channels_last)
+                n += 1
+    return n
+
+
 def unet_inputs(unet, *, batch: int = 1, frames: int | None = None, height: int = 64, width: int = 64,
                 vae_scale_factor: int = 8, dtype=torch.float32, device="cpu", seed: int = 0,
                 cfg: bool = True) -> dict:
