@@ -201,11 +201,16 @@ def test_forward_paths(device, shape, groups, dtype):
 FAMILIES = ["l2", "onchip", "twopass"]
 
 
+@pytest.fixture(params=FAMILIES)
+def family(request, monkeypatch):
+    """Pins the forward kernel family for the test."""
+    monkeypatch.setenv("VD_GROUP_NORM_KERNEL", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("device", CUDA)
-@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_forward_kernel_families(device, family, dtype, monkeypatch):
-    monkeypatch.setenv("VD_GROUP_NORM_KERNEL", family)
+def test_forward_kernel_families(device, family, dtype):
     torch.manual_seed(0)
     cases = [(s, g, False) for s, g in FORWARD_CASES] + [(s, g, True) for s, g in FRAMES_MAJOR_CASES]
     for shape, groups, fm in cases:
@@ -235,12 +240,10 @@ def test_misaligned_input(device, dtype):
 
 
 @pytest.mark.parametrize("device", CUDA)
-@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_cluster_blocks_share_statistics(device, family, dtype, monkeypatch):
+def test_cluster_blocks_share_statistics(device, family, dtype):
     # Without affine, equal inputs of a group must give equal outputs, bit for bit, whichever block of
     # the cluster holds them: every block must end with the same mean and rstd.
-    monkeypatch.setenv("VD_GROUP_NORM_KERNEL", family)
     torch.manual_seed(0)
     x = torch.randint(0, 5, (2, 320, 72, 128), device=device).to(dtype)
     out = group_norm_silu(x, 32).reshape(2, 32, -1)
@@ -253,12 +256,10 @@ def test_cluster_blocks_share_statistics(device, family, dtype, monkeypatch):
 
 
 @pytest.mark.parametrize("device", CUDA)
-@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("shape,groups", [((2, 320, 72, 128), 32), ((1, 512, 72, 128), 32), ((1, 64, 256, 256), 8)])
-def test_large_mean_small_spread_on_chip(device, family, shape, groups, monkeypatch):
+def test_large_mean_small_spread_on_chip(device, family, shape, groups):
     # As test_large_mean_small_spread, over a group split across a cluster (and, where a family does not
     # take the shape, the two-pass path).
-    monkeypatch.setenv("VD_GROUP_NORM_KERNEL", family)
     torch.manual_seed(0)
     x = torch.randn(shape, device=device) * 0.05 + 1000
     assert_close_to(group_norm_silu(x, groups), reference_group_norm_silu(x.double(), groups), torch.float32,

@@ -376,7 +376,7 @@ def conv_weights_channels_last(module: nn.Module) -> int:
     n = 0
     with torch.no_grad():
         for m in module.modules():
-            if isinstance(m, nn.Conv2d) and m.weight.dim() == 4:
+            if isinstance(m, nn.Conv2d):
                 m.weight.data = m.weight.data.contiguous(memory_format=torch.channels_last)
                 n += 1
     return n
