@@ -1,11 +1,15 @@
 """A representative set of CUDA calls of every vd op (forward and backward), small enough to run under
 compute-sanitizer (memcheck, racecheck):
 
-    compute-sanitizer --tool memcheck python bench/sanitize_ops.py
+    compute-sanitizer --tool memcheck python bench/sanitize_ops.py [FAMILY ...]
+
+FAMILY (attention, group_norm_silu, conv_bn_silu, temporal_conv, scheduler_step) limits the run to those
+families; default: all.
 """
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 
@@ -21,11 +25,16 @@ def _grad(fn, *inputs):
 
 
 def main():
+    only = set(sys.argv[1:])
+
+    def want(family):
+        return (not only or family in only) and has_cuda_kernels("fused_attention" if family == "attention" else family)
+
     dev = "cuda"
     torch.manual_seed(0)
     ran = []
     for dtype in (torch.bfloat16, torch.float32):
-        if has_cuda_kernels("fused_attention"):
+        if want("attention"):
             for B, H, Lq, Lk, D in [(3, 2, 14, 14, 64), (700, 2, 25, 25, 40), (5, 3, 32, 17, 128), (1, 2, 77, 131, 40), (2, 1, 300, 1, 128), (1, 1, 257, 257, 256)]:
                 q = torch.randn(B, H, Lq, D, device=dev, dtype=dtype)
                 k = torch.randn(B, H, Lk, D, device=dev, dtype=dtype)
@@ -37,7 +46,7 @@ def main():
                 qt = torch.randn(B, Lq, H, D, device=dev, dtype=dtype).transpose(1, 2)
                 torch.ops.vd.fused_attention(qt, k, v, None, None)
             ran.append("attention")
-        if has_cuda_kernels("group_norm_silu"):
+        if want("group_norm_silu"):
             for shape in [(2, 64, 9, 11), (1, 32, 3, 5, 7), (2, 16, 33)]:
                 x = torch.randn(shape, device=dev, dtype=dtype)
                 w = torch.randn(shape[1], device=dev, dtype=dtype)
@@ -62,21 +71,29 @@ def main():
                         torch.ops.vd.group_norm_silu(x, groups, w, b, 1e-5, True)
                     x = torch.randn(1, 14, 64, 32, 64, device=dev, dtype=dtype).transpose(1, 2)
                     torch.ops.vd.group_norm_silu(x, 8, None, None, 1e-5, True)
+                    # channels_last (version 5 under "l2"): clusters of 8 and 1-4, groups straddled by
+                    # vectors, a 5-D channels_last_3d input, a block narrower than 128 bytes.
+                    for shape, groups in [((14, 320, 32, 32), 32), ((2, 1280, 18, 32), 32), ((2, 48, 6, 6), 16),
+                                          ((2, 40, 4, 4, 3), 4), ((2, 24, 5, 7), 3)]:
+                        fmt = torch.channels_last if len(shape) == 4 else torch.channels_last_3d
+                        x = torch.randn(shape, device=dev, dtype=dtype).to(memory_format=fmt)
+                        w, b = torch.randn(shape[1], device=dev, dtype=dtype), torch.randn(shape[1], device=dev, dtype=dtype)
+                        torch.ops.vd.group_norm_silu(x, groups, w, b, 1e-5, True)
                 finally:
                     del os.environ["VD_GROUP_NORM_KERNEL"]
             ran.append("group_norm_silu")
-        if has_cuda_kernels("conv_bn_silu"):
+        if want("conv_bn_silu"):
             x = torch.randn(2, 16, 9, 13, device=dev, dtype=dtype)
             w = torch.randn(24, 16, 3, 3, device=dev, dtype=dtype)
             bn = [torch.rand(24, device=dev, dtype=dtype) + 0.5 for _ in range(4)]
             _grad(lambda x, w: torch.ops.vd.conv_bn_silu(x, w, None, *bn, 1e-5, [1, 1], [1, 1], [1, 1], 1, True), x, w)
             ran.append("conv_bn_silu")
-        if has_cuda_kernels("temporal_conv"):
+        if want("temporal_conv"):
             x = torch.randn(2, 8, 7, 5, 6, device=dev, dtype=dtype)
             w = torch.randn(12, 8, 3, 1, 1, device=dev, dtype=dtype)
             _grad(lambda x, w: torch.ops.vd.temporal_conv(x, w, None, 1), x, w)
             ran.append("temporal_conv")
-        if has_cuda_kernels("scheduler_step"):
+        if want("scheduler_step"):
             s = torch.randn(2, 3, 4, 9, 7, device=dev, dtype=dtype)
             m = torch.randn_like(s)
             c = torch.randn(2, 6, device=dev)

@@ -165,6 +165,27 @@ FRAMES_MAJOR_CASES = [
     ((1, 64, 14, 32, 64), 8),    # groups of 229376 elements: cluster of 8 (16-bit), 16 (fp32)
 ]
 
+# channels_last (N, C, *) inputs: version 5 takes a block of gb whole groups (a row of >= 128 bytes where
+# the groups allow) over a cluster of K CTAs when C is whole 16-byte vectors and a CTA's part fits 96 KB;
+# the rest takes the two-pass cols kernels. Comments give the 16-bit plan.
+CHANNELS_LAST_CASES = [
+    ((2, 320, 72, 128), 32),     # gb 8 (160 B rows), K 16
+    ((2, 640, 36, 64), 32),      # gb 4, K 4, then 8 for two CTAs an SM
+    ((2, 1280, 18, 32), 32),     # gb 2, K 1, then 4
+    ((14, 320, 32, 32), 32),     # the 256x256 UNet's: K 8
+    ((2, 960, 9, 16), 32),       # cpg 30: gb 4, 120 channels a row
+    ((2, 64, 16, 16), 32),       # cpg 2: all 32 groups in one block
+    ((2, 48, 6, 6), 16),         # cpg 3: vectors straddle several groups
+    ((2, 24, 5, 7), 3),          # cpg 8: no block reaches 128 bytes
+    ((2, 40, 4, 4, 3), 4),       # 5-D channels_last_3d, cpg 10
+    ((1, 64, 256, 256), 8),      # parts over 96 KB: two-pass
+    ((2, 12, 5, 5), 3),          # C not whole vectors: two-pass
+]
+
+
+def channels_last(x):
+    return x.to(memory_format=torch.channels_last if x.dim() == 4 else torch.channels_last_3d)
+
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("shape,groups", FRAMES_MAJOR_CASES)
@@ -181,15 +202,19 @@ def test_frames_major(device, shape, groups, dtype):
 
 
 @pytest.mark.parametrize("device", CUDA)
-@pytest.mark.parametrize("shape,groups", FORWARD_CASES)
+@pytest.mark.parametrize("shape,groups,cl", [(s, g, False) for s, g in FORWARD_CASES]
+                         + [(s, g, True) for s, g in CHANNELS_LAST_CASES])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_forward_paths(device, shape, groups, dtype):
+def test_forward_paths(device, shape, groups, cl, dtype):
     torch.manual_seed(0)
     C = shape[1]
     x = (torch.randn(shape, device=device) * 3 + 1).to(dtype)
+    if cl:
+        x = channels_last(x)
     w, b = torch.randn(C, device=device, dtype=dtype), torch.randn(C, device=device, dtype=dtype)
     for silu in (True, False):
         out = group_norm_silu(x, groups, w, b, 1e-5, silu)
+        assert out.stride() == x.stride(), "the output keeps the input's layout"
         ref = reference_group_norm_silu(x.double(), groups, w.double(), b.double(), 1e-5, silu)
         assert_close_to(out, ref, dtype, what=f"silu={silu}")
     out = group_norm_silu(x, groups)
@@ -212,19 +237,22 @@ def family(request, monkeypatch):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_forward_kernel_families(device, family, dtype):
     torch.manual_seed(0)
-    cases = [(s, g, False) for s, g in FORWARD_CASES] + [(s, g, True) for s, g in FRAMES_MAJOR_CASES]
-    for shape, groups, fm in cases:
+    cases = ([(s, g, "contiguous") for s, g in FORWARD_CASES] + [(s, g, "frames-major") for s, g in FRAMES_MAJOR_CASES]
+             + [(s, g, "channels_last") for s, g in CHANNELS_LAST_CASES])
+    for shape, groups, layout in cases:
         C = shape[1]
-        if fm:
+        if layout == "frames-major":
             B, _, F, H, W = shape
             x = frames_major((torch.randn(B, F, C, H, W, device=device) * 3 + 1).to(dtype))
         else:
             x = (torch.randn(shape, device=device) * 3 + 1).to(dtype)
+            if layout == "channels_last":
+                x = channels_last(x)
         w, b = torch.randn(C, device=device, dtype=dtype), torch.randn(C, device=device, dtype=dtype)
         for silu in (True, False):
             out = group_norm_silu(x, groups, w, b, 1e-5, silu)
             ref = reference_group_norm_silu(x.double(), groups, w.double(), b.double(), 1e-5, silu)
-            assert_close_to(out, ref, dtype, what=f"{family} {shape} silu={silu}")
+            assert_close_to(out, ref, dtype, what=f"{family} {layout} {shape} silu={silu}")
 
 
 @pytest.mark.parametrize("device", CUDA)
@@ -241,13 +269,16 @@ def test_misaligned_input(device, dtype):
 
 @pytest.mark.parametrize("device", CUDA)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_cluster_blocks_share_statistics(device, family, dtype):
+@pytest.mark.parametrize("cl", [False, True])
+def test_cluster_blocks_share_statistics(device, family, dtype, cl):
     # Without affine, equal inputs of a group must give equal outputs, bit for bit, whichever block of
     # the cluster holds them: every block must end with the same mean and rstd.
     torch.manual_seed(0)
     x = torch.randint(0, 5, (2, 320, 72, 128), device=device).to(dtype)
-    out = group_norm_silu(x, 32).reshape(2, 32, -1)
-    xg = x.reshape(2, 32, -1)
+    if cl:
+        x = channels_last(x)
+    out = group_norm_silu(x, 32).contiguous().reshape(2, 32, -1)
+    xg = x.contiguous().reshape(2, 32, -1)
     for n in range(2):
         for g in (0, 31):
             for v in range(5):
@@ -257,25 +288,33 @@ def test_cluster_blocks_share_statistics(device, family, dtype):
 
 @pytest.mark.parametrize("device", CUDA)
 @pytest.mark.parametrize("shape,groups", [((2, 320, 72, 128), 32), ((1, 512, 72, 128), 32), ((1, 64, 256, 256), 8)])
-def test_large_mean_small_spread_on_chip(device, family, shape, groups):
+@pytest.mark.parametrize("cl", [False, True])
+def test_large_mean_small_spread_on_chip(device, family, shape, groups, cl):
     # As test_large_mean_small_spread, over a group split across a cluster (and, where a family does not
     # take the shape, the two-pass path).
     torch.manual_seed(0)
     x = torch.randn(shape, device=device) * 0.05 + 1000
+    if cl:
+        x = channels_last(x)
     assert_close_to(group_norm_silu(x, groups), reference_group_norm_silu(x.double(), groups), torch.float32,
                     factor=5)
 
 
 @pytest.mark.parametrize("device", CUDA)
-def test_over_2_31_elements(device):
-    # 1025 * 32 * 65536 > 2^31 elements: the last groups start past 2^31.
+@pytest.mark.parametrize("shape,cl", [
+    ((1025, 32, 256, 256), False),  # the last groups start past 2^31 (version 1: groups over 1.5 MB)
+    ((6600, 320, 32, 32), True),    # channels_last on version 5 (clusters of 8): the last samples past 2^31
+])
+def test_over_2_31_elements(device, shape, cl):
     if torch.cuda.get_device_properties(device).total_memory < 24 * 2**30:
         pytest.skip("needs 24 GiB of GPU memory")
-    shape = (1025, 32, 256, 256)
     torch.manual_seed(0)
+    N, C = shape[:2]
     x = torch.randn(shape, device=device, dtype=torch.bfloat16)
-    w, b = torch.randn(32, device=device, dtype=torch.bfloat16), torch.randn(32, device=device, dtype=torch.bfloat16)
+    if cl:
+        x = channels_last(x)
+    w, b = torch.randn(C, device=device, dtype=torch.bfloat16), torch.randn(C, device=device, dtype=torch.bfloat16)
     out = group_norm_silu(x, 32, w, b)
-    for sl in (slice(0, 1), slice(1023, 1025)):
+    for sl in (slice(0, 1), slice(N - 2, N)):
         ref = reference_group_norm_silu(x[sl].double(), 32, w.double(), b.double())
         assert_close_to(out[sl], ref, torch.bfloat16, what=f"samples {sl}")
