@@ -46,8 +46,12 @@ TORCH_LIBRARY(vd, m) {
 
   m.set_python_module("vdcompile.ops.norm");
   // SiLU(GroupNorm(x)) for (N, C, *) with 1 to 3 trailing dims; silu=False gives GroupNorm only.
+  // flexible_layout: inductor hands the op its inputs in the layout it chose (channels_last next to
+  // its convolutions) instead of copying them back to the traced strides; the kernels read every
+  // layout and answer by the rule in csrc/layout.h, which the fake kernel mirrors.
   m.def("group_norm_silu(Tensor x, int num_groups, Tensor? weight=None, Tensor? bias=None, "
-        "float eps=1e-05, bool silu=True) -> Tensor");
+        "float eps=1e-05, bool silu=True) -> Tensor",
+        {at::Tag::flexible_layout});
   // Returns (grad_x, grad_weight, grad_bias); the latter two have shape (C,) and the dtype of
   // weight (of x when weight is None).
   m.def("group_norm_silu_backward(Tensor grad_out, Tensor x, int num_groups, Tensor? weight, "
