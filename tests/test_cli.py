@@ -101,6 +101,7 @@ def test_bench_channels_last_weights_for_every_row(tmp_path, capsys):
     (js,) = glob.glob(str(tmp_path / "bench_tiny_cpu_*.json"))
     data = json.load(open(js))
     assert data["config"]["channels_last"] is True
+    assert data["config"]["vdcompile_row_channels_last"] is False  # the vdcompile row's own preparation: GPU only
     rows = {r["backend"]: r for r in data["results"]}
     assert rows[ok_backend]["max_rel_err"] < 1e-3 and rows[ok_backend]["latents_max_rel_err"] < 1e-3
     if have_vd:  # the vd ops take the channels_last activations

@@ -230,7 +230,7 @@ def test_unet2d_training_gradients():
 
 
 def test_conv_weights_channels_last_leaves_temporal_convs_and_values():
-    from vdcompile.models import conv_weights_channels_last
+    from vdcompile.models import conv_weights_channels_last, restore_conv_weights
 
     torch.manual_seed(0)
     m = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.Conv3d(4, 4, (3, 1, 1)),
@@ -238,9 +238,40 @@ def test_conv_weights_channels_last_leaves_temporal_convs_and_values():
     x = torch.randn(1, 3, 8, 8)
     ref = m[0](x)
     w3d = m[1].weight.data.clone()
-    assert conv_weights_channels_last(m) == 1  # Module.to(memory_format=channels_last) raises on the Conv3d
+    assert conv_weights_channels_last(m) == [m[0]]  # Module.to(memory_format=channels_last) raises on the Conv3d
     assert m[0].weight.is_contiguous(memory_format=torch.channels_last) and not m[0].weight.is_contiguous()
     assert m[1].weight.is_contiguous() and torch.equal(m[1].weight, w3d)
     y = m[0](x)
     assert y.is_contiguous(memory_format=torch.channels_last)  # the activations follow the weight
     torch.testing.assert_close(y, ref)
+    assert conv_weights_channels_last(m) == []  # already channels_last: nothing to change
+    restore_conv_weights([m[0]])
+    assert m[0].weight.is_contiguous() and m[0](x).is_contiguous()
+    torch.testing.assert_close(m[0](x), ref)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or "CUDA" not in built_backends("group_norm_silu"),
+                    reason="needs a GPU and the CUDA kernels")
+@pytest.mark.parametrize("weights_channels_last", [False, True])
+def test_svd_unet_on_cuda_matches_eager(weights_channels_last):
+    """Inductor's own layouts around the vd ops on a GPU (channels_last convolutions, group_norm_silu
+    tagged flexible_layout), with and without channels_last conv weights: the compiled UNet must agree
+    with eager in float32 (TF32 off on both sides)."""
+    from vdcompile.models import build_unet, conv_weights_channels_last, unet_inputs
+
+    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        unet = build_unet("tiny", device="cuda")
+        if weights_channels_last:
+            assert conv_weights_channels_last(unet)
+        inputs = unet_inputs(unet, frames=4, height=64, width=64, device="cuda")
+        with torch.no_grad():
+            ref = unet(**inputs).sample
+            with capture_rewrites(reset=True) as sink:
+                out = torch.compile(unet, backend=BACKEND)(**inputs).sample
+        assert sink[0][0].fired.get("group_norm_silu", 0) > 0
+        torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+        torch._dynamo.reset()

@@ -32,14 +32,21 @@ def _frames(r) -> np.ndarray:
     return np.stack([np.asarray(f, dtype=np.int16) for f in r.frames])
 
 
-def test_optimized_svd_pipeline_gives_the_same_frames():
+@pytest.mark.parametrize("channels_last", [None, True])
+def test_optimized_svd_pipeline_gives_the_same_frames(channels_last):
     pipe = models.build_svd_pipeline("tiny")
     kw = dict(num_frames=4, height=32, width=32, steps=2, seed=0)
     ref = runner.run_video(pipe, **kw)
     backend, options = _backend()
-    assert optimize(pipe, backend=backend, options=options) is pipe
+    convs = [m for m in pipe.unet.modules() if isinstance(m, nn.Conv2d)]
+    nchw = [m for m in convs if not m.weight.is_contiguous(memory_format=torch.channels_last)]  # 1x1: both
+    assert optimize(pipe, backend=backend, options=options, channels_last=channels_last) is pipe
     info = pipe.vdcompile_info
     assert info["kind"] == "svd" and info["backend"] == backend and info["unet"]
+    # Default: channels_last conv weights on a GPU only; asked for, every 2-D conv weight of the UNet.
+    assert info["conv_weights_channels_last"] == (len(nchw) if channels_last else 0) and nchw
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    assert all(m.weight.is_contiguous(memory_format=fmt) for m in convs)
     assert _compiled(pipe.unet)
     assert not info["vae_decoder"] and not _compiled(pipe.vae.decoder)  # CPU: not worth its compile
     assert info["fused_scheduler"] == (fused_scheduler_step() is not None)

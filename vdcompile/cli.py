@@ -381,6 +381,7 @@ def cmd_bench(args) -> int:
 
     vd_ok, vd_why = backend_status()
     fused = fused_scheduler_step()
+    vd_channels_last = device.type == "cuda" and not args.channels_last and not args.vd_nchw
     rtol = args.tol if args.tol is not None else DEFAULT_RTOL[dtype_name(dtype)]
     tf32 = (device.type == "cuda" and dtype == torch.float32
             and (torch.backends.cudnn.allow_tf32 or torch.backends.cuda.matmul.allow_tf32))
@@ -400,6 +401,10 @@ def cmd_bench(args) -> int:
                 progress.advance(1 + args.warmup + args.iters)
                 continue
             use_fused = b == "vdcompile" and fused is not None and not args.no_fused_scheduler
+            # The vdcompile row gets the model as optimize() leaves it: on a GPU, 2-D conv weights
+            # channels_last (put back afterwards, so the rows after it see the model as built).
+            relaid = (models.conv_weights_channels_last(unet)
+                      if b == "vdcompile" and vd_channels_last else [])
             try:
                 row = _bench_one(b, unet, inputs, ref_out, args, device, progress, options,
                                  fused_step=fused if use_fused else None)
@@ -410,6 +415,8 @@ def cmd_bench(args) -> int:
                 rows.append({"backend": b, "error": f"failed: {type(e).__name__}: {msg}"})
                 failures.append(f"{b} failed to run: {type(e).__name__}: {msg}")
                 continue
+            finally:
+                models.restore_conv_weights(relaid)
             if b == "eager":
                 ref_out, ref_lat = row["out"], row["latents"]
             else:
@@ -431,6 +438,9 @@ def cmd_bench(args) -> int:
         notes.append(f"float32 with TF32 enabled on this GPU: tolerance {TF32_RTOL:g}")
     if any(r.get("fused_scheduler") for r in rows):
         notes.append("vdcompile row uses the fused scheduler step")
+    if vd_channels_last and any(r["backend"] == "vdcompile" and "error" not in r for r in rows):
+        notes.append("vdcompile row stores the 2-D conv weights channels_last, as optimize() does on a GPU "
+                     "(--channels-last: every row; --vd-nchw: none)")
     if device.type == "cpu":
         notes.append("peak memory is reported for CUDA devices only")
     noisy = [r["backend"] for r in rows if r.get("ms_per_step_all") and len(r["ms_per_step_all"]) > 1
@@ -452,6 +462,7 @@ def cmd_bench(args) -> int:
         "cfg": not args.no_cfg, "unet_input_shape": list(shape), "dtype": dtype_name(dtype), "steps": args.steps,
         "warmup": args.warmup, "iters": args.iters, "backends": backends, "backend_options": options,
         "tolerance": rtol, "seed": args.seed, "cuda_graphs": args.cuda_graphs, "channels_last": args.channels_last,
+        "vdcompile_row_channels_last": vd_channels_last,
         "fused_scheduler_in_vdcompile_row": fused is not None and not args.no_fused_scheduler,
     }
     payload = {
@@ -710,8 +721,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--cuda-graphs", action="store_true",
                    help="inductor and vdcompile rows with CUDA graphs (mode=reduce-overhead); CUDA only")
     b.add_argument("--channels-last", action="store_true",
-                   help="store the UNet's 2-D conv weights channels_last, for every row: convolutions then "
-                        "answer channels_last activations (a layout experiment; default NCHW)")
+                   help="store the UNet's 2-D conv weights channels_last for every row, eager and inductor "
+                        "too (by default only the vdcompile row has them so on a GPU, as optimize() does)")
+    b.add_argument("--vd-nchw", action="store_true",
+                   help="vdcompile row: keep the model's NCHW conv weights (no channels_last preparation)")
     b.add_argument("--no-progress", action="store_true")
     b.add_argument("--out", default="vdcompile-bench", help="directory for the JSON and PNG (default ./vdcompile-bench)")
     b.set_defaults(fn=cmd_bench)

@@ -368,18 +368,28 @@ def load_unet(path: str, *, dtype=torch.float32, device="cpu"):
 # Example inputs
 
 
-def conv_weights_channels_last(module: nn.Module) -> int:
-    """Stores the weight of every Conv2d in ``module`` channels_last, in place; returns how many.
+def conv_weights_channels_last(module: nn.Module) -> list[nn.Conv2d]:
+    """Stores the weight of every Conv2d in ``module`` channels_last, in place (values unchanged);
+    returns the convolutions whose weight changed layout (``restore_conv_weights`` undoes it).
     PyTorch's convolutions answer channels_last when their weight is, even for NCHW input, so the
     activations between convolutions follow (what ``module.to(memory_format=torch.channels_last)``
-    aims at, without its failure on the 5-D weights of temporal Conv3d layers)."""
-    n = 0
+    aims at, without its failure on the 5-D weights of temporal Conv3d layers). Under torch.compile this
+    also spares inductor, which runs convolutions channels_last on GPUs, a relayout copy of every conv
+    weight on every call (the weights are graph inputs, not constants)."""
+    changed = []
     with torch.no_grad():
         for m in module.modules():
-            if isinstance(m, nn.Conv2d):
+            if isinstance(m, nn.Conv2d) and not m.weight.is_contiguous(memory_format=torch.channels_last):
                 m.weight.data = m.weight.data.contiguous(memory_format=torch.channels_last)
-                n += 1
-    return n
+                changed.append(m)
+    return changed
+
+
+def restore_conv_weights(convs: list[nn.Conv2d]) -> None:
+    """Puts the weights changed by ``conv_weights_channels_last`` back in the default (NCHW) layout."""
+    with torch.no_grad():
+        for m in convs:
+            m.weight.data = m.weight.data.contiguous()
 
 
 def unet_inputs(unet, *, batch: int = 1, frames: int | None = None, height: int = 64, width: int = 64,

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from vdcompile.models import conv_weights_channels_last
 from vdcompile.runner import pipeline_kind
 
 GENERIC_BACKEND = "inductor"
@@ -80,8 +81,8 @@ def _device_of(module) -> torch.device:
 
 
 def optimize(pipe, *, backend: str = "vdcompile", cuda_graphs: bool = False, compile_vae: bool | None = None,
-             fuse_scheduler: bool = True, fullgraph: bool = False, dynamic: bool | None = False,
-             options: dict | None = None, fallback: bool = True):
+             fuse_scheduler: bool = True, channels_last: bool | None = None, fullgraph: bool = False,
+             dynamic: bool | None = False, options: dict | None = None, fallback: bool = True):
     """Compile ``pipe`` in place and return it.
 
     backend: the torch.compile backend for the UNet and VAE decoder ("vdcompile", or any other
@@ -89,6 +90,9 @@ def optimize(pipe, *, backend: str = "vdcompile", cuda_graphs: bool = False, com
     cuda_graphs: capture CUDA graphs (mode="reduce-overhead"); ignored with a warning on a CPU.
     compile_vae: compile ``vae.decoder``; default: on a GPU only.
     fuse_scheduler: use vdcompile's fused scheduler step when this build has it.
+    channels_last: store the denoiser's 2-D conv weights channels_last (values unchanged), so the
+        compiled convolutions need no per-call weight relayout and their activations stay
+        channels_last; default: with the vdcompile backend on a GPU.
     options: handed to the backend (``torch.compile(options=...)``).
     fallback: when the vdcompile backend is not available, compile with inductor and warn
         (False: raise instead).
@@ -126,6 +130,10 @@ def optimize(pipe, *, backend: str = "vdcompile", cuda_graphs: bool = False, com
         else:
             warnings.warn("CUDA graphs need a CUDA device; ignored on " + device.type, stacklevel=2)
     info["cuda_graphs"] = mode is not None
+
+    if channels_last is None:
+        channels_last = backend == "vdcompile" and device.type == "cuda"
+    info["conv_weights_channels_last"] = len(conv_weights_channels_last(denoiser)) if channels_last else 0
 
     setattr(pipe, denoiser_name, compile_module(denoiser, backend, mode=mode, options=options,
                                                 fullgraph=fullgraph, dynamic=dynamic))
