@@ -275,3 +275,18 @@ def test_svd_unet_on_cuda_matches_eager(weights_channels_last):
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
         torch._dynamo.reset()
+
+
+def test_conv_weights_channels_last_undoes_a_partial_conversion():
+    from vdcompile.models import conv_weights_channels_last
+
+    convs = [torch.nn.Conv2d(3, 4, 3), torch.nn.Conv2d(4, 4, 3)]
+
+    class Failing(torch.nn.Module):  # fails after the first convolution was converted (say, out of memory)
+        def modules(self):
+            yield convs[0]
+            raise RuntimeError("out of memory")
+
+    with pytest.raises(RuntimeError, match="out of memory"):
+        conv_weights_channels_last(Failing())
+    assert convs[0].weight.is_contiguous() and not convs[0].weight.is_contiguous(memory_format=torch.channels_last)

@@ -170,8 +170,8 @@ FRAMES_MAJOR_CASES = [
 # the rest takes the two-pass cols kernels. Comments give the 16-bit plan.
 CHANNELS_LAST_CASES = [
     ((2, 320, 72, 128), 32),     # gb 8 (160 B rows), K 16
-    ((2, 640, 36, 64), 32),      # gb 4, K 4, then 8 for two CTAs an SM
-    ((2, 1280, 18, 32), 32),     # gb 2, K 1, then 4
+    ((2, 640, 36, 64), 32),      # gb 4, K 4, grown to 16 (toward two CTAs an SM)
+    ((2, 1280, 18, 32), 32),     # gb 2, K 1, grown to 4 (a row a thread at least)
     ((14, 320, 32, 32), 32),     # the 256x256 UNet's: K 8
     ((2, 960, 9, 16), 32),       # cpg 30: gb 4, 120 channels a row
     ((2, 64, 16, 16), 32),       # cpg 2: all 32 groups in one block
@@ -256,6 +256,22 @@ def test_forward_kernel_families(device, family, dtype):
 
 
 @pytest.mark.parametrize("device", CUDA)
+def test_channels_last_runs_version_5(device, monkeypatch):
+    # The channels_last cases above pass on version 1 too: pin that version 5 is the kernel that runs
+    # where it should (on devices with clusters), and version 1 where the parts are too large.
+    if torch.cuda.get_device_capability(device)[0] < 9:
+        pytest.skip("version 5 needs thread-block clusters (sm_90+)")
+    monkeypatch.setenv("VD_GROUP_NORM_KERNEL", "l2")
+    for shape, groups, want in [((14, 320, 32, 32), 32, True), ((1, 64, 256, 256), 8, False)]:
+        x = channels_last(torch.randn(shape, device=device, dtype=torch.bfloat16))
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            group_norm_silu(x, groups)
+            torch.cuda.synchronize()
+        names = [e.name for e in prof.events()]
+        assert any("l2_cols_kernel" in n for n in names) == want, (shape, sorted(set(names)))
+
+
+@pytest.mark.parametrize("device", CUDA)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_misaligned_input(device, dtype):
     # One element into its storage: no 16-byte vectors, whatever the shape.
@@ -303,7 +319,7 @@ def test_large_mean_small_spread_on_chip(device, family, shape, groups, cl):
 @pytest.mark.parametrize("device", CUDA)
 @pytest.mark.parametrize("shape,cl", [
     ((1025, 32, 256, 256), False),  # the last groups start past 2^31 (version 1: groups over 1.5 MB)
-    ((6600, 320, 32, 32), True),    # channels_last on version 5 (clusters of 8): the last samples past 2^31
+    ((6600, 320, 32, 32), True),    # channels_last on version 5 (clusters of 2): the last samples past 2^31
 ])
 def test_over_2_31_elements(device, shape, cl):
     if torch.cuda.get_device_properties(device).total_memory < 24 * 2**30:

@@ -377,11 +377,15 @@ def conv_weights_channels_last(module: nn.Module) -> list[nn.Conv2d]:
     also spares inductor, which runs convolutions channels_last on GPUs, a relayout copy of every conv
     weight on every call (the weights are graph inputs, not constants)."""
     changed = []
-    with torch.no_grad():
-        for m in module.modules():
-            if isinstance(m, nn.Conv2d) and not m.weight.is_contiguous(memory_format=torch.channels_last):
-                m.weight.data = m.weight.data.contiguous(memory_format=torch.channels_last)
-                changed.append(m)
+    try:
+        with torch.no_grad():
+            for m in module.modules():
+                if isinstance(m, nn.Conv2d) and not m.weight.is_contiguous(memory_format=torch.channels_last):
+                    m.weight.data = m.weight.data.contiguous(memory_format=torch.channels_last)
+                    changed.append(m)
+    except BaseException:  # e.g. out of memory halfway: leave the module as it was
+        restore_conv_weights(changed)
+        raise
     return changed
 
 
