@@ -365,7 +365,7 @@ def load_unet(path: str, *, dtype=torch.float32, device="cpu"):
 
 
 # ---------------------------------------------------------------------------------------------
-# Example inputs
+# Weight layout
 
 
 def conv_weights_channels_last(module: nn.Module) -> list[nn.Conv2d]:
@@ -394,6 +394,10 @@ def restore_conv_weights(convs: list[nn.Conv2d]) -> None:
     with torch.no_grad():
         for m in convs:
             m.weight.data = m.weight.data.contiguous()
+
+
+# ---------------------------------------------------------------------------------------------
+# Example inputs
 
 
 def unet_inputs(unet, *, batch: int = 1, frames: int | None = None, height: int = 64, width: int = 64,

@@ -645,7 +645,8 @@ __device__ __forceinline__ void cluster_wait() {
 }
 
 // *p in the shared memory of the cluster's CTA of rank r.
-__device__ __forceinline__ Welford<float> cluster_load(Welford<float>* p, unsigned r) {
+template <typename T>
+__device__ __forceinline__ T cluster_load(T* p, unsigned r) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   return *cooperative_groups::this_cluster().map_shared_rank(p, r);
 #else
@@ -919,19 +920,17 @@ constexpr int kL2Unroll = 8;
 // A CTA's part: 2 CTAs an SM keep at most 132 * 2 * 96 KB = 25 MB of x waiting in L2 for pass 2.
 constexpr int64_t kL2PartBytes = 96 * 1024;
 
-// L2 eviction-priority policies (sm_80+) and the loads / stores that carry them.
-__device__ __forceinline__ uint64_t l2_evict_last() {
-  uint64_t p = 0;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(p));
-#endif
-  return p;
-}
+// L2 eviction-priority policies (sm_80+) and the loads / stores that carry them: pass 1 reads with
+// `keep` (evict-last), pass 2 reads and stores with `drop` (evict-first).
+struct L2Policies {
+  uint64_t keep = 0, drop = 0;
+};
 
-__device__ __forceinline__ uint64_t l2_evict_first() {
-  uint64_t p = 0;
+__device__ __forceinline__ L2Policies l2_policies() {
+  L2Policies p;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
+  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(p.keep));
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p.drop));
 #endif
   return p;
 }
@@ -995,7 +994,7 @@ __global__ void __launch_bounds__(kL2Threads, 2) l2_rows_kernel(FusedArgs<scalar
   const int full = mine / U * U;  // vectors in whole batches of U
   const unsigned e0 = static_cast<unsigned>((v0 + tid) * VEC);
   const float pivot = static_cast<float>(a.x[base]);
-  const uint64_t keep = l2_evict_last(), drop = l2_evict_first();
+  const auto [keep, drop] = l2_policies();
 
   // Pass 1: batches of U vectors (all loads in flight, then shifted sums about the batch's first
   // element), then the remaining vectors as one more batch.
@@ -1098,14 +1097,6 @@ struct ColsArgs {
   float eps;
 };
 
-__device__ __forceinline__ float cluster_load_f(float* p, unsigned r) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  return *cooperative_groups::this_cluster().map_shared_rank(p, r);
-#else
-  return *p;
-#endif
-}
-
 // Shared memory of l2_cols_kernel, in floats: per-thread-row sums (2 R W), the CTA's per-channel sums
 // (2 W, read by the cluster), per-channel mean and m2 (2 W), the a_c / b_c table (2 W), per-group mean
 // and rstd (2 gb).
@@ -1149,7 +1140,7 @@ __global__ void __launch_bounds__(kColsThreads, 2) l2_cols_kernel(ColsArgs<scala
   const int64_t step = static_cast<int64_t>(a.R) * a.C;
   const scalar_t* xt = a.x + sample + (r0 + trow) * a.C + cb + col * VEC;
   scalar_t* yt = a.out + sample + (r0 + trow) * a.C + cb + col * VEC;
-  const uint64_t keep = l2_evict_last(), drop = l2_evict_first();
+  const auto [keep, drop] = l2_policies();
 
   float shift[VEC], s1[VEC], s2[VEC];
   {
@@ -1207,8 +1198,8 @@ __global__ void __launch_bounds__(kColsThreads, 2) l2_cols_kernel(ColsArgs<scala
   for (int c = tid; c < W; c += kColsThreads) {
     float t1 = 0.f, t2 = 0.f;
     for (int r = 0; r < a.K; ++r) {
-      t1 += cluster_load_f(sh_c1 + c, r);
-      t2 += cluster_load_f(sh_c2 + c, r);
+      t1 += cluster_load(sh_c1 + c, r);
+      t2 += cluster_load(sh_c2 + c, r);
     }
     // Means relative to the group's pivot (its first channel at the first position): a mean that
     // dwarfs the spread would lose the spread's digits as an absolute float.
