@@ -1633,17 +1633,20 @@ at::Tensor group_norm_silu_cuda(const at::Tensor& x_in, int64_t num_groups, cons
     }
     const GNKernels use = gn_kernels();
     const bool any = use == GNKernels::kAny;
-    auto l2 = [&] { return forward_l2<scalar_t>(s, a.F, a.x, a.out, a.w, a.b, eps, silu, vec, x.get_device(), stream); };
+    // Version 5 for channels_last, version 4 otherwise; version 3 (NC* and frames-major only) first for
+    // small inputs, and offered once.
+    auto l2 = [&] {
+      return s.channels_last
+                 ? forward_l2_cols<scalar_t>(s, a.x, a.out, a.w, a.b, eps, silu, vec, x.get_device(), stream)
+                 : forward_l2<scalar_t>(s, a.F, a.x, a.out, a.w, a.b, eps, silu, vec, x.get_device(), stream);
+    };
     auto onchip = [&] {
       return forward_fused<scalar_t>(s, a.F, a.x, a.out, a.w, a.b, eps, silu, vec, x.get_device(), stream);
     };
-    if ((any || use == GNKernels::kL2) &&
-        forward_l2_cols<scalar_t>(s, a.x, a.out, a.w, a.b, eps, silu, vec, x.get_device(), stream))
-      return;
     const bool small = x.numel() * static_cast<int64_t>(sizeof(scalar_t)) < kSmallBytes;
     if (any && small && onchip()) return;
     if ((any || use == GNKernels::kL2) && l2()) return;
-    if ((any || use == GNKernels::kOnChip) && onchip()) return;
+    if (((any && !small) || use == GNKernels::kOnChip) && onchip()) return;
     const auto acc_opts = x.options().dtype(c10::CppTypeToScalarType<acc_t>::value);
     at::Tensor mean = at::empty({2, s.N * s.G}, acc_opts), rstd = at::empty({s.N * s.G}, acc_opts);
     L::stats(a, s.channels_last, vec, eps, mean, rstd, stream);
