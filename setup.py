@@ -47,6 +47,8 @@ def _extension():
                 "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
                 "-U__CUDA_NO_BFLOAT16_CONVERSIONS__", *_cuda_arch_flags()]
         define_macros.append(("VD_WITH_CUDA", None))
+        if any("sm_90a" in f for f in nvcc):
+            define_macros.append(("VD_SM90A", None))  # the Hopper kernels (wgmma, TMA) are in this build
         # torch adds no arch flags of its own when nvcc's flags already carry -gencode.
         return CUDAExtension("vdcompile._C", sources, define_macros=define_macros,
                              extra_compile_args={"cxx": cxx, "nvcc": nvcc}, extra_link_args=["-fopenmp"])

@@ -25,7 +25,7 @@ fi
 jobs=${MAX_JOBS:-$(nproc)}
 printf '%s\n' "${files[@]}" | xargs -P "$jobs" -I{} sh -c '
   echo "nvcc sm_90a: {}"
-  nvcc -c -std=c++20 -O1 -gencode=arch=compute_90a,code=sm_90a -DVD_WITH_CUDA \
+  nvcc -c -std=c++20 -O1 -gencode=arch=compute_90a,code=sm_90a -DVD_WITH_CUDA -DVD_SM90A \
     -I"$0" -I"$1" -I"$1/torch/csrc/api/include" -I"$2" --expt-relaxed-constexpr \
     -U__CUDA_NO_HALF_OPERATORS__ -U__CUDA_NO_HALF_CONVERSIONS__ -U__CUDA_NO_BFLOAT16_CONVERSIONS__ \
     -Xcompiler -w {} -o "$0/$(basename {}).o"

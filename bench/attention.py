@@ -63,7 +63,23 @@ def peers():
     except Exception:  # not installed, or no kernel for this GPU
         pass
     fns["vd"] = lambda q, k, v, s: torch.ops.vd.fused_attention(q, k, v, None, s)[0]
+    fns["vd_mma"] = with_env("VD_ATTENTION_KERNEL", "mma", fns["vd"])  # the mma.sync kernel, also on Hopper
     return fns
+
+
+def with_env(key, value, fn):
+    """fn with the environment variable key set to value during each call (the op reads it per call)."""
+    def run(*args):
+        old = os.environ.get(key)
+        os.environ[key] = value
+        try:
+            return fn(*args)
+        finally:
+            if old is None:
+                del os.environ[key]
+            else:
+                os.environ[key] = old
+    return run
 
 
 def check_close(fn, q, k, v, scale, ref):
@@ -103,6 +119,8 @@ def bench_forward(shapes, dtype, dev, budget_bytes):
                 row[f"{pname}_gbps"] = per / ms / 1e6
                 if base:
                     row[f"{pname}_x_default"] = base / ms
+                if row.get("cudnn_ms"):
+                    row[f"{pname}_x_cudnn"] = row["cudnn_ms"] / ms
         rows.append(row)
         del sets
         torch.cuda.empty_cache()
@@ -180,9 +198,10 @@ def main():
             if row.get("vd_gbps"):
                 row["vd_pct_copy"] = 100 * row["vd_gbps"] / ceilings["copy_GBps"]
     cols = [("shape", "shape", "")]
-    for pname in ["sdpa_default", "cudnn", "flash", "efficient", "naive", "sage", "vd"]:
+    for pname in ["sdpa_default", "cudnn", "flash", "efficient", "naive", "sage", "vd_mma", "vd"]:
         cols.append((f"{pname}_ms", f"{pname} ms", ".3f"))
-    cols += [("vd_tflops", "vd TFLOP/s", ".0f"), ("vd_gbps", "vd GB/s", ".0f"), ("vd_pct_copy", "vd % copy", ".0f"),
+    cols += [("vd_tflops", "vd TFLOP/s", ".0f"), ("vd_x_cudnn", "vd x cudnn", ".2f"), ("vd_gbps", "vd GB/s", ".0f"),
+             ("vd_pct_copy", "vd % copy", ".0f"),
              ("vd_x_default", "vd x default", ".2f")]
     print_table(fwd, cols)
     payload = {"environment": env, "ceilings": ceilings, "dtype": args.dtype, "forward": fwd}

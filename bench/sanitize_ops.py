@@ -35,7 +35,8 @@ def main():
     ran = []
     for dtype in (torch.bfloat16, torch.float32):
         if want("attention"):
-            for B, H, Lq, Lk, D in [(3, 2, 14, 14, 64), (700, 2, 25, 25, 40), (5, 3, 32, 17, 128), (1, 2, 77, 131, 40), (2, 1, 300, 1, 128), (1, 1, 257, 257, 256)]:
+            for B, H, Lq, Lk, D in [(3, 2, 14, 14, 64), (700, 2, 25, 25, 40), (5, 3, 32, 17, 128), (1, 2, 77, 131, 40), (2, 1, 300, 1, 128), (1, 1, 257, 257, 256),
+                                    (1, 2, 200, 300, 128)]:
                 q = torch.randn(B, H, Lq, D, device=dev, dtype=dtype)
                 k = torch.randn(B, H, Lk, D, device=dev, dtype=dtype)
                 v = torch.randn(B, H, Lk, D, device=dev, dtype=dtype)

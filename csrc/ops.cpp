@@ -4,10 +4,21 @@
 #include <torch/library.h>
 
 extern "C" {
-// Importing vdcompile._C only runs the static registrations below; no Python bindings needed.
+// Importing vdcompile._C runs the static registrations below; the module itself only says which
+// arch-specific kernels the build carries (HOPPER_ATTENTION: the sm_90a attention forward).
 PyObject* PyInit__C(void) {
   static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
-  return PyModule_Create(&module_def);
+  PyObject* m = PyModule_Create(&module_def);
+#if defined(VD_SM90A)
+  const long hopper = 1;
+#else
+  const long hopper = 0;
+#endif
+  if (m != nullptr && PyModule_AddIntConstant(m, "HOPPER_ATTENTION", hopper) != 0) {
+    Py_DECREF(m);
+    return nullptr;
+  }
+  return m;
 }
 }
 

@@ -474,6 +474,20 @@ def test_empty_batch():
 
 
 _CUDA = "CUDA" in torch._C._dispatch_dump("vd::fused_attention") and torch.cuda.is_available()
+
+
+def check_cuda_against_reference(q, k, v, mask, dtype):
+    """out and lse within PyTorch's own same-dtype error of the float64 reference; empty rows exact."""
+    out, lse = OP(q, k, v, mask)
+    ref_out, ref_lse = reference_fused_attention(q.double(), k.double(), v.double(), mask)
+    torch_out, torch_lse = lowprec_attention(q, k, v, mask)
+    empty = torch.isneginf(ref_lse)
+    assert (out[empty] == 0).all() and torch.isneginf(lse[empty]).all()
+    live = ~empty
+    assert_within_torch_error(out[live], torch_out[live], ref_out[live], dtype, "out", score_term(q, k, v, mask))
+    assert_within_torch_error(lse[live], torch_lse[live], ref_lse[live], dtype, "lse")
+
+
 needs_cuda = pytest.mark.skipif(not _CUDA, reason="vd::fused_attention has no CUDA kernel in this build, or no GPU")
 
 
@@ -496,14 +510,7 @@ def test_short_kernel_cuda_matches_reference(dtype, shape, layout, mask_kind):
     gen = torch.Generator(device="cuda").manual_seed(sum(shape))
     q, k, v = make_qkv(B, H, Lq, Lk, D, dtype, layout, "cuda", gen)
     mask = make_mask(mask_kind, (B, H, Lq, Lk), [True, False, True, True], 0, dtype, "cuda", gen)
-    out, lse = OP(q, k, v, mask)
-    ref_out, ref_lse = reference_fused_attention(q.double(), k.double(), v.double(), mask)
-    torch_out, torch_lse = lowprec_attention(q, k, v, mask)
-    empty = torch.isneginf(ref_lse)
-    assert (out[empty] == 0).all() and torch.isneginf(lse[empty]).all()
-    live = ~empty
-    assert_within_torch_error(out[live], torch_out[live], ref_out[live], dtype, "out", score_term(q, k, v, mask))
-    assert_within_torch_error(lse[live], torch_lse[live], ref_lse[live], dtype, "lse")
+    check_cuda_against_reference(q, k, v, mask, dtype)
 
 
 @needs_cuda
@@ -521,3 +528,47 @@ def test_short_kernel_cuda_over_2_31_elements():
     ref_out, ref_lse = reference_fused_attention(q[tail].double(), k[tail].double(), v[tail].double())
     torch.testing.assert_close(out[tail].double(), ref_out, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(lse[tail].double(), ref_lse, atol=1e-3, rtol=1e-3)
+
+
+# The long-sequence tensor-core kernels (fp16/bf16, head_dim % 8 == 0): on Hopper the wgmma kernel
+# (sm_90a) takes them by default, and VD_ATTENTION_KERNEL=mma keeps the mma.sync kernel; both are
+# checked here. Lengths off the tiles (64/192 query rows, 64/128 keys), padded head dims, masks of
+# every kind, the projections' strided views and lengths where one key tile is all there is.
+@needs_cuda
+@pytest.mark.parametrize("family", ["default", "mma"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape,layout,mask_kind", [
+    ((2, 3, 300, 517, 64), "contiguous", None),
+    ((1, 2, 1000, 1000, 128), "bnhd", "bool"),
+    ((2, 2, 64, 33, 40), "packed_kv", "float"),
+    ((1, 3, 193, 129, 96), "contiguous", "float32"),
+    ((2, 1, 577, 77, 64), "bnhd", None),          # cross-attention to 77 text tokens
+    ((1, 2, 130, 260, 8), "contiguous", None),
+    ((1, 1, 70, 40, 64), "d_strided", None),      # non-unit head_dim stride: a copy first
+])
+def test_long_kernels_cuda_match_reference(family, dtype, shape, layout, mask_kind, monkeypatch):
+    if family == "mma":
+        monkeypatch.setenv("VD_ATTENTION_KERNEL", "mma")
+    B, H, Lq, Lk, D = shape
+    gen = torch.Generator(device="cuda").manual_seed(sum(shape) + D)
+    q, k, v = make_qkv(B, H, Lq, Lk, D, dtype, layout, "cuda", gen)
+    mask = make_mask(mask_kind, (B, H, Lq, Lk), [True, False, True, True], 0, dtype, "cuda", gen)
+    check_cuda_against_reference(q, k, v, mask, dtype)
+
+
+@needs_cuda
+def test_hopper_runs_wgmma_kernel(monkeypatch):
+    # The cases above pass on the mma.sync kernel too: pin which kernel runs where.
+    q = torch.randn(1, 2, 256, 64, device="cuda", dtype=torch.bfloat16)
+    hopper = torch.cuda.get_device_capability() == (9, 0)
+    for env, want in [(None, hopper), ("mma", False)]:
+        if env is None:
+            monkeypatch.delenv("VD_ATTENTION_KERNEL", raising=False)
+        else:
+            monkeypatch.setenv("VD_ATTENTION_KERNEL", env)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            OP(q, q, q)
+            torch.cuda.synchronize()
+        names = [e.name for e in prof.events()]
+        assert any("attn_fwd_wgmma_kernel" in n for n in names) == want, (env, sorted(set(names)))
+        assert any("attn_fwd_mma_kernel" in n for n in names) == (not want), (env, sorted(set(names)))

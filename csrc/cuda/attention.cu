@@ -6,7 +6,7 @@
 // gradient. strided_attention runs the same kernels on the k[:, :, ::stride] / v[:, :, ::stride]
 // views, and its backward writes dk / dv through the matching views of zero-filled gradients.
 //
-// Forward, three kernels:
+// Forward, four kernels:
 //   short: fp16/bf16 with q_len, kv_len <= 32 (temporal attention over frames): a warp per (b, h)
 //         problem, tensor cores, the next problem prefetched with cp.async; memory-bound by design.
 //   rows: a block per (b, h, 16 query rows), key/value tiles of 32 staged in shared memory, a warp
@@ -14,7 +14,9 @@
 //         float32/float64, head dims that are not multiples of 8 and the short cases above misses.
 //   mma:  flash-style tiles (64 queries x 64 keys, 32 keys for head_dim > 128) for fp16/bf16 on the
 //         tensor cores (mma.sync m16n8k16, float accumulators), K/V tiles double-buffered with
-//         cp.async. Serves long sequences.
+//         cp.async. Serves long sequences off Hopper, and head_dim > 128.
+//   wgmma: the same loop on Hopper (sm_90a builds on compute capability 9.0, head_dim <= 128):
+//         warpgroup MMA, K/V streamed by the bulk tensor copy engine from a producer warp.
 // Backward: one kernel for delta = rowsum(dO * O) - grad_lse, one for dq (a warp per query row) and
 // one for dk / dv (a warp per key row), all recomputing P from lse. No atomics: deterministic.
 #include <ATen/ATen.h>
@@ -23,17 +25,22 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <cuda.h>
+#include <cudaTypedefs.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <string>
 #include <limits>
 #include <type_traits>
 
 #include "../attention.h"
 #include "launch.h"
+#include "wgmma.h"
 
 namespace vd {
 namespace {
@@ -56,6 +63,12 @@ constexpr int kTile = 32;
 template <typename T>
 __device__ __forceinline__ T neg_inf() {
   return -std::numeric_limits<T>::infinity();
+}
+// 2^x in one MUFU op (flushes subnormal results to 0; 2^-inf = 0): the softmax's exponentials.
+__device__ __forceinline__ float ex2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
 }
 __device__ __forceinline__ float exp_(float x) { return expf(x); }
 __device__ __forceinline__ double exp_(double x) { return exp(x); }
@@ -521,6 +534,207 @@ __global__ void __launch_bounds__(kMmaThreads) attn_fwd_mma_kernel(const AttnArg
     }
     if (tig == 0) a.lse_out[bh * a.Lq + row] = l > 0.f ? (m_r[rr] + log2f(l)) * kLn2 : neg_inf<float>();
   }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Forward, Hopper kernel (sm_90a; fp16 / bf16, head_dim <= 128 and % 8 == 0): the flash loop on
+// warpgroup MMA (wgmma), warp-specialised. Warpgroup 0 is the producer: one thread streams Q once and
+// the K/V tiles of 128 keys through a ring of kStages shared-memory stages with the bulk tensor copy
+// engine (TMA: the 128-byte swizzle wgmma reads, rows past the sequence zero-filled), signalling "full"
+// mbarriers with the byte count; it gives most of its registers to the consumers (setmaxnreg).
+// Warpgroups 1..WG each own 64 query rows: S = Q K^T (64 x 128) from shared memory into registers,
+// the online softmax on those accumulators, O += P V with P straight from registers (the accumulator
+// layout of S is the A-fragment layout of the second product), then an "empty" arrival frees the
+// stage. No CTA-wide barrier after the start, so the consumer warpgroups drift apart and one's softmax
+// overlaps another's matrix work. WG = 3 at head_dim 64, 2 at 128 (64 + 64 float accumulators).
+template <int DP>
+struct WgTile {
+  static constexpr int WG = DP <= 64 ? 3 : 2;                     // consumer warpgroups
+  static constexpr int threads = 128 * (WG + 1);
+  static constexpr int regs_producer = 24;
+  static constexpr int regs_consumer = DP <= 64 ? 160 : 240;      // 24 * 128 + regs * 128 * WG <= 65536
+  static constexpr int BM = 64 * WG;
+  static constexpr int BN = 128;
+  static constexpr int kStages = 2;
+  static constexpr int q_bytes = BM * DP * 2;
+  static constexpr int kv_bytes = BN * DP * 2;                    // one stage of K (or V)
+  static constexpr int bar_off = q_bytes + 2 * kStages * kv_bytes;  // then the mbarriers
+  static constexpr size_t smem_bytes = bar_off + 64 + 1024;       // + slack to align to 1024
+};
+
+template <typename scalar_t, int DP>
+__global__ void __launch_bounds__(WgTile<DP>::threads, 1)
+    attn_fwd_wgmma_kernel(const AttnArgs<scalar_t, float> a, const __grid_constant__ CUtensorMap tq,
+                          const __grid_constant__ CUtensorMap tk, const __grid_constant__ CUtensorMap tv) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using T = WgTile<DP>;
+  constexpr int BM = T::BM, BN = T::BN, S = T::kStages;
+  constexpr int NS = BN / 2;  // S accumulators a thread
+  constexpr int NO = DP / 2;  // O accumulators a thread
+  constexpr bool kBf16 = std::is_same_v<scalar_t, at::BFloat16>;
+  using MT = MmaTraits<scalar_t>;
+
+  // Tiles are [DP / 64][rows][128 B], swizzled; each starts on a 1024-byte boundary.
+  const uint32_t raw_addr = smem_addr(dyn_smem());
+  const uint32_t sQ = (raw_addr + 1023u) & ~1023u;
+  const uint32_t sK = sQ + T::q_bytes, sV = sK + S * T::kv_bytes;
+  const uint32_t bar = sQ + T::bar_off;  // q_full, full[S], empty[S]
+  auto full = [&](int st) { return bar + 8 * (1 + st); };
+  auto empty = [&](int st) { return bar + 8 * (1 + S + st); };
+
+  const int64_t nqb = (a.Lq + BM - 1) / BM;
+  const int64_t bh = blockIdx.x / nqb, q0 = (blockIdx.x % nqb) * BM;
+  const int b = static_cast<int>(bh / a.H), h = static_cast<int>(bh % a.H);
+  const int tid = threadIdx.x, wg = tid / 128;
+  const int64_t nkt = (a.Lk + BN - 1) / BN;
+
+  if (tid == 0) {
+    wgmma::mbar_init(bar, 1);
+    for (int st = 0; st < S; ++st) {
+      wgmma::mbar_init(full(st), 1);
+      wgmma::mbar_init(empty(st), 4 * T::WG);  // one arrival per consumer warp
+    }
+    wgmma::mbar_init_fence();
+  }
+  __syncthreads();
+
+  if (wg == 0) {
+    wgmma::setmaxnreg_dec<T::regs_producer>();
+    if (tid == 0) {
+      wgmma::mbar_expect_tx(bar, T::q_bytes);
+      for (int c = 0; c < DP / 64; ++c) wgmma::tma_load_4d(sQ + c * BM * 128, &tq, bar, c * 64, int(q0), h, b);
+      for (int64_t t = 0; t < nkt; ++t) {
+        const int st = static_cast<int>(t % S);
+        wgmma::mbar_wait(empty(st), static_cast<uint32_t>((t / S) & 1) ^ 1u);
+        wgmma::mbar_expect_tx(full(st), 2 * T::kv_bytes);
+        const int k0 = static_cast<int>(t * BN);
+        for (int c = 0; c < DP / 64; ++c) {
+          wgmma::tma_load_4d(sK + st * T::kv_bytes + c * BN * 128, &tk, full(st), c * 64, k0, h, b);
+          wgmma::tma_load_4d(sV + st * T::kv_bytes + c * BN * 128, &tv, full(st), c * 64, k0, h, b);
+        }
+      }
+    }
+    return;
+  }
+  wgmma::setmaxnreg_inc<T::regs_consumer>();
+
+  const int cw = wg - 1, warp = (tid / 32) % 4, lane = tid % 32;
+  const int g = lane >> 2, tig = lane & 3;
+  const int D = a.D;
+  const int64_t moff = b * a.mask.sb + a.mask.sh * h;
+
+  float o[NO];
+#pragma unroll
+  for (int i = 0; i < NO; ++i) o[i] = 0.f;
+  // This thread holds rows g and g + 8 of its warp's 16: running max (log2 units) and partial sum.
+  float m_r[2] = {neg_inf<float>(), neg_inf<float>()}, l_r[2] = {0.f, 0.f};
+  const float sl2 = a.scale * kLog2e;
+  const int64_t row_base = q0 + cw * 64 + warp * 16 + g;
+  // Descriptors of the tiles' first k-step; a step adds its byte offset >> 4 to the start address.
+  const uint64_t dq0 = wgmma::desc_sw128(sQ + cw * 64 * 128, 16, 1024);
+  const uint64_t dk0 = wgmma::desc_sw128(sK, 16, 1024);
+  const uint64_t dv0 = wgmma::desc_sw128(sV, BN * 128, 1024);
+
+  wgmma::mbar_wait(bar, 0);
+  for (int64_t t = 0; t < nkt; ++t) {
+    const int st = static_cast<int>(t % S);
+    const uint32_t stage = st * T::kv_bytes;
+    wgmma::mbar_wait(full(st), static_cast<uint32_t>((t / S) & 1));
+
+    // S = Q K^T: K-steps of 16 dims, 32 bytes apart inside a 128-byte line, lines of 64 dims apart.
+    float s[NS];
+    wgmma::fence();
+#pragma unroll
+    for (int ks = 0; ks < DP / 16; ++ks) {
+      const uint32_t qa = (ks / 4) * BM * 128 + (ks % 4) * 32;
+      const uint32_t kb = stage + (ks / 4) * BN * 128 + (ks % 4) * 32;
+      wgmma::mma_m64n128k16_ss<kBf16>(s, dq0 + (qa >> 4), dk0 + (kb >> 4), ks);
+    }
+    wgmma::commit();
+    wgmma::wait<0>();
+    wgmma::fence_regs(s);
+
+    // The online softmax per row (4 lanes share a row), in log2 units. Interior tiles without a mask
+    // take the row max of the raw scores and one FMA + ex2 an element; the last tile, masks and a
+    // non-positive scale scale and mask every element first.
+    const int64_t k0 = t * BN;
+    const bool plain = k0 + BN <= a.Lk && a.mask.kind == kNoMask && sl2 > 0.f;
+    float mx[2] = {neg_inf<float>(), neg_inf<float>()};
+    if (plain) {
+#pragma unroll
+      for (int i = 0; i < NS; ++i) mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], s[i]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < NS; ++i) {
+        const int64_t key = k0 + (i / 4) * 8 + 2 * tig + (i & 1);
+        const int rr = (i >> 1) & 1;
+        float x = s[i] * sl2;
+        if (key >= a.Lk) {
+          x = neg_inf<float>();
+        } else if (a.mask.kind != kNoMask && row_base + rr * 8 < a.Lq) {
+          x += mask_add<scalar_t, float>(a.mask, moff + (row_base + rr * 8) * a.mask.sq + key * a.mask.sk) * kLog2e;
+        }
+        s[i] = x;
+        mx[rr] = fmaxf(mx[rr], x);
+      }
+    }
+    const float f = plain ? sl2 : 1.f;  // what s still has to be multiplied by
+    float corr[2], m_use[2];
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+      mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(kFullMask, mx[rr], 1));
+      mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(kFullMask, mx[rr], 2));
+      const float m_new = fmaxf(m_r[rr], mx[rr] * f);
+      m_use[rr] = m_new == neg_inf<float>() ? 0.f : m_new;
+      corr[rr] = ex2_approx(m_r[rr] - m_use[rr]);
+      m_r[rr] = m_new;
+      l_r[rr] *= corr[rr];
+    }
+#pragma unroll
+    for (int i = 0; i < NO; ++i) o[i] *= corr[(i >> 1) & 1];
+    unsigned pa[BN / 16][4];
+#pragma unroll
+    for (int i = 0; i < NS; i += 2) {
+      const int rr = (i >> 1) & 1;
+      const float p0 = ex2_approx(fmaf(s[i], f, -m_use[rr])), p1 = ex2_approx(fmaf(s[i + 1], f, -m_use[rr]));
+      l_r[rr] += p0 + p1;
+      pa[i / 8][(i / 2) % 4] = MT::pack(p0, p1);
+    }
+
+    // O += P V: V's tile is the MN-major B operand; K-steps of 16 keys are 2048 bytes apart.
+    wgmma::fence_regs(o);
+    wgmma::fence();
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      const uint64_t dv = dv0 + ((stage + kk * 16 * 128) >> 4);
+      if constexpr (DP == 64) wgmma::mma_m64n64k16_rs<kBf16>(o, pa[kk], dv);
+      else wgmma::mma_m64n128k16_rs<kBf16>(o, pa[kk], dv);
+    }
+    wgmma::commit();
+    wgmma::wait<0>();
+    wgmma::fence_regs(o);
+    if (lane == 0) wgmma::mbar_arrive(empty(st));  // this warp is done reading the stage
+  }
+
+#pragma unroll
+  for (int rr = 0; rr < 2; ++rr) {
+    float l = l_r[rr];
+    l += __shfl_xor_sync(kFullMask, l, 1);
+    l += __shfl_xor_sync(kFullMask, l, 2);
+    const int64_t row = row_base + rr * 8;
+    if (row >= a.Lq) continue;
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    scalar_t* orow = a.out + (bh * a.Lq + row) * D;
+#pragma unroll
+    for (int j = 0; j < DP / 8; ++j) {
+      const int d = j * 8 + 2 * tig;
+      if (d < D) {  // D % 8 == 0: d + 1 < D too; 4-byte aligned
+        *reinterpret_cast<unsigned*>(orow + d) = MT::pack(o[4 * j + 2 * rr] * inv, o[4 * j + 2 * rr + 1] * inv);
+      }
+    }
+    if (tig == 0) a.lse_out[bh * a.Lq + row] = l > 0.f ? (m_r[rr] + log2f(l)) * kLn2 : neg_inf<float>();
+  }
+#endif
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -991,6 +1205,99 @@ AttnArgs<scalar_t, acc_t> base_args(const at::Tensor& q, const at::Tensor& k, co
   return a;
 }
 
+// Which forward kernel serves long fp16 / bf16 sequences. VD_ATTENTION_KERNEL=mma keeps the mma.sync
+// kernel on Hopper too (benchmarks compare the two in one process); read on every call.
+bool wgmma_allowed() {
+  const char* e = std::getenv("VD_ATTENTION_KERNEL");
+  return e == nullptr || std::string(e) != "mma";
+}
+
+// True on a compute capability 9.0 device when this build carries sm_90a code (VD_SM90A, set by
+// setup.py whenever it targets Hopper): the arch-specific binary runs on 9.0 only.
+bool device_is_sm90a() {
+#if defined(VD_SM90A)
+  int dev = 0, major = 0, minor = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&dev));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+  return major == 9 && minor == 0;
+#else
+  return false;
+#endif
+}
+
+#if defined(VD_SM90A)
+// cuTensorMapEncodeTiled from the driver, found through the runtime (no link against libcuda).
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    C10_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q));
+    return q == cudaDriverEntryPointSuccess ? reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p) : nullptr;
+  }();
+  return fn;
+}
+
+// A (B, H, L, D) fp16 / bf16 operand as a 4-D tensor map (D, L, H, B) with boxes of 64 dims x rows in
+// the 128-byte swizzle; out-of-range rows and dims read as zeros. False where the copy engine cannot
+// take the layout (strides must be positive multiples of 16 bytes).
+bool make_tensor_map(CUtensorMap* m, const at::Tensor& t, int rows) {
+  auto encode = tensor_map_encoder();
+  if (encode == nullptr) return false;
+  const int64_t sizes[3] = {t.size(2), t.size(1), t.size(0)}, strides[3] = {t.stride(2), t.stride(1), t.stride(0)};
+  cuuint64_t dims[4] = {static_cast<cuuint64_t>(t.size(3)), static_cast<cuuint64_t>(sizes[0]),
+                        static_cast<cuuint64_t>(sizes[1]), static_cast<cuuint64_t>(sizes[2])};
+  cuuint64_t bytes[3];
+  int64_t natural = t.size(3);  // a size-1 dim's stride is never used: give it the packed one
+  for (int i = 0; i < 3; ++i) {
+    const int64_t st = sizes[i] == 1 ? natural : strides[i];
+    if (st <= 0 || st % 8 != 0) return false;
+    bytes[i] = static_cast<cuuint64_t>(st) * 2;
+    natural = st * sizes[i];
+  }
+  cuuint32_t box[4] = {64, static_cast<cuuint32_t>(rows), 1, 1}, unit[4] = {1, 1, 1, 1};
+  const CUresult r = encode(m, t.scalar_type() == at::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+                            4, const_cast<void*>(t.const_data_ptr()), dims, bytes, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                            CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS;
+}
+#endif
+
+// The Hopper kernel: fp16 / bf16, head_dim <= 128 and % 8 == 0, at least one full query tile of a
+// warpgroup and more keys than the short kernel takes. Returns false where another kernel is used.
+template <typename scalar_t>
+bool wgmma_forward(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                   const at::Tensor& mask, double scale, at::Tensor& out, at::Tensor& lse, cudaStream_t stream) {
+#if defined(VD_SM90A)
+  if constexpr (std::is_same_v<scalar_t, at::Half> || std::is_same_v<scalar_t, at::BFloat16>) {
+    const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), Lk = k.size(2), D = q.size(3);
+    if (D % 8 != 0 || D > 128 || Lk <= kTile || Lq < 64 || !wgmma_allowed() || !device_is_sm90a()) return false;
+    if (B > std::numeric_limits<int>::max() || H > std::numeric_limits<int>::max() ||
+        Lk > std::numeric_limits<int>::max() - 128 || Lq > std::numeric_limits<int>::max() - 256) {
+      return false;  // the copy engine's coordinates are 32-bit
+    }
+    const at::Tensor q2 = mma_ready(q), k2 = mma_ready(k), v2 = mma_ready(v);
+    auto run = [&](auto tile, auto kernel) {
+      using T = decltype(tile);
+      CUtensorMap tq, tk, tv;
+      if (!make_tensor_map(&tq, q2, T::BM) || !make_tensor_map(&tk, k2, T::BN) || !make_tensor_map(&tv, v2, T::BN)) {
+        return false;
+      }
+      auto a = base_args<scalar_t, float>(q2, k2, v2, mask, scale);
+      a.out = out.mutable_data_ptr<scalar_t>();
+      a.lse_out = lse.mutable_data_ptr<float>();
+      set_smem(kernel, T::smem_bytes, op);
+      kernel<<<grid_of(B * H * ceil_div(Lq, T::BM), op), T::threads, T::smem_bytes, stream>>>(a, tq, tk, tv);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      return true;
+    };
+    if (D <= 64) return run(WgTile<64>{}, attn_fwd_wgmma_kernel<scalar_t, 64>);
+    return run(WgTile<128>{}, attn_fwd_wgmma_kernel<scalar_t, 128>);
+  }
+#endif
+  return false;
+}
+
 // Tensor cores for fp16 / bf16 once there is more than one key tile and a few query rows to
 // share it; returns false where the "rows" kernel is used instead.
 template <typename scalar_t>
@@ -1071,6 +1378,7 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(const char* op, const at::T
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "fused_attention_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     if (short_forward<scalar_t>(op, q, k, v, mask, scale, out, lse, stream)) return;
+    if (wgmma_forward<scalar_t>(op, q, k, v, mask, scale, out, lse, stream)) return;
     if (mma_forward<scalar_t>(op, q, k, v, mask, scale, out, lse, stream)) return;
     auto a = base_args<scalar_t, acc_t>(q, k, v, mask, scale);
     a.out = out.mutable_data_ptr<scalar_t>();

@@ -1,0 +1,140 @@
+// Hopper (sm_90a) warpgroup matrix multiply: thin wrappers over the PTX of wgmma.mma_async and its
+// shared-memory descriptors, for the kernels that use them (attention.cu). Compiled only for the
+// arch-specific target (__CUDA_ARCH_FEAT_SM90_ALL); callers guard their use the same way.
+//
+// Operand layouts used here: both shared-memory operands in the 128-byte swizzle (a row of 64
+// 16-bit elements is one 128-byte line; its 16-byte chunk j is stored at chunk j ^ (row % 8); every
+// 8-row group is a 1024-byte, 1024-aligned atom). A K-major operand (rows = M or N, the 64
+// elements = K) steps K by adding 32 bytes per 16 elements to the start address; an MN-major B
+// (rows = K, the 64 elements = N) steps K by 16 rows, i.e. 2048 bytes, and its N atoms of 64 lie
+// `lbo` bytes apart.
+#pragma once
+#include <cstdint>
+
+namespace vd {
+namespace wgmma {
+
+// Shared-memory matrix descriptor: start address, leading / stride byte offsets (all >> 4),
+// 128-byte swizzle (mode 1 in bits 62-63).
+__device__ __forceinline__ uint64_t desc_sw128(uint32_t saddr, uint32_t lbo, uint32_t sbo) {
+  return static_cast<uint64_t>((saddr & 0x3FFFFu) >> 4) | (static_cast<uint64_t>((lbo >> 4) & 0x3FFFu) << 16) |
+         (static_cast<uint64_t>((sbo >> 4) & 0x3FFFu) << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ void fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Generic-proxy writes to shared memory (cp.async, st.shared) made visible to the async proxy that
+// wgmma reads through; each writing thread runs it before the barrier that publishes the tile.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// Keeps the compiler from moving reads or writes of accumulator registers across wgmma issue/wait.
+template <int N>
+__device__ __forceinline__ void fence_regs(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+#define VD_ACC8(d, i) \
+  "+f"(d[(i) + 0]), "+f"(d[(i) + 1]), "+f"(d[(i) + 2]), "+f"(d[(i) + 3]), "+f"(d[(i) + 4]), "+f"(d[(i) + 5]), \
+      "+f"(d[(i) + 6]), "+f"(d[(i) + 7])
+
+// The accumulator lists of the asm statements below.
+#define VD_R32 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+#define VD_R64 VD_R32 ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+#define VD_D32(d) VD_ACC8(d, 0), VD_ACC8(d, 8), VD_ACC8(d, 16), VD_ACC8(d, 24)
+#define VD_D64(d) VD_D32(d), VD_ACC8(d, 32), VD_ACC8(d, 40), VD_ACC8(d, 48), VD_ACC8(d, 56)
+// TY: bf16 or f16 (the A and B element type).
+#define VD_SS_M64N128(TY)                                                                             \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                          \
+               "wgmma.mma_async.sync.aligned.m64n128k16.f32." #TY "." #TY " {" VD_R64 "}, %64, %65, p, 1, 1, 0, 0;\n}\n" \
+               : VD_D64(d)                                                                             \
+               : "l"(da), "l"(db), "r"(scale_d))
+// A from registers (ALIST: its four operands), B from shared memory MN-major (trans-b = 1), always
+// accumulating (the predicate operand SC is set from a constant 1).
+#define VD_RS(N, TY, RLIST, DLIST, ALIST, DESC, SC)                                                   \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " SC ", 0;\n"                                       \
+               "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." #TY "." #TY " {" RLIST "}, {" ALIST "}, " DESC \
+               ", p, 1, 1, 1;\n}\n"                                                                      \
+               : DLIST                                                                                 \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1))
+
+// d (64 x 128, f32) = (scale_d ? d : 0) + A (64 x 16, shared, K-major) * B (16 x 128, shared, K-major).
+template <bool kBf16>
+__device__ __forceinline__ void mma_m64n128k16_ss(float (&d)[64], uint64_t da, uint64_t db, int scale_d) {
+  if constexpr (kBf16) VD_SS_M64N128(bf16);
+  else VD_SS_M64N128(f16);
+}
+
+// d (64 x 64, f32) += A (64 x 16, registers) * B (16 x 64, shared, MN-major).
+template <bool kBf16>
+__device__ __forceinline__ void mma_m64n64k16_rs(float (&d)[32], const unsigned (&a)[4], uint64_t db) {
+  if constexpr (kBf16) VD_RS(64, bf16, VD_R32, VD_D32(d), "%32, %33, %34, %35", "%36", "%37");
+  else VD_RS(64, f16, VD_R32, VD_D32(d), "%32, %33, %34, %35", "%36", "%37");
+}
+
+// d (64 x 128, f32) += A (64 x 16, registers) * B (16 x 128, shared, MN-major).
+template <bool kBf16>
+__device__ __forceinline__ void mma_m64n128k16_rs(float (&d)[64], const unsigned (&a)[4], uint64_t db) {
+  if constexpr (kBf16) VD_RS(128, bf16, VD_R64, VD_D64(d), "%64, %65, %66, %67", "%68", "%69");
+  else VD_RS(128, f16, VD_R64, VD_D64(d), "%64, %65, %66, %67", "%68", "%69");
+}
+
+#undef VD_RS
+#undef VD_SS_M64N128
+#undef VD_D64
+#undef VD_D32
+#undef VD_R64
+#undef VD_R32
+#undef VD_ACC8
+
+// ---- mbarriers (shared::cta), the bulk tensor copy engine (TMA) and register reallocation ----
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+// Makes initialized barriers visible to the other threads and to the copy engine.
+__device__ __forceinline__ void mbar_init_fence() {
+  asm volatile("fence.mbarrier_init.release.cluster;\nfence.proxy.async.shared::cta;\n" ::: "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// Arrives and announces `bytes` of copies that will complete on this phase.
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+// Waits until the phase of the given parity has completed (a fresh barrier: parity 1 passes at once).
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred P1;\nLAB_WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
+      "@P1 bra DONE;\nbra LAB_WAIT;\nDONE:\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+// A 4-D box of a tensor map into shared memory, completing on the barrier (tx bytes).
+__device__ __forceinline__ void tma_load_4d(uint32_t dst, const void* tmap, uint32_t bar, int c0, int c1, int c2,
+                                            int c3) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], "
+      "[%6];\n" ::"r"(dst),
+      "l"(tmap), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
+      : "memory");
+}
+template <int N>
+__device__ __forceinline__ void setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+template <int N>
+__device__ __forceinline__ void setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+
+}  // namespace wgmma
+}  // namespace vd
