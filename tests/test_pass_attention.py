@@ -290,11 +290,16 @@ AUTO = {"attention_kernels": "auto"}  # the backend's default (backend_checks fo
 
 
 @pytest.mark.skipif(not _CUDA, reason="vd::fused_attention has no CUDA kernel in this build, or no GPU")
-@pytest.mark.parametrize("length, fires", [(14, True), (32, True), (33, False), (256, False)])
-def test_cuda_sdpa_kept_where_vendor_is_faster(length, fires):
-    # Default attention_kernels="auto": on CUDA in bf16 only short sequences go to vd (its short
-    # kernel is faster there); "vd" forces the rewrite for every length.
-    q, k, v = (torch.randn(2, 4, length, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+@pytest.mark.parametrize("length, dim, fires", [(14, 64, True), (32, 64, True), (33, 64, False), (256, 64, False),
+                                               (2048, 64, "hopper"), (2048, 128, False)])
+def test_cuda_sdpa_kept_where_vendor_is_faster(length, dim, fires):
+    # Default attention_kernels="auto": on CUDA in bf16 short sequences go to vd (its short kernel is
+    # faster there), and on Hopper long ones at head_dim <= 64 (the sm_90a kernel beats cuDNN);
+    # "vd" forces the rewrite for every length.
+    if fires == "hopper":
+        from vdcompile import _C
+        fires = bool(_C.HOPPER_ATTENTION) and torch.cuda.get_device_capability() == (9, 0)
+    q, k, v = (torch.randn(1, 2, length, dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     out, _ = rewrite(SDPA(), q, k, v, options=AUTO)
     if fires:
         assert_fired(out, {"attention": 1})

@@ -12,9 +12,10 @@ out, where an additive mask before a plain softmax gives NaN.
 
 With the backend's default attention_kernels="auto", an SDPA call on the CPU is kept as it is
 (PyTorch's CPU kernel is faster than vd's), and one on CUDA in fp16/bf16 unless q_len and kv_len
-are both <= 32: there vd's short-sequence kernel is faster than every
-SDPA backend (temporal attention over frames), while for longer sequences PyTorch's cuDNN / flash
-kernels are faster than vd's tensor-core kernel (bench/attention.py; bench/notes/attention.md).
+are both <= 32 (vd's short-sequence kernel is faster than every SDPA backend: temporal attention
+over frames) or, on a Hopper GPU with the sm_90a kernel built, both >= 2048 at head_dim <= 64
+without a mask (vd's wgmma kernel beats cuDNN there: SVD's spatial self-attention). Elsewhere
+PyTorch's cuDNN / flash kernels are faster (bench/attention.py; bench/notes/attention.md).
 The textbook and bmm forms are always rewritten: vd's kernels beat their unfused matmuls.
 """
 from __future__ import annotations
@@ -105,6 +106,15 @@ def _check_sdpa(m: Match):
 
 
 SHORT_MAX = 32  # q_len and kv_len up to which vd's short-sequence CUDA kernel is used
+HOPPER_MIN = 2048  # q_len and kv_len from which vd's sm_90a kernel beats cuDNN (head_dim <= 64, no mask)
+HOPPER_MAX_DIM = 64
+
+
+def _hopper_kernel(device) -> bool:
+    """The build carries the sm_90a attention kernel and the device is compute capability 9.0."""
+    from vdcompile import _C
+    return (bool(getattr(_C, "HOPPER_ATTENTION", 0)) and torch.cuda.is_available()
+            and torch.cuda.get_device_capability(device) == (9, 0))
 
 
 def _sdpa_faster(m: Match, q, k) -> str | None:
@@ -118,7 +128,12 @@ def _sdpa_faster(m: Match, q, k) -> str | None:
     lq, lk = static_int(q.shape[2]), static_int(k.shape[2])
     if lq is not None and lk is not None and lq <= SHORT_MAX and lk <= SHORT_MAX:
         return None
-    return (f"SDPA kept: its CUDA kernels are faster than vd's beyond {SHORT_MAX} tokens "
+    d = static_int(q.shape[-1])
+    if (lq is not None and lk is not None and d is not None and min(lq, lk) >= HOPPER_MIN and d <= HOPPER_MAX_DIM
+            and d % 8 == 0 and m.val("attn_mask") is None and _hopper_kernel(q.device)):
+        return None
+    return (f"SDPA kept: its CUDA kernels are faster than vd's beyond {SHORT_MAX} tokens, except from "
+            f"{HOPPER_MIN} tokens at head_dim <= {HOPPER_MAX_DIM} without a mask on sm_90 "
             "(options={'attention_kernels': 'vd'} forces vd)")
 
 
