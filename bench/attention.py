@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import environment, measure_ceilings, print_table, rotation_sets, time_cuda, write_json  # noqa: E402
+from common import env_var, environment, measure_ceilings, print_table, rotation_sets, time_cuda, write_json  # noqa: E402
 
 import vdcompile  # noqa: E402,F401
 
@@ -70,15 +70,8 @@ def peers():
 def with_env(key, value, fn):
     """fn with the environment variable key set to value during each call (the op reads it per call)."""
     def run(*args):
-        old = os.environ.get(key)
-        os.environ[key] = value
-        try:
+        with env_var(key, value):
             return fn(*args)
-        finally:
-            if old is None:
-                del os.environ[key]
-            else:
-                os.environ[key] = old
     return run
 
 

@@ -3,6 +3,7 @@ the device's measured ceilings (copy bandwidth, bf16 matmul rate), and JSON resu
 version and date."""
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
 import os
@@ -13,6 +14,21 @@ from typing import Callable, Sequence
 import torch
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+@contextlib.contextmanager
+def env_var(key: str, value: str):
+    """The environment variable key set to value inside the block (the vd ops read their kernel
+    choices, e.g. VD_ATTENTION_KERNEL, on every call), restored after it."""
+    old = os.environ.get(key)
+    os.environ[key] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = old
 
 
 def time_cuda(fn: Callable[[int], object], n_sets: int = 1, warmup: int = 5, iters: int = 50,

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import environment, measure_ceilings, print_table, rotation_sets, time_cuda, write_json  # noqa: E402
+from common import env_var, environment, measure_ceilings, print_table, rotation_sets, time_cuda, write_json  # noqa: E402
 
 import vdcompile  # noqa: E402,F401
 
@@ -90,14 +90,11 @@ def bench_group_norm_silu(dtype, dev, ceil, variants=False):
             r["max_err"] = err
             if variants:
                 for v in GN_VARIANTS:
-                    os.environ["VD_GROUP_NORM_KERNEL"] = v
-                    try:
+                    with env_var("VD_GROUP_NORM_KERNEL", v):
                         r[f"{v}_ms"] = time_cuda(lambda i: torch.ops.vd.group_norm_silu(xs[i], 32, w, b, 1e-5, True),
                                                  n_sets)
                         got = torch.ops.vd.group_norm_silu(xs[0], 32, w, b, 1e-5, True).float()
                         r[f"{v}_max_err"] = (got - ref).abs().max().item()
-                    finally:
-                        del os.environ["VD_GROUP_NORM_KERNEL"]
             rows.append(r)
             del xs
             torch.cuda.empty_cache()

@@ -16,6 +16,9 @@ import torch
 import vdcompile  # noqa: F401
 from vdcompile import has_cuda_kernels
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import env_var  # noqa: E402
+
 
 def _grad(fn, *inputs):
     inputs = [t.detach().requires_grad_() for t in inputs]
@@ -64,8 +67,7 @@ def main():
             # Each forward kernel family on its own: one block, a cluster of 4, a cluster of 16 (bf16;
             # two-pass in fp32), frames-major over a cluster of 8 / 16.
             for family in ("l2", "onchip"):
-                os.environ["VD_GROUP_NORM_KERNEL"] = family
-                try:
+                with env_var("VD_GROUP_NORM_KERNEL", family):
                     for shape, groups in [((2, 64, 9, 11), 8), ((2, 640, 36, 64), 32), ((1, 64, 256, 256), 8)]:
                         x = torch.randn(shape, device=dev, dtype=dtype)
                         w, b = torch.randn(shape[1], device=dev, dtype=dtype), torch.randn(shape[1], device=dev, dtype=dtype)
@@ -80,8 +82,6 @@ def main():
                         x = torch.randn(shape, device=dev, dtype=dtype).to(memory_format=fmt)
                         w, b = torch.randn(shape[1], device=dev, dtype=dtype), torch.randn(shape[1], device=dev, dtype=dtype)
                         torch.ops.vd.group_norm_silu(x, groups, w, b, 1e-5, True)
-                finally:
-                    del os.environ["VD_GROUP_NORM_KERNEL"]
             ran.append("group_norm_silu")
         if want("conv_bn_silu"):
             x = torch.randn(2, 16, 9, 13, device=dev, dtype=dtype)

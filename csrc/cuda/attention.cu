@@ -34,8 +34,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
-#include <string>
 #include <limits>
+#include <string>
 #include <type_traits>
 
 #include "../attention.h"
@@ -344,6 +344,34 @@ struct MmaTraits<at::Half> {
   }
 };
 
+// Epilogue of the tensor-core kernels. This thread holds rows row0 and row0 + 8 in the m16n8
+// accumulator layout: columns 8j + 2 tig and + 1 of them in o[4j + 2rr] and o[4j + 2rr + 1] (rr: which
+// row), their running max m_r (log2 units) and partial sums l_r, which the 4 lanes of its quad add up.
+// Writes out / l (0 for an empty row) into the contiguous output and lse (natural log).
+template <typename scalar_t, int N>
+__device__ __forceinline__ void store_rows(const AttnArgs<scalar_t, float>& a, const float (&o)[N], const float (&m_r)[2],
+                                           const float (&l_r)[2], int64_t bh, int64_t row0, int tig) {
+  using MT = MmaTraits<scalar_t>;
+#pragma unroll
+  for (int rr = 0; rr < 2; ++rr) {
+    float l = l_r[rr];
+    l += __shfl_xor_sync(kFullMask, l, 1);
+    l += __shfl_xor_sync(kFullMask, l, 2);
+    const int64_t row = row0 + rr * 8;
+    if (row >= a.Lq) continue;
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    scalar_t* orow = a.out + (bh * a.Lq + row) * a.D;
+#pragma unroll
+    for (int j = 0; j < N / 4; ++j) {
+      const int d = j * 8 + 2 * tig;
+      if (d < a.D) {  // D % 8 == 0: d + 1 < D too, and the pair is 4-byte aligned
+        *reinterpret_cast<unsigned*>(orow + d) = MT::pack(o[4 * j + 2 * rr] * inv, o[4 * j + 2 * rr + 1] * inv);
+      }
+    }
+    if (tig == 0) a.lse_out[bh * a.Lq + row] = l > 0.f ? (m_r[rr] + log2f(l)) * kLn2 : neg_inf<float>();
+  }
+}
+
 constexpr int kMmaThreads = 128;  // 4 warps x 16 query rows
 constexpr int kMmaRows = 64;
 
@@ -515,25 +543,7 @@ __global__ void __launch_bounds__(kMmaThreads) attn_fwd_mma_kernel(const AttnArg
     __syncthreads();  // next tile landed; everyone is done with this one
   }
 
-#pragma unroll
-  for (int rr = 0; rr < 2; ++rr) {
-    float l = l_r[rr];
-    l += __shfl_xor_sync(kFullMask, l, 1);
-    l += __shfl_xor_sync(kFullMask, l, 2);
-    const int64_t row = row_base + rr * 8;
-    if (row >= a.Lq) continue;
-    const float inv = l > 0.f ? 1.f / l : 0.f;
-    scalar_t* orow = a.out + (bh * a.Lq + row) * D;
-#pragma unroll
-    for (int j = 0; j < DT; ++j) {
-      const int d = j * 8 + 2 * tig;
-      if (d < D) {  // D % 8 == 0: d + 1 < D too
-        orow[d] = static_cast<scalar_t>(o[j][2 * rr] * inv);
-        orow[d + 1] = static_cast<scalar_t>(o[j][2 * rr + 1] * inv);
-      }
-    }
-    if (tig == 0) a.lse_out[bh * a.Lq + row] = l > 0.f ? (m_r[rr] + log2f(l)) * kLn2 : neg_inf<float>();
-  }
+  store_rows(a, reinterpret_cast<const float(&)[4 * DT]>(o), m_r, l_r, bh, row_base, tig);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -620,7 +630,6 @@ __global__ void __launch_bounds__(WgTile<DP>::threads, 1)
 
   const int cw = wg - 1, warp = (tid / 32) % 4, lane = tid % 32;
   const int g = lane >> 2, tig = lane & 3;
-  const int D = a.D;
   const int64_t moff = b * a.mask.sb + a.mask.sh * h;
 
   float o[NO];
@@ -716,24 +725,7 @@ __global__ void __launch_bounds__(WgTile<DP>::threads, 1)
     if (lane == 0) wgmma::mbar_arrive(empty(st));  // this warp is done reading the stage
   }
 
-#pragma unroll
-  for (int rr = 0; rr < 2; ++rr) {
-    float l = l_r[rr];
-    l += __shfl_xor_sync(kFullMask, l, 1);
-    l += __shfl_xor_sync(kFullMask, l, 2);
-    const int64_t row = row_base + rr * 8;
-    if (row >= a.Lq) continue;
-    const float inv = l > 0.f ? 1.f / l : 0.f;
-    scalar_t* orow = a.out + (bh * a.Lq + row) * D;
-#pragma unroll
-    for (int j = 0; j < DP / 8; ++j) {
-      const int d = j * 8 + 2 * tig;
-      if (d < D) {  // D % 8 == 0: d + 1 < D too; 4-byte aligned
-        *reinterpret_cast<unsigned*>(orow + d) = MT::pack(o[4 * j + 2 * rr] * inv, o[4 * j + 2 * rr + 1] * inv);
-      }
-    }
-    if (tig == 0) a.lse_out[bh * a.Lq + row] = l > 0.f ? (m_r[rr] + log2f(l)) * kLn2 : neg_inf<float>();
-  }
+  store_rows(a, o, m_r, l_r, bh, row_base, tig);
 #endif
 }
 
