@@ -114,6 +114,8 @@ def bench_forward(shapes, dtype, dev, budget_bytes):
                     row[f"{pname}_x_default"] = base / ms
                 if row.get("cudnn_ms"):
                     row[f"{pname}_x_cudnn"] = row["cudnn_ms"] / ms
+                if row.get("naive_ms"):
+                    row[f"{pname}_x_naive"] = row["naive_ms"] / ms
         rows.append(row)
         del sets
         torch.cuda.empty_cache()
@@ -195,9 +197,11 @@ def main():
         cols.append((f"{pname}_ms", f"{pname} ms", ".3f"))
     cols += [("vd_tflops", "vd TFLOP/s", ".0f"), ("vd_x_cudnn", "vd x cudnn", ".2f"), ("vd_gbps", "vd GB/s", ".0f"),
              ("vd_pct_copy", "vd % copy", ".0f"),
-             ("vd_x_default", "vd x default", ".2f")]
+             ("vd_x_default", "vd x default", ".2f"), ("vd_x_naive", "vd x naive", ".2f")]
     print_table(fwd, cols)
-    payload = {"environment": env, "ceilings": ceilings, "dtype": args.dtype, "forward": fwd}
+    # float32 peers (naive's matmuls, SDPA) run in full float32 unless TF32 is switched on: record which.
+    payload = {"environment": env, "ceilings": ceilings, "dtype": args.dtype, "forward": fwd,
+               "tf32_matmul": torch.backends.cuda.matmul.allow_tf32}
     if args.backward:
         bwd = bench_backward(shapes, dtype, dev)
         print_table(bwd, [("shape", "shape", ""), ("sdpa_bwd_ms", "sdpa bwd ms", ".3f"),

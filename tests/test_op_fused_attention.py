@@ -514,20 +514,64 @@ def test_short_kernel_cuda_matches_reference(dtype, shape, layout, mask_kind):
 
 
 @needs_cuda
-def test_short_kernel_cuda_over_2_31_elements():
+@pytest.mark.parametrize("dtype,gib,tol", [(torch.bfloat16, 24, 2e-2), (torch.float32, 44, 1e-5)])
+def test_short_kernels_cuda_over_2_31_elements(dtype, gib, tol):
     # 64-bit offsets: q, k, v and out each hold more than 2^31 elements (4.3 GB apiece in bf16).
     free, _ = torch.cuda.mem_get_info()
-    if free < 24 * 2**30:
-        pytest.skip("needs 24 GiB of free GPU memory")
+    if free < gib * 2**30:
+        pytest.skip(f"needs {gib} GiB of free GPU memory")
     L, D = 14, 64
     P = 2**31 // (L * D) + 1024
-    q, k, v = (torch.randn(P, 1, L, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    q, k, v = (torch.randn(P, 1, L, D, device="cuda", dtype=dtype) for _ in range(3))
     assert q.numel() > 2**31
     out, lse = OP(q, k, v)
     tail = slice(P - 8, P)
     ref_out, ref_lse = reference_fused_attention(q[tail].double(), k[tail].double(), v[tail].double())
-    torch.testing.assert_close(out[tail].double(), ref_out, atol=2e-2, rtol=2e-2)
-    torch.testing.assert_close(lse[tail].double(), ref_lse, atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(out[tail].double(), ref_out, atol=tol, rtol=tol)
+    torch.testing.assert_close(lse[tail].double(), ref_lse, atol=min(tol, 1e-3), rtol=min(tol, 1e-3))
+
+
+# float32 on tensor cores (3xTF32; compute capability 8.0+, head_dim <= 128 and % 4 == 0): the
+# flash kernel and the warp-per-problem short kernel, held to float32's own error bound (PyTorch's
+# float32 matmuls, TF32 off). Lengths off the tiles, padded head dims, every mask kind, views.
+@needs_cuda
+@pytest.mark.parametrize("shape,layout,mask_kind", [
+    ((2, 3, 300, 517, 64), "contiguous", None),
+    ((1, 2, 200, 150, 128), "bnhd", "bool"),
+    ((2, 2, 64, 33, 36), "packed_kv", "float"),
+    ((1, 3, 193, 129, 96), "contiguous", "float32"),
+    ((2, 1, 577, 77, 64), "bnhd", None),           # cross-attention to 77 text tokens
+    ((1, 2, 130, 260, 8), "contiguous", None),
+    ((1, 1, 70, 40, 64), "d_strided", None),       # non-unit head_dim stride: a copy first
+    ((1152, 5, 14, 14, 64), "bnhd", None),         # temporal attention: the short kernel
+    ((8, 4, 25, 25, 40), "bnhd", "bool"),
+    ((4, 3, 16, 17, 128), "packed_kv", "float"),
+    ((3, 2, 1, 32, 12), "contiguous", None),
+    ((3, 2, 32, 1, 96), "bnhd", None),
+])
+def test_fp32_tensor_core_kernels_match_reference(shape, layout, mask_kind):
+    B, H, Lq, Lk, D = shape
+    gen = torch.Generator(device="cuda").manual_seed(sum(shape) + 7)
+    q, k, v = make_qkv(B, H, Lq, Lk, D, torch.float32, layout, "cuda", gen)
+    mask = make_mask(mask_kind, (B, H, Lq, Lk), [True, False, True, True], 0, torch.float32, "cuda", gen)
+    check_cuda_against_reference(q, k, v, mask, torch.float32)
+
+
+@needs_cuda
+def test_fp32_kernel_choice():
+    # Which kernel serves float32: the tensor-core ones on compute capability 8.0+, else (and for
+    # head dims that are not a multiple of 4) the CUDA-core "rows" kernel.
+    tc = torch.cuda.get_device_capability() >= (8, 0)
+    cases = [((1, 2, 256, 256, 64), "attn_fwd_tf32_kernel", tc), ((4, 2, 14, 14, 64), "attn_fwd_tf32_short_kernel", tc),
+             ((1, 2, 256, 256, 30), "attn_fwd_rows_kernel", True)]
+    for (B, H, Lq, Lk, D), kernel, want in cases:
+        q = torch.randn(B, H, Lq, D, device="cuda")
+        k = torch.randn(B, H, Lk, D, device="cuda")
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            OP(q, k, k)
+            torch.cuda.synchronize()
+        names = [e.name for e in prof.events()]
+        assert any(kernel in n for n in names) == want, (kernel, sorted(set(names)))
 
 
 # The long-sequence tensor-core kernels (fp16/bf16, head_dim % 8 == 0): on Hopper the wgmma kernel

@@ -364,11 +364,56 @@ __device__ __forceinline__ void store_rows(const AttnArgs<scalar_t, float>& a, c
 #pragma unroll
     for (int j = 0; j < N / 4; ++j) {
       const int d = j * 8 + 2 * tig;
-      if (d < a.D) {  // D % 8 == 0: d + 1 < D too, and the pair is 4-byte aligned
-        *reinterpret_cast<unsigned*>(orow + d) = MT::pack(o[4 * j + 2 * rr] * inv, o[4 * j + 2 * rr + 1] * inv);
+      if (d < a.D) {  // D even: d + 1 < D too, and the pair is aligned
+        if constexpr (std::is_same_v<scalar_t, float>) {
+          *reinterpret_cast<float2*>(orow + d) = make_float2(o[4 * j + 2 * rr] * inv, o[4 * j + 2 * rr + 1] * inv);
+        } else {
+          *reinterpret_cast<unsigned*>(orow + d) = MT::pack(o[4 * j + 2 * rr] * inv, o[4 * j + 2 * rr + 1] * inv);
+        }
       }
     }
     if (tig == 0) a.lse_out[bh * a.Lq + row] = l > 0.f ? (m_r[rr] + log2f(l)) * kLn2 : neg_inf<float>();
+  }
+}
+
+// Scores of a tile of 8 NT keys in the m16n8 accumulator layout, in log2 units: scaled, the mask added
+// (rows past Lq read none), keys at or past Lk at -inf; mx gets this thread's maxima of its two rows.
+template <typename scalar_t, int NT>
+__device__ __forceinline__ void scale_mask_scores(const AttnArgs<scalar_t, float>& a, float (&s)[NT][4], float (&mx)[2],
+                                                  int64_t key0, int64_t row0, int64_t moff, float sl2, int tig) {
+  mx[0] = mx[1] = neg_inf<float>();
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int64_t key = key0 + j * 8 + 2 * tig + (e & 1);
+      const int64_t row = row0 + (e >> 1) * 8;
+      float x = s[j][e] * sl2;
+      if (key >= a.Lk) {
+        x = neg_inf<float>();
+      } else if (a.mask.kind != kNoMask && row < a.Lq) {
+        x += mask_add<scalar_t, float>(a.mask, moff + row * a.mask.sq + key * a.mask.sk) * kLog2e;
+      }
+      s[j][e] = x;
+      mx[e >> 1] = fmaxf(mx[e >> 1], x);
+    }
+  }
+}
+
+// Online-softmax step for this thread's two rows: the quad's tile maxima mx update the running max m_r;
+// corr rescales the old sums l_r (here) and outputs (caller); the exponentials subtract m_use, which is
+// 0 while a row has no finite score (so fully masked rows give exp2(-inf) = 0, never NaN).
+__device__ __forceinline__ void online_max(float (&mx)[2], float (&m_r)[2], float (&l_r)[2], float (&corr)[2],
+                                           float (&m_use)[2]) {
+#pragma unroll
+  for (int rr = 0; rr < 2; ++rr) {
+    mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(kFullMask, mx[rr], 1));
+    mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(kFullMask, mx[rr], 2));
+    const float m_new = fmaxf(m_r[rr], mx[rr]);
+    m_use[rr] = m_new == neg_inf<float>() ? 0.f : m_new;
+    corr[rr] = exp2f(m_r[rr] - m_use[rr]);
+    m_r[rr] = m_new;
+    l_r[rr] *= corr[rr];
   }
 }
 
@@ -478,35 +523,9 @@ __global__ void __launch_bounds__(kMmaThreads) attn_fwd_mma_kernel(const AttnArg
     }
 
     // Scale, mask and bounds, in log2 units; then the online softmax per row.
-    const int64_t k0 = t * BN;
-    float mx[2] = {neg_inf<float>(), neg_inf<float>()};
-#pragma unroll
-    for (int j = 0; j < NT; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int64_t key = k0 + j * 8 + 2 * tig + (e & 1);
-        const int64_t row = row_base + (e >> 1) * 8;
-        float x = s[j][e] * sl2;
-        if (key >= a.Lk) {
-          x = neg_inf<float>();
-        } else if (a.mask.kind != kNoMask && row < a.Lq) {
-          x += mask_add<scalar_t, float>(a.mask, moff + row * a.mask.sq + key * a.mask.sk) * kLog2e;
-        }
-        s[j][e] = x;
-        mx[e >> 1] = fmaxf(mx[e >> 1], x);
-      }
-    }
-    float corr[2], m_use[2];
-#pragma unroll
-    for (int rr = 0; rr < 2; ++rr) {
-      mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(kFullMask, mx[rr], 1));
-      mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(kFullMask, mx[rr], 2));
-      const float m_new = fmaxf(m_r[rr], mx[rr]);
-      m_use[rr] = m_new == neg_inf<float>() ? 0.f : m_new;
-      corr[rr] = exp2f(m_r[rr] - m_use[rr]);
-      m_r[rr] = m_new;
-      l_r[rr] *= corr[rr];
-    }
+    float mx[2], corr[2], m_use[2];
+    scale_mask_scores(a, s, mx, t * BN, row_base, moff, sl2, tig);
+    online_max(mx, m_r, l_r, corr, m_use);
 #pragma unroll
     for (int j = 0; j < DT; ++j) {
       o[j][0] *= corr[0];
@@ -938,6 +957,278 @@ __global__ void __launch_bounds__(ShortTile<LP, DP>::warps * 32)
 }
 
 // ---------------------------------------------------------------------------------------------
+// Forward, fp32 on tensor cores (compute capability 8.0+; head_dim <= 128 and % 4 == 0): 3xTF32.
+// Each fp32 operand x is split into a TF32 head and tail, hi = tf32(x) and lo = tf32(x - hi), and a
+// product is lo*hi + hi*lo + hi*hi (lo*lo lies below fp32 rounding): fp32-level accuracy at a third
+// of the TF32 tensor-core rate, still several times fp32 FMA on the CUDA cores. Two kernels share the
+// 16-row tile step below: a flash loop for long sequences and a warp-per-problem one for short ones.
+
+__device__ __forceinline__ unsigned tf32_of(float x) {
+  unsigned r;
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
+#else
+  r = __float_as_uint(x);
+#endif
+  return r;
+}
+__device__ __forceinline__ void split_tf32(float x, unsigned& hi, unsigned& lo) {
+  hi = tf32_of(x);
+  lo = tf32_of(x - __uint_as_float(hi));
+}
+__device__ __forceinline__ void mma_tf32(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+  asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+  __trap();  // the host never launches these kernels below compute capability 8.0
+#endif
+}
+// c += a b at fp32 accuracy, a pre-split, b split here; the small terms first.
+__device__ __forceinline__ void mma_3xtf32(float (&c)[4], const unsigned (&ah)[4], const unsigned (&al)[4], float b0,
+                                           float b1) {
+  unsigned bh0, bl0, bh1, bl1;
+  split_tf32(b0, bh0, bl0);
+  split_tf32(b1, bh1, bl1);
+  mma_tf32(c, al, bh0, bh1);
+  mma_tf32(c, ah, bl0, bl1);
+  mma_tf32(c, ah, bh0, bh1);
+}
+
+// One warp: its 16 query rows (Qw, row stride LDS floats) against 8 * NT keys (Kt, Vt: sequence rows
+// key0 ...) folded into the online-softmax state, in the m16n8 accumulator layout: this thread owns
+// rows row0 and row0 + 8, columns 8j + 2 tig and + 1. Keys at or past Lk drop out.
+// m16n8k8 A fragments hold columns tig and tig + 4 where S's accumulators hold 2 tig and 2 tig + 1:
+// P V runs over the keys of a tile in the order (0, 2, 4, 6, 1, 3, 5, 7) — P needs no shuffle, and
+// V is read in the same order.
+template <int NT, int DP, int LDS>
+__device__ __forceinline__ void tf32_tile(const AttnArgs<float, float>& a, const float* Qw, const float* Kt,
+                                          const float* Vt, float (&o)[DP / 8][4], float (&m_r)[2], float (&l_r)[2],
+                                          int64_t key0, int64_t row0, int64_t moff, float sl2) {
+  const int lane = threadIdx.x % 32, g = lane >> 2, tig = lane & 3;
+  // The tensor cores' float accumulation does not round to nearest: a long chain of mma additions
+  // drifts (measured 30 ulps over 1000 keys). Each chain here stays short — S per 32 dims, P V per
+  // key tile — and the partial sums are added with ordinary (rounded) float adds.
+  float s[NT][4], sp[NT][4];
+#pragma unroll
+  for (int j = 0; j < NT; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+#pragma unroll
+  for (int ks = 0; ks < DP / 8; ++ks) {
+    if (ks * 8 >= a.D) break;
+    if (ks % 4 == 0) {
+#pragma unroll
+      for (int j = 0; j < NT; ++j) sp[j][0] = sp[j][1] = sp[j][2] = sp[j][3] = 0.f;
+    }
+    // A: (rows 0-7 | 8-15) x (dims 0-3 | 4-7) of this k-step, one 32-bit word per thread.
+    unsigned qa[4], qh[4], ql[4];
+    ldmatrix_x4(qa, Qw + ((lane % 8) + ((lane / 8) % 2) * 8) * LDS + ks * 8 + (lane / 16) * 4);
+#pragma unroll
+    for (int x = 0; x < 4; ++x) split_tf32(__uint_as_float(qa[x]), qh[x], ql[x]);
+#pragma unroll
+    for (int j = 0; j < NT; j += 2) {
+      unsigned kb[4];  // B of key tiles j, j + 1: K rows are the n index, dims the k index
+      ldmatrix_x4(kb, Kt + (j * 8 + (lane / 16) * 8 + (lane % 8)) * LDS + ks * 8 + ((lane / 8) % 2) * 4);
+      mma_3xtf32(sp[j], qh, ql, __uint_as_float(kb[0]), __uint_as_float(kb[1]));
+      mma_3xtf32(sp[j + 1], qh, ql, __uint_as_float(kb[2]), __uint_as_float(kb[3]));
+    }
+    if (ks % 4 == 3 || (ks + 1) * 8 >= a.D) {
+#pragma unroll
+      for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[j][e] += sp[j][e];
+    }
+  }
+
+  float mx[2], corr[2], m_use[2];
+  if (a.mask.kind == kNoMask && key0 + 8 * NT <= a.Lk) {  // interior tile: no per-element bound or mask
+    mx[0] = mx[1] = neg_inf<float>();
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        s[j][e] *= sl2;
+        mx[e >> 1] = fmaxf(mx[e >> 1], s[j][e]);
+      }
+    }
+  } else {
+    scale_mask_scores(a, s, mx, key0, row0, moff, sl2, tig);
+  }
+  online_max(mx, m_r, l_r, corr, m_use);
+  float pv[DP / 8][4];
+#pragma unroll
+  for (int n = 0; n < DP / 8; ++n) pv[n][0] = pv[n][1] = pv[n][2] = pv[n][3] = 0.f;
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+    // P of key tile j as the A fragment: logical column tig is key 2 tig, tig + 4 is key 2 tig + 1.
+    const int order[4] = {0, 2, 1, 3};
+    unsigned ph[4], pl[4];
+#pragma unroll
+    for (int x = 0; x < 4; ++x) {
+      const float p = exp2f(s[j][order[x]] - m_use[x & 1]);
+      l_r[x & 1] += p;
+      split_tf32(p, ph[x], pl[x]);
+    }
+    const float* vr = Vt + (j * 8 + 2 * tig) * LDS + g;
+#pragma unroll
+    for (int n = 0; n < DP / 8; ++n) {
+      if (n * 8 >= a.D) break;
+      mma_3xtf32(pv[n], ph, pl, vr[n * 8], vr[LDS + n * 8]);
+    }
+  }
+#pragma unroll
+  for (int n = 0; n < DP / 8; ++n) {
+    o[n][0] = fmaf(o[n][0], corr[0], pv[n][0]);
+    o[n][1] = fmaf(o[n][1], corr[0], pv[n][1]);
+    o[n][2] = fmaf(o[n][2], corr[1], pv[n][2]);
+    o[n][3] = fmaf(o[n][3], corr[1], pv[n][3]);
+  }
+}
+
+template <int DP>
+struct Tf32Tile {
+  static constexpr int BM = kMmaRows;  // 4 warps x 16 query rows
+  static constexpr int BN = 32;        // keys per tile: 4 blocks an SM at head_dim 64, 2 at 128
+  static constexpr int LDS = DP + 4;   // padded row: ldmatrix rows and the V reads fall in distinct banks
+  static constexpr size_t smem_bytes = static_cast<size_t>(BM + 4 * BN) * LDS * sizeof(float);  // Q + 2 x (K, V)
+};
+
+// Long sequences: the mma.sync kernel's flash loop (64 query rows a block, double-buffered cp.async
+// key tiles) on the 3xTF32 tile step.
+template <int DP>
+__global__ void __launch_bounds__(kMmaThreads) attn_fwd_tf32_kernel(const AttnArgs<float, float> a) {
+  using T = Tf32Tile<DP>;
+  constexpr int BM = T::BM, BN = T::BN, LDS = T::LDS, CH = DP / 4;
+  float* Qs = reinterpret_cast<float*>(dyn_smem());  // [BM][LDS]
+  float* Ks = Qs + BM * LDS;                         // [2][BN][LDS]
+  float* Vs = Ks + 2 * BN * LDS;                     // [2][BN][LDS]
+
+  const int D = a.D;
+  const int64_t nqb = (a.Lq + BM - 1) / BM;
+  const int64_t bh = blockIdx.x / nqb, q0 = (blockIdx.x % nqb) * BM;
+  const int64_t b = bh / a.H, h = bh % a.H;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const float* qh = a.q.head(b, h);
+  const float* kh = a.k.head(b, h);
+  const float* vh = a.v.head(b, h);
+  const int64_t moff = b * a.mask.sb + a.mask.sh * h;
+
+  for (int e = tid; e < BM * CH; e += kMmaThreads) {
+    const int r = e / CH, c = e % CH;
+    const bool ok = q0 + r < a.Lq && c * 4 < D;
+    cp_async16(Qs + r * LDS + c * 4, ok ? qh + (q0 + r) * a.q.sl + c * 4 : qh, ok);
+  }
+  auto load_kv = [&](int buf, int64_t k0) {
+    for (int e = tid; e < BN * CH; e += kMmaThreads) {
+      const int r = e / CH, c = e % CH;
+      const bool ok = k0 + r < a.Lk && c * 4 < D;
+      cp_async16(Ks + (buf * BN + r) * LDS + c * 4, ok ? kh + (k0 + r) * a.k.sl + c * 4 : kh, ok);
+      cp_async16(Vs + (buf * BN + r) * LDS + c * 4, ok ? vh + (k0 + r) * a.v.sl + c * 4 : vh, ok);
+    }
+  };
+  load_kv(0, 0);
+  cp_async_commit();
+
+  float o[DP / 8][4];
+#pragma unroll
+  for (int n = 0; n < DP / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+  float m_r[2] = {neg_inf<float>(), neg_inf<float>()}, l_r[2] = {0.f, 0.f};
+  const float sl2 = a.scale * kLog2e;
+  const int64_t row_base = q0 + warp * 16 + lane / 4;
+
+  cp_async_wait_all();
+  __syncthreads();
+  const int64_t nkt = (a.Lk + BN - 1) / BN;
+  for (int64_t t = 0; t < nkt; ++t) {
+    const int buf = static_cast<int>(t & 1);
+    if (t + 1 < nkt) load_kv(buf ^ 1, (t + 1) * BN);  // overlaps with this tile's math
+    cp_async_commit();
+    tf32_tile<BN / 8, DP, LDS>(a, Qs + warp * 16 * LDS, Ks + buf * BN * LDS, Vs + buf * BN * LDS, o, m_r, l_r, t * BN,
+                               row_base, moff, sl2);
+    cp_async_wait_all();
+    __syncthreads();  // next tile landed; everyone is done with this one
+  }
+  store_rows(a, reinterpret_cast<const float(&)[4 * (DP / 8)]>(o), m_r, l_r, bh, row_base, lane & 3);
+}
+
+// Short sequences (q_len, kv_len <= 32: temporal attention) are bound by moving q, k, v and o once:
+// as in the fp16 / bf16 short kernel, a (b, h) problem at a time sits in its owners' shared memory and
+// persistent blocks stride over the problems, loading with cp.async. 16-row problems: a warp each,
+// 4 a block, no block barriers; 16 warps an SM keep ~150 KB of loads in flight. 32-row problems carry
+// 4x the tensor-core work (3xTF32) and twice the bytes: a warp per 16-row tile, the two sharing K and
+// V, so the work a problem waits on is halved and twice the warps fit beside the loads.
+template <int LP, int DP>
+struct Tf32ShortTile {
+  static constexpr int LDS = DP + 4;
+  static constexpr int wpp = LP / 16;               // warps a problem
+  static constexpr int problem_elems = 3 * LP * LDS;  // Q, K, V
+  static constexpr size_t problem_bytes = static_cast<size_t>(problem_elems) * sizeof(float);
+  static constexpr int problems = wpp > 1 ? 1 : problem_bytes <= 13 * 1024 ? 4 : problem_bytes <= 26 * 1024 ? 2 : 1;
+  static constexpr int warps = problems * wpp;
+  static constexpr size_t smem_bytes = problems * problem_bytes;  // <= ~52 KB: 4 blocks an SM
+};
+
+template <int LP, int DP>
+__global__ void __launch_bounds__(Tf32ShortTile<LP, DP>::warps * 32)
+    attn_fwd_tf32_short_kernel(const AttnArgs<float, float> a) {
+  using T = Tf32ShortTile<LP, DP>;
+  constexpr int LDS = T::LDS, DCH = DP / 4, WPP = T::wpp;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int slot = warp / WPP, mt = warp % WPP;  // the block's problem slot; this warp's 16-row tile
+  const int t = mt * 32 + lane;                  // thread index among the problem's owners
+  // Owners of a problem meet at a warp barrier, or a block barrier where the block is one problem.
+  auto sync = [] {
+    if constexpr (WPP == 1) __syncwarp();
+    else __syncthreads();
+  };
+  float* Qs = reinterpret_cast<float*>(dyn_smem()) + static_cast<size_t>(slot) * T::problem_elems;
+  float* Ks = Qs + LP * LDS;
+  float* Vs = Ks + LP * LDS;
+  // Rows past the lengths and dims past head_dim stay zero for the whole kernel (loads only write
+  // the valid part): padded keys give scores of exactly 0 before the bound check drops them.
+  for (int e = t; e < T::problem_elems; e += 32 * WPP) Qs[e] = 0.f;
+  sync();
+
+  const int D = a.D, CH = D / 4;
+  const int Lq = static_cast<int>(a.Lq), Lk = static_cast<int>(a.Lk);
+  const int64_t P = a.B * a.H;
+  const int64_t step = static_cast<int64_t>(gridDim.x) * T::problems;
+  const float sl2 = a.scale * kLog2e;
+  for (int64_t p = static_cast<int64_t>(blockIdx.x) * T::problems + slot; p < P; p += step) {
+    const int64_t b = p / a.H, h = p - b * a.H;
+    const float* qh = a.q.head(b, h);
+    const float* kh = a.k.head(b, h);
+    const float* vh = a.v.head(b, h);
+#pragma unroll
+    for (int e = t; e < LP * DCH; e += 32 * WPP) {
+      const int r = e / DCH, c = e % DCH;
+      if (c < CH) {
+        if (r < Lq) cp_async16(Qs + r * LDS + c * 4, qh + r * a.q.sl + c * 4, true);
+        if (r < Lk) {
+          cp_async16(Ks + r * LDS + c * 4, kh + r * a.k.sl + c * 4, true);
+          cp_async16(Vs + r * LDS + c * 4, vh + r * a.v.sl + c * 4, true);
+        }
+      }
+    }
+    cp_async_commit();
+    cp_async_wait_all();
+    sync();
+    if (mt * 16 < Lq) {
+      const int64_t moff = a.mask.kind == kNoMask ? 0 : b * a.mask.sb + h * a.mask.sh;
+      float o[DP / 8][4];
+#pragma unroll
+      for (int n = 0; n < DP / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+      float m_r[2] = {neg_inf<float>(), neg_inf<float>()}, l_r[2] = {0.f, 0.f};
+      const int64_t row0 = mt * 16 + lane / 4;
+      tf32_tile<LP / 8, DP, LDS>(a, Qs + mt * 16 * LDS, Ks, Vs, o, m_r, l_r, 0, row0, moff, sl2);
+      store_rows(a, reinterpret_cast<const float(&)[4 * (DP / 8)]>(o), m_r, l_r, p, row0, lane & 3);
+    }
+    sync();  // every owner is done reading before the next problem's loads land
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 // Backward.
 
 // delta[bh, i] = sum_d dO * O - grad_lse: a warp per row.
@@ -1164,11 +1455,12 @@ int smem_ld(int64_t D) {
   return static_cast<int>((D + 2 * V - 1) / (2 * V) * (2 * V) + V);
 }
 
-// The tensor-core kernel reads 16-byte chunks of rows: unit stride along D, every row start aligned.
+// The tensor-core kernels read 16-byte chunks of rows: unit stride along D, every row start aligned.
 bool mma_layout_ok(const at::Tensor& t) {
   if (t.stride(3) != 1 || reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 != 0) return false;
+  const int64_t per16 = 16 / static_cast<int64_t>(t.element_size());
   for (int i = 0; i < 3; ++i)
-    if (t.size(i) > 1 && t.stride(i) % 8 != 0) return false;
+    if (t.size(i) > 1 && t.stride(i) % per16 != 0) return false;
   return true;
 }
 
@@ -1359,6 +1651,47 @@ bool short_forward(const char* op, const at::Tensor& q, const at::Tensor& k, con
   }
 }
 
+// fp32 on tensor cores (3xTF32): head_dim <= 128 and % 4 == 0, compute capability 8.0+. Returns false
+// where the "rows" kernel is used instead (fp64, other head dims, older devices).
+bool tf32_forward(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
+                  double scale, at::Tensor& out, at::Tensor& lse, cudaStream_t stream) {
+  const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), Lk = k.size(2), D = q.size(3);
+  if (q.scalar_type() != at::kFloat || D % 4 != 0 || D > 128) return false;
+  int dev = 0, major = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&dev));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  if (major < 8) return false;
+  const at::Tensor q2 = mma_ready(q), k2 = mma_ready(k), v2 = mma_ready(v);
+  auto a = base_args<float, float>(q2, k2, v2, mask, scale);
+  a.out = out.mutable_data_ptr<float>();
+  a.lse_out = lse.mutable_data_ptr<float>();
+  if (Lq <= 32 && Lk <= 32) {
+    auto launch = [&](auto tile, auto kernel) {
+      using T = decltype(tile);
+      constexpr int threads = T::warps * 32;
+      set_smem(kernel, T::smem_bytes, op);
+      const unsigned blocks = persistent_blocks(kernel, threads, T::smem_bytes, ceil_div(B * H, T::problems));
+      kernel<<<blocks, threads, T::smem_bytes, stream>>>(a);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    };
+    const bool l16 = Lq <= 16 && Lk <= 16;
+    if (l16 && D <= 64) launch(Tf32ShortTile<16, 64>{}, attn_fwd_tf32_short_kernel<16, 64>);
+    else if (l16) launch(Tf32ShortTile<16, 128>{}, attn_fwd_tf32_short_kernel<16, 128>);
+    else if (D <= 64) launch(Tf32ShortTile<32, 64>{}, attn_fwd_tf32_short_kernel<32, 64>);
+    else launch(Tf32ShortTile<32, 128>{}, attn_fwd_tf32_short_kernel<32, 128>);
+    return true;
+  }
+  const unsigned blocks = grid_of(B * H * ceil_div(Lq, kMmaRows), op);
+  auto launch = [&](auto kernel, size_t smem) {
+    set_smem(kernel, smem, op);
+    kernel<<<blocks, kMmaThreads, smem, stream>>>(a);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  };
+  if (D <= 64) launch(attn_fwd_tf32_kernel<64>, Tf32Tile<64>::smem_bytes);
+  else launch(attn_fwd_tf32_kernel<128>, Tf32Tile<128>::smem_bytes);
+  return true;
+}
+
 // q, k, v already validated; mask undefined or expanded to (B, H, Lq, Lk).
 std::tuple<at::Tensor, at::Tensor> attention_forward(const char* op, const at::Tensor& q, const at::Tensor& k,
                                                      const at::Tensor& v, const at::Tensor& mask, double scale) {
@@ -1372,6 +1705,7 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(const char* op, const at::T
     if (short_forward<scalar_t>(op, q, k, v, mask, scale, out, lse, stream)) return;
     if (wgmma_forward<scalar_t>(op, q, k, v, mask, scale, out, lse, stream)) return;
     if (mma_forward<scalar_t>(op, q, k, v, mask, scale, out, lse, stream)) return;
+    if (tf32_forward(op, q, k, v, mask, scale, out, lse, stream)) return;
     auto a = base_args<scalar_t, acc_t>(q, k, v, mask, scale);
     a.out = out.mutable_data_ptr<scalar_t>();
     a.lse_out = lse.mutable_data_ptr<acc_t>();
