@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # On a CUDA machine: build with the CUDA kernels, run the test suite, compute-sanitizer and the benchmarks.
-#   bash bench/gpu_check.sh LOGDIR [tests|sanitize|bench-attention|bench-ops ...]   (default: all)
+#   bash bench/gpu_check.sh LOGDIR [build|tests|tests-all|sanitize|bench-attention|bench-attention-fp32|bench-ops ...]
+#   (default: build tests sanitize bench-attention bench-ops)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 logdir=${1:?usage: gpu_check.sh LOGDIR [steps...]}
@@ -24,7 +25,7 @@ for step in $steps; do
       ldd vdcompile/_C*.so | grep -q 'libstdc++' || echo "WARNING: vdcompile/_C links libstdc++ statically; C++ errors will crash"
       $PY -c "import vdcompile; print({op: sorted(vdcompile.built_backends(op)) for op in ['fused_attention','strided_attention','group_norm_silu','conv_bn_silu','temporal_conv','scheduler_step']})" ;;
     tests)
-      $PY -m pytest -q -x tests -k "cuda" -p no:cacheprovider 2>&1 | tee "$logdir/tests_cuda.log" | tail -25 || status=1 ;;
+      $PY -m pytest -q -rs -x tests -k "cuda" -p no:cacheprovider 2>&1 | tee "$logdir/tests_cuda.log" | tail -25 || status=1 ;;
     tests-all)
       $PY -m pytest -q tests -p no:cacheprovider 2>&1 | tee "$logdir/tests_all.log" | tail -25 || status=1 ;;
     sanitize)
@@ -34,6 +35,9 @@ for step in $steps; do
       done ;;
     bench-attention)
       $PY bench/attention.py --backward --strided 2>&1 | tee "$logdir/bench_attention.log" | tail -40 ;;
+    bench-attention-fp32)
+      $PY bench/attention.py --dtype fp32 --no-ceilings --shapes temporal,spatial-2304,spatial-576 2>&1 \
+        | tee "$logdir/bench_attention_fp32.log" | tail -12 ;;
     bench-ops)
       $PY bench/ops.py 2>&1 | tee "$logdir/bench_ops.log" | tail -40 ;;
     *) echo "unknown step $step"; exit 2 ;;
