@@ -768,6 +768,7 @@ struct ShortTile {
   static constexpr int stages = 2 * stage_bytes <= 14 * 1024 ? 2 : 1;
   static constexpr size_t warp_bytes = stages * stage_bytes;
   static constexpr int warps = warp_bytes <= 14 * 1024 ? 4 : warp_bytes <= 28 * 1024 ? 2 : 1;
+  static constexpr int problems = warps;  // a warp a problem
   static constexpr size_t smem_bytes = warps * warp_bytes;
 };
 
@@ -1489,6 +1490,15 @@ AttnArgs<scalar_t, acc_t> base_args(const at::Tensor& q, const at::Tensor& k, co
   return a;
 }
 
+// The current device's compute capability as 10 * major + minor.
+int compute_capability() {
+  int dev = 0, major = 0, minor = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&dev));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+  return 10 * major + minor;
+}
+
 // Which forward kernel serves long fp16 / bf16 sequences. VD_ATTENTION_KERNEL=mma keeps the mma.sync
 // kernel on Hopper too (benchmarks compare the two in one process); read on every call.
 bool wgmma_allowed() {
@@ -1500,11 +1510,7 @@ bool wgmma_allowed() {
 // setup.py whenever it targets Hopper): the arch-specific binary runs on 9.0 only.
 bool device_is_sm90a() {
 #if defined(VD_SM90A)
-  int dev = 0, major = 0, minor = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&dev));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
-  return major == 9 && minor == 0;
+  return compute_capability() == 90;
 #else
   return false;
 #endif
@@ -1620,6 +1626,17 @@ unsigned persistent_blocks(Kernel kernel, int threads, size_t smem, int64_t work
   return static_cast<unsigned>(std::max<int64_t>(1, std::min(resident, work_blocks)));
 }
 
+// Launches a persistent short-sequence kernel whose tile T gives warps and problems a block and its
+// shared memory, over `problems` (b, h) problems.
+template <typename T, typename Kernel, typename Args>
+void launch_persistent(Kernel kernel, const Args& a, int64_t problems, const char* op, cudaStream_t stream) {
+  constexpr int threads = T::warps * 32;
+  set_smem(kernel, T::smem_bytes, op);
+  const unsigned blocks = persistent_blocks(kernel, threads, T::smem_bytes, ceil_div(problems, T::problems));
+  kernel<<<blocks, threads, T::smem_bytes, stream>>>(a);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 // The short-sequence tensor-core kernel: fp16 / bf16, q_len and kv_len <= 32, head_dim <= 128 and a
 // multiple of 8. Returns false where another kernel is used.
 template <typename scalar_t>
@@ -1634,19 +1651,12 @@ bool short_forward(const char* op, const at::Tensor& q, const at::Tensor& k, con
     auto a = base_args<scalar_t, float>(q2, k2, v2, mask, scale);
     a.out = out.mutable_data_ptr<scalar_t>();
     a.lse_out = lse.mutable_data_ptr<float>();
-    auto launch = [&](auto tile, auto kernel) {
-      using T = decltype(tile);
-      constexpr int threads = T::warps * 32;
-      set_smem(kernel, T::smem_bytes, op);
-      const unsigned blocks = persistent_blocks(kernel, threads, T::smem_bytes, ceil_div(B * H, T::warps));
-      kernel<<<blocks, threads, T::smem_bytes, stream>>>(a);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    };
+    const int64_t P = B * H;
     const bool l16 = Lq <= 16 && Lk <= 16;
-    if (l16 && D <= 64) launch(ShortTile<16, 64>{}, attn_fwd_short_kernel<scalar_t, 16, 64>);
-    else if (l16) launch(ShortTile<16, 128>{}, attn_fwd_short_kernel<scalar_t, 16, 128>);
-    else if (D <= 64) launch(ShortTile<32, 64>{}, attn_fwd_short_kernel<scalar_t, 32, 64>);
-    else launch(ShortTile<32, 128>{}, attn_fwd_short_kernel<scalar_t, 32, 128>);
+    if (l16 && D <= 64) launch_persistent<ShortTile<16, 64>>(attn_fwd_short_kernel<scalar_t, 16, 64>, a, P, op, stream);
+    else if (l16) launch_persistent<ShortTile<16, 128>>(attn_fwd_short_kernel<scalar_t, 16, 128>, a, P, op, stream);
+    else if (D <= 64) launch_persistent<ShortTile<32, 64>>(attn_fwd_short_kernel<scalar_t, 32, 64>, a, P, op, stream);
+    else launch_persistent<ShortTile<32, 128>>(attn_fwd_short_kernel<scalar_t, 32, 128>, a, P, op, stream);
     return true;
   }
 }
@@ -1657,28 +1667,18 @@ bool tf32_forward(const char* op, const at::Tensor& q, const at::Tensor& k, cons
                   double scale, at::Tensor& out, at::Tensor& lse, cudaStream_t stream) {
   const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), Lk = k.size(2), D = q.size(3);
   if (q.scalar_type() != at::kFloat || D % 4 != 0 || D > 128) return false;
-  int dev = 0, major = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&dev));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-  if (major < 8) return false;
+  if (compute_capability() < 80) return false;
   const at::Tensor q2 = mma_ready(q), k2 = mma_ready(k), v2 = mma_ready(v);
   auto a = base_args<float, float>(q2, k2, v2, mask, scale);
   a.out = out.mutable_data_ptr<float>();
   a.lse_out = lse.mutable_data_ptr<float>();
   if (Lq <= 32 && Lk <= 32) {
-    auto launch = [&](auto tile, auto kernel) {
-      using T = decltype(tile);
-      constexpr int threads = T::warps * 32;
-      set_smem(kernel, T::smem_bytes, op);
-      const unsigned blocks = persistent_blocks(kernel, threads, T::smem_bytes, ceil_div(B * H, T::problems));
-      kernel<<<blocks, threads, T::smem_bytes, stream>>>(a);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    };
+    const int64_t P = B * H;
     const bool l16 = Lq <= 16 && Lk <= 16;
-    if (l16 && D <= 64) launch(Tf32ShortTile<16, 64>{}, attn_fwd_tf32_short_kernel<16, 64>);
-    else if (l16) launch(Tf32ShortTile<16, 128>{}, attn_fwd_tf32_short_kernel<16, 128>);
-    else if (D <= 64) launch(Tf32ShortTile<32, 64>{}, attn_fwd_tf32_short_kernel<32, 64>);
-    else launch(Tf32ShortTile<32, 128>{}, attn_fwd_tf32_short_kernel<32, 128>);
+    if (l16 && D <= 64) launch_persistent<Tf32ShortTile<16, 64>>(attn_fwd_tf32_short_kernel<16, 64>, a, P, op, stream);
+    else if (l16) launch_persistent<Tf32ShortTile<16, 128>>(attn_fwd_tf32_short_kernel<16, 128>, a, P, op, stream);
+    else if (D <= 64) launch_persistent<Tf32ShortTile<32, 64>>(attn_fwd_tf32_short_kernel<32, 64>, a, P, op, stream);
+    else launch_persistent<Tf32ShortTile<32, 128>>(attn_fwd_tf32_short_kernel<32, 128>, a, P, op, stream);
     return true;
   }
   const unsigned blocks = grid_of(B * H * ceil_div(Lq, kMmaRows), op);
