@@ -46,6 +46,7 @@ def main():
                 mask = torch.rand(1, 1, Lq, Lk, device=dev) > 0.3
                 torch.ops.vd.fused_attention(q, k, v, mask, None)
                 _grad(lambda q, k, v: torch.ops.vd.fused_attention(q, k, v, None, None), q, k, v)
+                _grad(lambda q, k, v: torch.ops.vd.fused_attention(q, k, v, mask, None), q, k, v)
                 _grad(lambda q, k, v: torch.ops.vd.strided_attention(q, k, v, 3, None), q, k, v)
                 qt = torch.randn(B, Lq, H, D, device=dev, dtype=dtype).transpose(1, 2)
                 torch.ops.vd.fused_attention(qt, k, v, None, None)

@@ -183,8 +183,15 @@ def test_gradients_match_reference_low_precision(device, dtype, shape, layout, m
         mask[..., 0] = True  # no fully masked rows: the baseline would be NaN there
     if mask is not None and mask.is_floating_point():
         mask[..., 0] = 0.0
-    g_out = torch.randn(B, H, Lq, D, generator=gen, device=device).to(dtype)
-    g_lse = torch.randn(B, H, Lq, generator=gen, device=device)
+    check_gradients(q, k, v, mask, dtype, gen)
+
+
+def check_gradients(q, k, v, mask, dtype, gen):
+    """dq, dk, dv (from out's and lse's gradients) within PyTorch's own same-dtype gradient error of
+    the float64 reference. The mask must leave every row a key (the baseline is NaN otherwise)."""
+    B, H, Lq, D = q.shape
+    g_out = torch.randn(B, H, Lq, D, generator=gen, device=q.device).to(dtype)
+    g_lse = torch.randn(B, H, Lq, generator=gen, device=q.device)
 
     out, lse = OP(q, k, v, mask)
     got = torch.autograd.grad((out, lse), (q, k, v), (g_out, g_lse))
@@ -572,6 +579,114 @@ def test_fp32_kernel_choice():
             torch.cuda.synchronize()
         names = [e.name for e in prof.events()]
         assert any(kernel in n for n in names) == want, (kernel, sorted(set(names)))
+
+
+# The backward kernels for fp16/bf16: the tensor-core pair (head_dim <= 128 and % 8 == 0; dq and
+# dk/dv kernels) by default, VD_ATTENTION_BACKWARD=rows the CUDA-core ones; both against the float64
+# reference. Lengths off the 64-row blocks and 64/32-row tiles, padded head dims, masks of every kind
+# (with fully masked rows), the projections' views, a single key, temporal lengths.
+@needs_cuda
+@pytest.mark.parametrize("family", ["default", "rows"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape,layout,mask_kind", [
+    ((2, 3, 300, 517, 64), "contiguous", None),
+    ((1, 2, 200, 130, 128), "bnhd", "bool"),
+    ((2, 2, 64, 33, 40), "packed_kv", "float"),
+    ((1, 3, 193, 129, 96), "contiguous", "float32"),
+    ((2, 1, 77, 1, 64), "bnhd", None),           # one key
+    ((1, 2, 130, 260, 8), "contiguous", None),
+    ((1, 1, 70, 40, 64), "d_strided", None),     # non-unit head_dim stride: copies first
+    # q_len, kv_len <= 32: the short-sequence kernel (a warp per problem), both tile heights
+    ((1152, 5, 14, 14, 64), "bnhd", None),       # SVD temporal attention: more problems than warps
+    ((64, 5, 14, 14, 64), "contiguous", "bool"),
+    ((8, 4, 25, 25, 40), "bnhd", "float"),       # SVD-XT frames, AnimateDiff head_dim 40
+    ((4, 3, 16, 17, 128), "packed_kv", "float32"),
+    ((4, 3, 32, 32, 128), "contiguous", None),
+    ((3, 2, 1, 32, 8), "contiguous", None),
+    ((3, 2, 32, 1, 96), "bnhd", None),
+    ((3, 2, 20, 9, 64), "d_strided", "bool"),
+])
+def test_backward_kernels_cuda_match_reference(family, dtype, shape, layout, mask_kind, monkeypatch):
+    if family == "rows":
+        monkeypatch.setenv("VD_ATTENTION_BACKWARD", "rows")
+    B, H, Lq, Lk, D = shape
+    gen = torch.Generator(device="cuda").manual_seed(sum(shape) + D + 1)
+    q, k, v = (t.requires_grad_() for t in make_qkv(B, H, Lq, Lk, D, dtype, layout, "cuda", gen))
+    mask = make_mask(mask_kind, (B, H, Lq, Lk), [True, False, True, True], 0, dtype, "cuda", gen)
+    if mask is not None and mask.dtype == torch.bool:
+        mask[..., 0] = True  # every row keeps a key: the baseline would be NaN otherwise
+    if mask is not None and mask.is_floating_point():
+        mask[..., 0] = 0.0
+    check_gradients(q, k, v, mask, dtype, gen)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_backward_cuda_fully_masked_rows(dtype):
+    # Rows whose keys are all masked out get zero dq; keys no live row attends to get zero dk, dv.
+    B, H, Lq, Lk, D = 2, 2, 100, 90, 64
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    q, k, v = (t.requires_grad_() for t in make_qkv(B, H, Lq, Lk, D, dtype, "contiguous", "cuda", gen))
+    mask = torch.rand(Lq, Lk, generator=gen, device="cuda") < 0.7
+    mask[:, 0] = True
+    mask[:, 5] = False
+    mask[10] = False
+    mask[70:] = False
+    out, lse = OP(q, k, v, mask)
+    dq, dk, dv = torch.autograd.grad((out, lse), (q, k, v), (torch.randn_like(out), torch.randn_like(lse)))
+    for t in (dq, dk, dv):
+        assert torch.isfinite(t).all()
+    assert (dq[:, :, 10] == 0).all() and (dq[:, :, 70:] == 0).all()
+    assert (dk[:, :, 5] == 0).all() and (dv[:, :, 5] == 0).all()
+    assert (dq[:, :, :10] != 0).any() and (dk[:, :, 6:] != 0).any()
+
+
+@needs_cuda
+def test_backward_kernel_choice(monkeypatch):
+    # Which kernels serve the backward, fp16/bf16 at head_dim <= 128 and % 8 == 0: the short kernel
+    # up to 32 tokens, the tensor-core pair beyond; else (or with VD_ATTENTION_BACKWARD=rows) the
+    # CUDA-core pair.
+    short, pair, rows = ("attn_bwd_short_kernel",), ("attn_bwd_dq_mma_kernel", "attn_bwd_dkdv_mma_kernel"), \
+        ("attn_bwd_dq_kernel", "attn_bwd_dkdv_kernel")
+    cases = [(torch.bfloat16, 100, 64, None, pair), (torch.float16, 100, 128, None, pair),
+             (torch.bfloat16, 14, 64, None, short), (torch.float16, 32, 128, None, short),
+             (torch.bfloat16, 100, 64, "rows", rows), (torch.bfloat16, 14, 64, "rows", rows),
+             (torch.bfloat16, 100, 36, None, rows), (torch.bfloat16, 14, 256, None, rows),
+             (torch.float32, 100, 64, None, rows)]
+    for dtype, L, D, env, want in cases:
+        if env is None:
+            monkeypatch.delenv("VD_ATTENTION_BACKWARD", raising=False)
+        else:
+            monkeypatch.setenv("VD_ATTENTION_BACKWARD", env)
+        q = torch.randn(3, 2, L, D, device="cuda", dtype=dtype, requires_grad=True)
+        out, _ = OP(q, q, q)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            torch.autograd.grad(out, q, torch.ones_like(out))
+            torch.cuda.synchronize()
+        names = [e.name for e in prof.events()]
+        ran = {n for n in short + pair + rows if any(n + "<" in e for e in names)}
+        assert ran == set(want), (dtype, L, D, env, sorted(set(names)))
+
+
+@needs_cuda
+def test_short_backward_cuda_over_2_31_elements():
+    # 64-bit offsets in the short backward: q, k, v, dO and the gradients each hold more than 2^31
+    # elements (4.3 GB apiece in bf16).
+    free, _ = torch.cuda.mem_get_info()
+    if free < 48 * 2**30:
+        pytest.skip("needs 48 GiB of free GPU memory")
+    L, D = 14, 64
+    P = 2**31 // (L * D) + 1024
+    q, k, v = (torch.randn(P, 1, L, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    assert q.numel() > 2**31
+    out, lse = OP(q, k, v)
+    g_out = torch.randn_like(out)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), g_out)
+    tail = slice(P - 8, P)
+    q64, k64, v64 = (t[tail].detach().double().requires_grad_() for t in (q, k, v))
+    ref = torch.autograd.grad(reference_fused_attention(q64, k64, v64)[0], (q64, k64, v64), g_out[tail].double())
+    for name, g, r in zip("qkv", (dq, dk, dv), ref):
+        torch.testing.assert_close(g[tail].double(), r, atol=3e-2, rtol=3e-2, msg=f"grad {name}")
 
 
 # The long-sequence tensor-core kernels (fp16/bf16, head_dim % 8 == 0): on Hopper the wgmma kernel

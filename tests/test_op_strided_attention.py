@@ -94,8 +94,15 @@ def test_gradients_match_reference_low_precision(dtype):
     B, H, Lq, Lk, D, stride = 2, 2, 37, 140, 32, 3
     gen = torch.Generator().manual_seed(9)
     q, k, v = (t.detach().requires_grad_() for t in make_qkv(B, H, Lq, Lk, D, dtype, "bnhd", gen=gen))
-    g_out = torch.randn(B, H, Lq, D, generator=gen).to(dtype)
-    g_lse = torch.randn(B, H, Lq, generator=gen)
+    check_gradients(q, k, v, stride, dtype, gen)
+
+
+def check_gradients(q, k, v, stride, dtype, gen):
+    """dq, dk, dv (from out's and lse's gradients) within PyTorch's own same-dtype gradient error of
+    the float64 reference; returns them."""
+    B, H, Lq, D = q.shape
+    g_out = torch.randn(B, H, Lq, D, generator=gen, device=q.device).to(dtype)
+    g_lse = torch.randn(B, H, Lq, generator=gen, device=q.device)
     out, lse = OP(q, k, v, stride)
     got = torch.autograd.grad((out, lse), (q, k, v), (g_out, g_lse))
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
@@ -106,6 +113,7 @@ def test_gradients_match_reference_low_precision(dtype):
     for name, g, r, b in zip("qkv", got, ref, base):
         assert g.dtype == dtype and g.shape == r.shape
         assert_within_torch_error(g, b, r, dtype, f"grad {name}")
+    return got
 
 
 @pytest.mark.parametrize("shape,stride,layout", [
@@ -191,3 +199,24 @@ def test_bad_inputs(device):
     for args, exc, msg in bwd_cases:
         with pytest.raises(exc, match="vd::strided_attention_backward: " + msg):
             BWD(*args)
+
+
+_CUDA = "CUDA" in torch._C._dispatch_dump("vd::strided_attention") and torch.cuda.is_available()
+
+
+# The CUDA backward writes dk / dv through the every-stride-th-row views of zero-filled gradients:
+# the tensor-core kernels (default) and the CUDA-core ones, against the float64 reference.
+@pytest.mark.skipif(not _CUDA, reason="vd::strided_attention has no CUDA kernel in this build, or no GPU")
+@pytest.mark.parametrize("family", ["default", "rows"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape,stride", [((2, 2, 300, 517, 64), 2), ((1, 2, 100, 700, 128), 5),
+                                          ((2, 3, 37, 140, 32), 3)])
+def test_backward_cuda_matches_reference(family, dtype, shape, stride, monkeypatch):
+    if family == "rows":
+        monkeypatch.setenv("VD_ATTENTION_BACKWARD", "rows")
+    B, H, Lq, Lk, D = shape
+    gen = torch.Generator(device="cuda").manual_seed(sum(shape) + stride)
+    q, k, v = (t.requires_grad_() for t in make_qkv(B, H, Lq, Lk, D, dtype, "bnhd", "cuda", gen))
+    got = check_gradients(q, k, v, stride, dtype, gen)
+    skipped = torch.arange(Lk, device="cuda") % stride != 0
+    assert (got[1][:, :, skipped] == 0).all() and (got[2][:, :, skipped] == 0).all()

@@ -17,8 +17,15 @@
 //         cp.async. Serves long sequences off Hopper, and head_dim > 128.
 //   wgmma: the same loop on Hopper (sm_90a builds on compute capability 9.0, head_dim <= 128):
 //         warpgroup MMA, K/V streamed by the bulk tensor copy engine from a producer warp.
-// Backward: one kernel for delta = rowsum(dO * O) - grad_lse, one for dq (a warp per query row) and
-// one for dk / dv (a warp per key row), all recomputing P from lse. No atomics: deterministic.
+// Backward, recomputing P from lse:
+//   short: fp16/bf16 with q_len, kv_len <= 32 and head_dim <= 128, % 8 == 0: a warp per (b, h)
+//         problem, tensor cores, one launch;
+// otherwise one kernel for delta = rowsum(dO * O) - grad_lse, then
+//   mma:  fp16/bf16 with head_dim <= 128 and % 8 == 0: tensor cores, one kernel for dq (a block per
+//         64 query rows) and one for dk / dv (a block per 64 key rows);
+//   rows: everything else: one kernel for dq (a warp per query row) and one for dk / dv (a warp per
+//         key row) on the CUDA cores.
+// No atomics: deterministic.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
@@ -973,6 +980,9 @@ __device__ __forceinline__ unsigned tf32_of(float x) {
 #endif
   return r;
 }
+// Known edge, left on purpose: above the largest TF32 value (2^128 - 2^118) rounding turns a finite x
+// into an infinite head whose tail x - hi is NaN. Clamping x first costs 7-11 % of every fp32 call
+// (the B-operand splits sit in the inner loops), for inputs within 0.05 % of FLT_MAX.
 __device__ __forceinline__ void split_tf32(float x, unsigned& hi, unsigned& lo) {
   hi = tf32_of(x);
   lo = tf32_of(x - __uint_as_float(hi));
@@ -1412,6 +1422,581 @@ __global__ void __launch_bounds__(kRowThreads) attn_bwd_dkdv_kernel(const AttnAr
 }
 
 // ---------------------------------------------------------------------------------------------
+// Backward on the tensor cores (fp16 / bf16, head_dim <= 128 and % 8 == 0): FlashAttention-2's
+// recomputation from lse, in two kernels so that no gradient is accumulated by atomics
+// (deterministic, no float workspace):
+//   dkdv: a block per (b, h, 64 keys), a warp per 16 keys; query tiles (q, dO, lse, delta) stream
+//         through shared memory, double-buffered: S^T = K Q^T, P^T = exp(S^T - lse), dP^T = V dO^T,
+//         dS^T = P^T (dP^T - delta), dV += P^T dO, dK += dS^T Q.
+//   dq:   a block per (b, h, 64 queries), a warp per 16 queries; key tiles stream: S = Q K^T,
+//         dP = dO V^T, dS = P (dP - delta), dQ += dS K.
+// Both recompute S and dP: seven products per (query, key) pair where FlashAttention-2 has five, the
+// price of determinism. P and dS enter their products rounded to the input type, as in the forward.
+template <int DP>
+struct BwdTile {
+  static constexpr int BR = 64;                  // rows a block owns (keys in dkdv, queries in dq)
+  static constexpr int BC = DP <= 64 ? 64 : 32;  // rows of each streamed tile
+  static constexpr int LDS = DP + 8;             // padded row, as MmaTile
+  static constexpr bool kFragsInRegs = DP <= 64; // dq: the warp's own Q / dO fragments stay in registers
+  // dk / dv read their K / V fragments from shared memory at every tile instead: at head_dim 64
+  // that brings the kernel to 168 registers, 3 blocks an SM (2 with them in registers: 8 % slower).
+  static constexpr int dkdv_min_blocks = DP <= 64 ? 3 : 1;
+  // Two resident [BR] operands, two double-buffered [BC] operands, and (dkdv) lse / delta per stage.
+  static constexpr size_t smem_bytes = static_cast<size_t>(2 * BR + 4 * BC) * LDS * 2 + 4 * BC * sizeof(float);
+};
+
+// A fragments (m16 x k16) of rows row0 .. row0 + 15 of a [rows][LDS] tile, k-step ks.
+template <int LDS, typename scalar_t>
+__device__ __forceinline__ void a_frag(unsigned (&f)[4], const scalar_t* tile, int row0, int lane, int ks) {
+  ldmatrix_x4(f, tile + (row0 + (lane % 8) + ((lane / 8) % 2) * 8) * LDS + ks * 16 + (lane / 16) * 8);
+}
+// B fragments (k16 x n8) of n-tiles j, j + 1 where the tile's rows are the n index (b[0..1], b[2..3]).
+template <int LDS, typename scalar_t>
+__device__ __forceinline__ void rows_b_frag(unsigned (&f)[4], const scalar_t* tile, int lane, int j, int ks) {
+  ldmatrix_x4(f, tile + (j * 8 + (lane / 16) * 8 + (lane % 8)) * LDS + ks * 16 + ((lane / 8) % 2) * 8);
+}
+// B fragments where the tile's rows are the k index (k-step kk) and its columns the n index.
+template <int LDS, typename scalar_t>
+__device__ __forceinline__ void cols_b_frag(unsigned (&f)[4], const scalar_t* tile, int lane, int j, int kk) {
+  ldmatrix_x4_trans(f, tile + (kk * 16 + ((lane / 8) % 2) * 8 + (lane % 8)) * LDS + j * 8 + (lane / 16) * 8);
+}
+// Rows [r0, r0 + rows) of a (b, h) slice into a [rows][LDS] tile with cp.async; rows past L and dims
+// past D are zero-filled.
+template <int DP, int LDS, typename scalar_t>
+__device__ __forceinline__ void load_tile(scalar_t* dst, const scalar_t* src, int64_t sl, int64_t r0, int rows, int64_t L,
+                                          int D) {
+  constexpr int CH = DP / 8;
+  for (int e = threadIdx.x; e < rows * CH; e += blockDim.x) {
+    const int r = e / CH, c = e % CH;
+    const bool ok = r0 + r < L && c * 8 < D;
+    cp_async16(dst + r * LDS + c * 8, ok ? src + (r0 + r) * sl + c * 8 : src, ok);
+  }
+}
+// The A fragment of k-step kk of a product whose left operand is a 16-row accumulator tile x (P, dS, or
+// their transposes): the m16n8 accumulators of 8-column tiles 2kk, 2kk + 1, packed to the input type.
+template <typename scalar_t, int NT>
+__device__ __forceinline__ void pack_a_frag(unsigned (&f)[4], const float (&x)[NT][4], int kk) {
+  using MT = MmaTraits<scalar_t>;
+  f[0] = MT::pack(x[2 * kk][0], x[2 * kk][1]);
+  f[1] = MT::pack(x[2 * kk][2], x[2 * kk][3]);
+  f[2] = MT::pack(x[2 * kk + 1][0], x[2 * kk + 1][1]);
+  f[3] = MT::pack(x[2 * kk + 1][2], x[2 * kk + 1][3]);
+}
+
+// The backward's paired products over head dims: s = A1 B1^T and dp = A2 B2^T for 16 rows, whose A
+// fragments a1(f, ks) / a2(f, ks) give, against the 8 NT rows of the [rows][LDS] tiles B1, B2 (S with
+// dP, or S^T with dP^T). kBound: stop at the last k-step holding dims below D.
+template <int LDS, int KS, bool kBound, int NT, typename scalar_t, typename FragA1, typename FragA2>
+__device__ __forceinline__ void paired_products(float (&s)[NT][4], float (&dp)[NT][4], FragA1&& a1, FragA2&& a2,
+                                                const scalar_t* B1, const scalar_t* B2, int lane, int D) {
+  using MT = MmaTraits<scalar_t>;
+#pragma unroll
+  for (int j = 0; j < NT; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[j][e] = dp[j][e] = 0.f;
+#pragma unroll
+  for (int ks = 0; ks < KS; ++ks) {
+    if (kBound && ks * 16 >= D) break;
+    unsigned f1[4], f2[4];
+    a1(f1, ks);
+    a2(f2, ks);
+#pragma unroll
+    for (int j = 0; j < NT; j += 2) {
+      unsigned b1[4], b2[4];
+      rows_b_frag<LDS>(b1, B1, lane, j, ks);
+      MT::mma(s[j], f1, b1[0], b1[1]);
+      MT::mma(s[j + 1], f1, b1[2], b1[3]);
+      rows_b_frag<LDS>(b2, B2, lane, j, ks);
+      MT::mma(dp[j], f2, b2[0], b2[1]);
+      MT::mma(dp[j + 1], f2, b2[2], b2[3]);
+    }
+  }
+}
+
+template <typename scalar_t, int DP>
+__global__ void __launch_bounds__(kMmaThreads, BwdTile<DP>::dkdv_min_blocks) attn_bwd_dkdv_mma_kernel(const AttnArgs<scalar_t, float> a) {
+  using T = BwdTile<DP>;
+  constexpr int BR = T::BR, BC = T::BC, LDS = T::LDS;
+  constexpr int NT = BC / 8, KS = DP / 16, DT = DP / 8;
+  using MT = MmaTraits<scalar_t>;
+
+  scalar_t* Ks = reinterpret_cast<scalar_t*>(dyn_smem());  // [BR][LDS]
+  scalar_t* Vs = Ks + BR * LDS;                             // [BR][LDS]
+  scalar_t* Qs = Vs + BR * LDS;                             // [2][BC][LDS]
+  scalar_t* dOs = Qs + 2 * BC * LDS;                        // [2][BC][LDS]
+  float* lse_s = reinterpret_cast<float*>(dOs + 2 * BC * LDS);  // [2][BC], log2 units
+  float* delta_s = lse_s + 2 * BC;                               // [2][BC]
+
+  const int D = a.D;
+  const int64_t nkb = (a.Lk + BR - 1) / BR;
+  const int64_t bh = blockIdx.x / nkb, k0 = (blockIdx.x % nkb) * BR;
+  const int64_t b = bh / a.H, h = bh % a.H;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int g = lane >> 2, tig = lane & 3;
+  const scalar_t* qh = a.q.head(b, h);
+  const scalar_t* doh = a.dout.head(b, h);
+  const int64_t moff = b * a.mask.sb + a.mask.sh * h;
+
+  load_tile<DP, LDS>(Ks, a.k.head(b, h), a.k.sl, k0, BR, a.Lk, D);
+  load_tile<DP, LDS>(Vs, a.v.head(b, h), a.v.sl, k0, BR, a.Lk, D);
+  auto load_q = [&](int buf, int64_t q0) {
+    load_tile<DP, LDS>(Qs + buf * BC * LDS, qh, a.q.sl, q0, BC, a.Lq, D);
+    load_tile<DP, LDS>(dOs + buf * BC * LDS, doh, a.dout.sl, q0, BC, a.Lq, D);
+    for (int r = tid; r < BC; r += kMmaThreads) {
+      const int64_t i = q0 + r;
+      float l2 = std::numeric_limits<float>::infinity(), dl = 0.f;
+      if (i < a.Lq) {
+        const float lse = a.lse[bh * a.Lq + i];
+        if (lse != neg_inf<float>()) l2 = lse * kLog2e;
+        dl = a.delta[bh * a.Lq + i];
+      }
+      lse_s[buf * BC + r] = l2;
+      delta_s[buf * BC + r] = dl;
+    }
+  };
+  load_q(0, 0);
+  cp_async_commit();
+
+  float dk[DT][4], dv[DT][4];
+#pragma unroll
+  for (int j = 0; j < DT; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dk[j][e] = dv[j][e] = 0.f;
+  const float sl2 = a.scale * kLog2e;
+  const int64_t key_base = k0 + warp * 16 + g;   // this thread's key rows: key_base and key_base + 8
+  const bool live = k0 + warp * 16 < a.Lk;       // uniform per warp: it has keys
+
+  cp_async_wait_all();
+  __syncthreads();
+
+  const int64_t nqt = (a.Lq + BC - 1) / BC;
+  for (int64_t t = 0; t < nqt; ++t) {
+    const int buf = static_cast<int>(t & 1);
+    if (t + 1 < nqt) load_q(buf ^ 1, (t + 1) * BC);  // overlaps with this tile's math
+    cp_async_commit();
+    const scalar_t* Qt = Qs + buf * BC * LDS;
+    const scalar_t* dOt = dOs + buf * BC * LDS;
+    const float* lt = lse_s + buf * BC;
+    const float* dlt = delta_s + buf * BC;
+    if (live) {
+      // S^T = K Q^T and dP^T = V dO^T for the warp's 16 keys x BC queries.
+      float s[NT][4], dp[NT][4];
+      paired_products<LDS, KS, false>(
+          s, dp, [&](unsigned (&f)[4], int ks) { a_frag<LDS>(f, Ks, warp * 16, lane, ks); },
+          [&](unsigned (&f)[4], int ks) { a_frag<LDS>(f, Vs, warp * 16, lane, ks); }, Qt, dOt, lane, D);
+      // P^T and dS^T: element e of tile j is (key key_base + 8 (e >> 1), query q0 + 8 j + 2 tig + (e & 1)).
+      const int64_t q0 = t * BC;
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int c = j * 8 + 2 * tig + (e & 1);
+          float x = s[j][e] * sl2;
+          if (a.mask.kind != kNoMask) {
+            const int64_t key = key_base + (e >> 1) * 8, i = q0 + c;
+            if (key < a.Lk && i < a.Lq) x += mask_add<scalar_t, float>(a.mask, moff + i * a.mask.sq + key * a.mask.sk) * kLog2e;
+          }
+          const float p = exp2f(x - lt[c]);
+          s[j][e] = p;
+          dp[j][e] = p * (dp[j][e] - dlt[c]);
+        }
+      }
+      // dV += P^T dO and dK += dS^T Q: the accumulators of query tiles 2kk, 2kk + 1 are the A
+      // fragments of k-step kk (as P in the forward).
+#pragma unroll
+      for (int kk = 0; kk < BC / 16; ++kk) {
+        unsigned pa[4], da[4];
+        pack_a_frag<scalar_t>(pa, s, kk);
+        pack_a_frag<scalar_t>(da, dp, kk);
+#pragma unroll
+        for (int j = 0; j < DT; j += 2) {
+          unsigned ob[4], qb[4];
+          cols_b_frag<LDS>(ob, dOt, lane, j, kk);
+          MT::mma(dv[j], pa, ob[0], ob[1]);
+          MT::mma(dv[j + 1], pa, ob[2], ob[3]);
+          cols_b_frag<LDS>(qb, Qt, lane, j, kk);
+          MT::mma(dk[j], da, qb[0], qb[1]);
+          MT::mma(dk[j + 1], da, qb[2], qb[3]);
+        }
+      }
+    }
+    cp_async_wait_all();
+    __syncthreads();  // next tile landed; everyone is done with this one
+  }
+
+  // dk / dv rows key_base and key_base + 8 through their views (unit stride along D).
+#pragma unroll
+  for (int rr = 0; rr < 2; ++rr) {
+    const int64_t key = key_base + rr * 8;
+    if (key >= a.Lk) continue;
+    scalar_t* dkr = a.dk.head(b, h) + key * a.dk.sl;
+    scalar_t* dvr = a.dv.head(b, h) + key * a.dv.sl;
+#pragma unroll
+    for (int j = 0; j < DT; ++j) {
+      const int d = j * 8 + 2 * tig;
+      if (d < D) {
+        *reinterpret_cast<unsigned*>(dkr + d) = MT::pack(dk[j][2 * rr] * a.scale, dk[j][2 * rr + 1] * a.scale);
+        *reinterpret_cast<unsigned*>(dvr + d) = MT::pack(dv[j][2 * rr], dv[j][2 * rr + 1]);
+      }
+    }
+  }
+}
+
+template <typename scalar_t, int DP>
+__global__ void __launch_bounds__(kMmaThreads) attn_bwd_dq_mma_kernel(const AttnArgs<scalar_t, float> a) {
+  using T = BwdTile<DP>;
+  constexpr int BR = T::BR, BC = T::BC, LDS = T::LDS;
+  constexpr int NT = BC / 8, KS = DP / 16, DT = DP / 8;
+  using MT = MmaTraits<scalar_t>;
+
+  scalar_t* Qs = reinterpret_cast<scalar_t*>(dyn_smem());  // [BR][LDS]
+  scalar_t* dOs = Qs + BR * LDS;                            // [BR][LDS]
+  scalar_t* Ks = dOs + BR * LDS;                            // [2][BC][LDS]
+  scalar_t* Vs = Ks + 2 * BC * LDS;                         // [2][BC][LDS]
+
+  const int D = a.D;
+  const int64_t nqb = (a.Lq + BR - 1) / BR;
+  const int64_t bh = blockIdx.x / nqb, q0 = (blockIdx.x % nqb) * BR;
+  const int64_t b = bh / a.H, h = bh % a.H;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int g = lane >> 2, tig = lane & 3;
+  const scalar_t* kh = a.k.head(b, h);
+  const scalar_t* vh = a.v.head(b, h);
+  const int64_t moff = b * a.mask.sb + a.mask.sh * h;
+
+  load_tile<DP, LDS>(Qs, a.q.head(b, h), a.q.sl, q0, BR, a.Lq, D);
+  load_tile<DP, LDS>(dOs, a.dout.head(b, h), a.dout.sl, q0, BR, a.Lq, D);
+  auto load_kv = [&](int buf, int64_t k0) {
+    load_tile<DP, LDS>(Ks + buf * BC * LDS, kh, a.k.sl, k0, BC, a.Lk, D);
+    load_tile<DP, LDS>(Vs + buf * BC * LDS, vh, a.v.sl, k0, BC, a.Lk, D);
+  };
+  load_kv(0, 0);
+  cp_async_commit();
+
+  const float sl2 = a.scale * kLog2e;
+  const int64_t row_base = q0 + warp * 16 + g;  // this thread's rows: row_base and row_base + 8
+  const bool live = q0 + warp * 16 < a.Lq;      // uniform per warp
+  float lse2[2], delta[2];
+#pragma unroll
+  for (int rr = 0; rr < 2; ++rr) {
+    const int64_t i = row_base + rr * 8;
+    lse2[rr] = std::numeric_limits<float>::infinity();  // P = 0: past Lq or a fully masked row
+    delta[rr] = 0.f;
+    if (i < a.Lq) {
+      const float lse = a.lse[bh * a.Lq + i];
+      if (lse != neg_inf<float>()) lse2[rr] = lse * kLog2e;
+      delta[rr] = a.delta[bh * a.Lq + i];
+    }
+  }
+  float dq[DT][4];
+#pragma unroll
+  for (int j = 0; j < DT; ++j) dq[j][0] = dq[j][1] = dq[j][2] = dq[j][3] = 0.f;
+
+  cp_async_wait_all();
+  __syncthreads();
+  unsigned qf[T::kFragsInRegs ? KS : 1][4], of[T::kFragsInRegs ? KS : 1][4];
+  if constexpr (T::kFragsInRegs) {
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+      a_frag<LDS>(qf[ks], Qs, warp * 16, lane, ks);
+      a_frag<LDS>(of[ks], dOs, warp * 16, lane, ks);
+    }
+  }
+
+  const int64_t nkt = (a.Lk + BC - 1) / BC;
+  for (int64_t t = 0; t < nkt; ++t) {
+    const int buf = static_cast<int>(t & 1);
+    if (t + 1 < nkt) load_kv(buf ^ 1, (t + 1) * BC);
+    cp_async_commit();
+    const scalar_t* Kt = Ks + buf * BC * LDS;
+    const scalar_t* Vt = Vs + buf * BC * LDS;
+    if (live) {
+      // S = Q K^T and dP = dO V^T for the warp's 16 queries x BC keys.
+      float s[NT][4], dp[NT][4];
+      auto frag = [&](unsigned (&f)[4], const unsigned (&regs)[T::kFragsInRegs ? KS : 1][4], const scalar_t* tile,
+                      int ks) {
+        if constexpr (T::kFragsInRegs) {
+#pragma unroll
+          for (int x = 0; x < 4; ++x) f[x] = regs[ks][x];
+        } else {
+          a_frag<LDS>(f, tile, warp * 16, lane, ks);
+        }
+      };
+      paired_products<LDS, KS, false>(
+          s, dp, [&](unsigned (&f)[4], int ks) { frag(f, qf, Qs, ks); },
+          [&](unsigned (&f)[4], int ks) { frag(f, of, dOs, ks); }, Kt, Vt, lane, D);
+      // dS: element e of tile j is (row row_base + 8 (e >> 1), key k0 + 8 j + 2 tig + (e & 1)); keys
+      // past Lk read zero rows of K and V but must still get P = 0.
+      const int64_t k0 = t * BC;
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int64_t key = k0 + j * 8 + 2 * tig + (e & 1);
+          const int rr = e >> 1;
+          float x = s[j][e] * sl2;
+          if (key >= a.Lk) {
+            x = neg_inf<float>();
+          } else if (a.mask.kind != kNoMask) {
+            const int64_t i = row_base + rr * 8;
+            if (i < a.Lq) x += mask_add<scalar_t, float>(a.mask, moff + i * a.mask.sq + key * a.mask.sk) * kLog2e;
+          }
+          const float p = exp2f(x - lse2[rr]);
+          dp[j][e] = p * (dp[j][e] - delta[rr]);
+        }
+      }
+      // dQ += dS K: K's rows (keys) are the k index.
+#pragma unroll
+      for (int kk = 0; kk < BC / 16; ++kk) {
+        unsigned da[4];
+        pack_a_frag<scalar_t>(da, dp, kk);
+#pragma unroll
+        for (int j = 0; j < DT; j += 2) {
+          unsigned kb[4];
+          cols_b_frag<LDS>(kb, Kt, lane, j, kk);
+          MT::mma(dq[j], da, kb[0], kb[1]);
+          MT::mma(dq[j + 1], da, kb[2], kb[3]);
+        }
+      }
+    }
+    cp_async_wait_all();
+    __syncthreads();
+  }
+
+#pragma unroll
+  for (int rr = 0; rr < 2; ++rr) {
+    const int64_t i = row_base + rr * 8;
+    if (i >= a.Lq) continue;
+    scalar_t* out = a.dq + (bh * a.Lq + i) * D;
+#pragma unroll
+    for (int j = 0; j < DT; ++j) {
+      const int d = j * 8 + 2 * tig;
+      if (d < D) *reinterpret_cast<unsigned*>(out + d) = MT::pack(dq[j][2 * rr] * a.scale, dq[j][2 * rr + 1] * a.scale);
+    }
+  }
+}
+
+
+// Backward, short sequences (fp16 / bf16, q_len and kv_len <= 32, head_dim <= 128 and % 8 == 0; the
+// temporal attention over frames): a warp per (b, h) problem, persistent, q, k, v and dO staged once
+// in shared memory. delta = rowsum(P * dP) - grad_lse from the recomputed P (equal to rowsum(dO * O),
+// without reading O or a separate launch). Two passes over the staged tiles: query rows (S, dP, dS,
+// dQ = dS K), then key rows (S^T, dP^T, dS^T, dV = P^T dO, dK = dS^T Q); the second recomputes its
+// products rather than transposing P and dS through shared memory. Memory-bound by design.
+template <int LP, int DP>
+struct ShortBwdTile {
+  static constexpr int LDS = DP + 8;
+  static constexpr int tile_elems = 4 * LP * LDS;  // Q, K, V, dO
+  static constexpr size_t warp_bytes = static_cast<size_t>(tile_elems) * 2 + 2 * LP * sizeof(float);  // + lse, delta
+  static constexpr int warps = warp_bytes <= 14 * 1024 ? 4 : warp_bytes <= 28 * 1024 ? 2 : 1;
+  static constexpr int problems = warps;  // a warp a problem
+  static constexpr size_t smem_bytes = warps * warp_bytes;
+};
+
+template <typename scalar_t, int LP, int DP>
+__global__ void __launch_bounds__(ShortBwdTile<LP, DP>::warps * 32)
+    attn_bwd_short_kernel(const AttnArgs<scalar_t, float> a) {
+  using T = ShortBwdTile<LP, DP>;
+  constexpr int LDS = T::LDS, NT = LP / 8, KS = DP / 16, DT = DP / 8, DCH = DP / 8;
+  using MT = MmaTraits<scalar_t>;
+  static_assert(T::warp_bytes % 16 == 0, "warp regions stay 16-byte aligned");
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane >> 2, tig = lane & 3;
+  unsigned char* base = dyn_smem() + static_cast<size_t>(warp) * T::warp_bytes;
+  scalar_t* Qs = reinterpret_cast<scalar_t*>(base);  // [LP][LDS] each
+  scalar_t* Ks = Qs + LP * LDS;
+  scalar_t* Vs = Ks + LP * LDS;
+  scalar_t* dOs = Vs + LP * LDS;
+  float* lse_s = reinterpret_cast<float*>(dOs + LP * LDS);  // [LP] log2 units; +inf: P = 0
+  float* delta_s = lse_s + LP;                               // [LP]
+
+  // Rows past q_len / kv_len, dims past head_dim and delta past q_len stay zero for the whole kernel:
+  // loads only ever write the valid part.
+  {
+    uint4* z = reinterpret_cast<uint4*>(base);
+    for (int e = lane; e < static_cast<int>(T::warp_bytes / 16); e += 32) z[e] = make_uint4(0, 0, 0, 0);
+  }
+  __syncwarp();
+
+  const int D = a.D, CH = D / 8;
+  const int Lq = static_cast<int>(a.Lq), Lk = static_cast<int>(a.Lk);
+  const int64_t P = a.B * a.H;
+  const int64_t step = static_cast<int64_t>(gridDim.x) * T::warps;
+  const float sl2 = a.scale * kLog2e;
+
+  for (int64_t p = static_cast<int64_t>(blockIdx.x) * T::warps + warp; p < P; p += step) {
+    const int64_t b = p / a.H, h = p - b * a.H;
+    {
+      const scalar_t* qh = a.q.head(b, h);
+      const scalar_t* kh = a.k.head(b, h);
+      const scalar_t* vh = a.v.head(b, h);
+      const scalar_t* oh = a.dout.head(b, h);
+#pragma unroll
+      for (int e = lane; e < LP * DCH; e += 32) {
+        const int r = e / DCH, c = e % DCH;
+        if (c < CH) {
+          if (r < Lq) {
+            cp_async16(Qs + r * LDS + c * 8, qh + r * a.q.sl + c * 8, true);
+            cp_async16(dOs + r * LDS + c * 8, oh + r * a.dout.sl + c * 8, true);
+          }
+          if (r < Lk) {
+            cp_async16(Ks + r * LDS + c * 8, kh + r * a.k.sl + c * 8, true);
+            cp_async16(Vs + r * LDS + c * 8, vh + r * a.v.sl + c * 8, true);
+          }
+        }
+      }
+      cp_async_commit();
+      if (lane < Lq) {
+        const float lse = a.lse[p * Lq + lane];
+        lse_s[lane] = lse == neg_inf<float>() ? std::numeric_limits<float>::infinity() : lse * kLog2e;
+      } else if (lane < LP) {
+        lse_s[lane] = std::numeric_limits<float>::infinity();
+      }
+      cp_async_wait_all();
+      __syncwarp();
+    }
+    const int64_t moff = a.mask.kind == kNoMask ? 0 : b * a.mask.sb + h * a.mask.sh;
+
+    // Pass 1, query rows: S = Q K^T, dP = dO V^T, delta, dS, dQ = dS K.
+#pragma unroll
+    for (int mt = 0; mt < LP / 16; ++mt) {
+      if (mt * 16 >= Lq) break;
+      float s[NT][4], dp[NT][4];
+      paired_products<LDS, KS, true>(
+          s, dp, [&](unsigned (&f)[4], int ks) { a_frag<LDS>(f, Qs, mt * 16, lane, ks); },
+          [&](unsigned (&f)[4], int ks) { a_frag<LDS>(f, dOs, mt * 16, lane, ks); }, Ks, Vs, lane, D);
+      const int row0 = mt * 16 + g;
+      const float l2[2] = {lse_s[row0], lse_s[row0 + 8]};
+      float dsum[2] = {0.f, 0.f};
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = j * 8 + 2 * tig + (e & 1);
+          const int row = row0 + (e >> 1) * 8;
+          float x = s[j][e] * sl2;
+          if (key >= Lk) {
+            x = neg_inf<float>();
+          } else if (a.mask.kind != kNoMask && row < Lq) {
+            x += mask_add<scalar_t, float>(a.mask, moff + row * a.mask.sq + key * a.mask.sk) * kLog2e;
+          }
+          const float pe = exp2f(x - l2[e >> 1]);
+          s[j][e] = pe;
+          dsum[e >> 1] += pe * dp[j][e];
+        }
+      }
+      float delta[2];
+#pragma unroll
+      for (int rr = 0; rr < 2; ++rr) {
+        dsum[rr] += __shfl_xor_sync(kFullMask, dsum[rr], 1);
+        dsum[rr] += __shfl_xor_sync(kFullMask, dsum[rr], 2);
+        const int row = row0 + rr * 8;
+        delta[rr] = dsum[rr] - (a.grad_lse != nullptr && row < Lq ? a.grad_lse[p * Lq + row] : 0.f);
+        if (tig == 0 && row < Lq) delta_s[row] = delta[rr];
+      }
+#pragma unroll
+      for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dp[j][e] = s[j][e] * (dp[j][e] - delta[e >> 1]);
+      float dq[DT][4];
+#pragma unroll
+      for (int j = 0; j < DT; ++j) dq[j][0] = dq[j][1] = dq[j][2] = dq[j][3] = 0.f;
+#pragma unroll
+      for (int kk = 0; kk < LP / 16; ++kk) {
+        if (kk * 16 >= Lk) break;
+        unsigned da[4];
+        pack_a_frag<scalar_t>(da, dp, kk);
+#pragma unroll
+        for (int j = 0; j < DT; j += 2) {
+          if (j * 8 >= D) break;
+          unsigned kb[4];
+          cols_b_frag<LDS>(kb, Ks, lane, j, kk);
+          MT::mma(dq[j], da, kb[0], kb[1]);
+          MT::mma(dq[j + 1], da, kb[2], kb[3]);
+        }
+      }
+#pragma unroll
+      for (int rr = 0; rr < 2; ++rr) {
+        const int row = row0 + rr * 8;
+        if (row >= Lq) continue;
+        scalar_t* out = a.dq + (p * Lq + row) * D;
+#pragma unroll
+        for (int j = 0; j < DT; ++j) {
+          const int d = j * 8 + 2 * tig;
+          if (d < D) *reinterpret_cast<unsigned*>(out + d) = MT::pack(dq[j][2 * rr] * a.scale, dq[j][2 * rr + 1] * a.scale);
+        }
+      }
+    }
+    __syncwarp();  // delta_s is written
+
+    // Pass 2, key rows: S^T = K Q^T, dP^T = V dO^T, dS^T, dV = P^T dO, dK = dS^T Q.
+#pragma unroll
+    for (int mk = 0; mk < LP / 16; ++mk) {
+      if (mk * 16 >= Lk) break;
+      float s[NT][4], dp[NT][4];
+      paired_products<LDS, KS, true>(
+          s, dp, [&](unsigned (&f)[4], int ks) { a_frag<LDS>(f, Ks, mk * 16, lane, ks); },
+          [&](unsigned (&f)[4], int ks) { a_frag<LDS>(f, Vs, mk * 16, lane, ks); }, Qs, dOs, lane, D);
+      const int key0 = mk * 16 + g;
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int c = j * 8 + 2 * tig + (e & 1);  // query
+          const int key = key0 + (e >> 1) * 8;
+          float x = s[j][e] * sl2;
+          if (a.mask.kind != kNoMask && key < Lk && c < Lq)
+            x += mask_add<scalar_t, float>(a.mask, moff + c * a.mask.sq + key * a.mask.sk) * kLog2e;
+          const float pe = exp2f(x - lse_s[c]);
+          s[j][e] = pe;
+          dp[j][e] = pe * (dp[j][e] - delta_s[c]);
+        }
+      }
+      float dk[DT][4], dv[DT][4];
+#pragma unroll
+      for (int j = 0; j < DT; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dk[j][e] = dv[j][e] = 0.f;
+#pragma unroll
+      for (int kk = 0; kk < LP / 16; ++kk) {
+        if (kk * 16 >= Lq) break;
+        unsigned pa[4], da[4];
+        pack_a_frag<scalar_t>(pa, s, kk);
+        pack_a_frag<scalar_t>(da, dp, kk);
+#pragma unroll
+        for (int j = 0; j < DT; j += 2) {
+          if (j * 8 >= D) break;
+          unsigned ob[4], qb[4];
+          cols_b_frag<LDS>(ob, dOs, lane, j, kk);
+          MT::mma(dv[j], pa, ob[0], ob[1]);
+          MT::mma(dv[j + 1], pa, ob[2], ob[3]);
+          cols_b_frag<LDS>(qb, Qs, lane, j, kk);
+          MT::mma(dk[j], da, qb[0], qb[1]);
+          MT::mma(dk[j + 1], da, qb[2], qb[3]);
+        }
+      }
+#pragma unroll
+      for (int rr = 0; rr < 2; ++rr) {
+        const int key = key0 + rr * 8;
+        if (key >= Lk) continue;
+        scalar_t* dkr = a.dk.head(b, h) + key * a.dk.sl;
+        scalar_t* dvr = a.dv.head(b, h) + key * a.dv.sl;
+#pragma unroll
+        for (int j = 0; j < DT; ++j) {
+          const int d = j * 8 + 2 * tig;
+          if (d < D) {
+            *reinterpret_cast<unsigned*>(dkr + d) = MT::pack(dk[j][2 * rr] * a.scale, dk[j][2 * rr + 1] * a.scale);
+            *reinterpret_cast<unsigned*>(dvr + d) = MT::pack(dv[j][2 * rr], dv[j][2 * rr + 1]);
+          }
+        }
+      }
+    }
+    __syncwarp();  // every read of this problem's tiles is done before the next problem's loads
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 // Host side.
 
 // Opts the kernel into more than the default 48 KiB of dynamic shared memory when it needs it.
@@ -1692,6 +2277,79 @@ bool tf32_forward(const char* op, const at::Tensor& q, const at::Tensor& k, cons
   return true;
 }
 
+// Which backward serves fp16 / bf16. VD_ATTENTION_BACKWARD=rows keeps the CUDA-core kernels
+// (benchmarks and tests compare the two in one process); read on every call.
+bool mma_backward_allowed() {
+  const char* e = std::getenv("VD_ATTENTION_BACKWARD");
+  return e == nullptr || std::string(e) != "rows";
+}
+
+// The tensor-core backward: fp16 / bf16, head_dim <= 128 and % 8 == 0, dk / dv views that take
+// 4-byte stores along D. delta is already computed. Returns false where the "rows" kernels run.
+template <typename scalar_t>
+bool mma_backward(const char* op, const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
+                  const at::Tensor& v, const at::Tensor& mask, double scale, const at::Tensor& lse,
+                  const at::Tensor& delta, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, cudaStream_t stream) {
+  if constexpr (!std::is_same_v<scalar_t, at::Half> && !std::is_same_v<scalar_t, at::BFloat16>) {
+    return false;
+  } else {
+    const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), Lk = k.size(2), D = q.size(3);
+    if (D % 8 != 0 || D > 128 || !mma_layout_ok(dk) || !mma_layout_ok(dv) || !mma_backward_allowed()) return false;
+    const at::Tensor q2 = mma_ready(q), k2 = mma_ready(k), v2 = mma_ready(v), go2 = mma_ready(grad_out);
+    auto a = base_args<scalar_t, float>(q2, k2, v2, mask, scale);
+    a.dout = view_of<const scalar_t>(go2);
+    a.lse = lse.const_data_ptr<float>();
+    a.delta = delta.mutable_data_ptr<float>();
+    a.dq = dq.mutable_data_ptr<scalar_t>();
+    a.dk = view_of<scalar_t>(dk);
+    a.dv = view_of<scalar_t>(dv);
+    auto run = [&](auto tile, auto dq_kernel, auto dkdv_kernel) {
+      using T = decltype(tile);
+      set_smem(dq_kernel, T::smem_bytes, op);
+      dq_kernel<<<grid_of(B * H * ceil_div(Lq, T::BR), op), kMmaThreads, T::smem_bytes, stream>>>(a);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      set_smem(dkdv_kernel, T::smem_bytes, op);
+      dkdv_kernel<<<grid_of(B * H * ceil_div(Lk, T::BR), op), kMmaThreads, T::smem_bytes, stream>>>(a);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    };
+    if (D <= 64) run(BwdTile<64>{}, attn_bwd_dq_mma_kernel<scalar_t, 64>, attn_bwd_dkdv_mma_kernel<scalar_t, 64>);
+    else run(BwdTile<128>{}, attn_bwd_dq_mma_kernel<scalar_t, 128>, attn_bwd_dkdv_mma_kernel<scalar_t, 128>);
+    return true;
+  }
+}
+
+// The short-sequence backward: fp16 / bf16, q_len and kv_len <= 32, head_dim <= 128 and % 8 == 0.
+// Needs no delta launch. Returns false where another backward runs.
+template <typename scalar_t>
+bool short_backward(const char* op, const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
+                    const at::Tensor& v, const at::Tensor& mask, double scale, const at::Tensor& lse,
+                    const at::Tensor& grad_lse, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, cudaStream_t stream) {
+  if constexpr (!std::is_same_v<scalar_t, at::Half> && !std::is_same_v<scalar_t, at::BFloat16>) {
+    return false;
+  } else {
+    const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), Lk = k.size(2), D = q.size(3);
+    if (D % 8 != 0 || D > 128 || Lq > 32 || Lk > 32 || !mma_layout_ok(dk) || !mma_layout_ok(dv) ||
+        !mma_backward_allowed()) {
+      return false;
+    }
+    const at::Tensor q2 = mma_ready(q), k2 = mma_ready(k), v2 = mma_ready(v), go2 = mma_ready(grad_out);
+    auto a = base_args<scalar_t, float>(q2, k2, v2, mask, scale);
+    a.dout = view_of<const scalar_t>(go2);
+    a.lse = lse.const_data_ptr<float>();
+    a.grad_lse = grad_lse.defined() ? grad_lse.const_data_ptr<float>() : nullptr;
+    a.dq = dq.mutable_data_ptr<scalar_t>();
+    a.dk = view_of<scalar_t>(dk);
+    a.dv = view_of<scalar_t>(dv);
+    const int64_t P = B * H;
+    const bool l16 = Lq <= 16 && Lk <= 16;
+    if (l16 && D <= 64) launch_persistent<ShortBwdTile<16, 64>>(attn_bwd_short_kernel<scalar_t, 16, 64>, a, P, op, stream);
+    else if (l16) launch_persistent<ShortBwdTile<16, 128>>(attn_bwd_short_kernel<scalar_t, 16, 128>, a, P, op, stream);
+    else if (D <= 64) launch_persistent<ShortBwdTile<32, 64>>(attn_bwd_short_kernel<scalar_t, 32, 64>, a, P, op, stream);
+    else launch_persistent<ShortBwdTile<32, 128>>(attn_bwd_short_kernel<scalar_t, 32, 128>, a, P, op, stream);
+    return true;
+  }
+}
+
 // q, k, v already validated; mask undefined or expanded to (B, H, Lq, Lk).
 std::tuple<at::Tensor, at::Tensor> attention_forward(const char* op, const at::Tensor& q, const at::Tensor& k,
                                                      const at::Tensor& v, const at::Tensor& mask, double scale) {
@@ -1746,8 +2404,10 @@ at::Tensor attention_backward(const char* op, const at::Tensor& grad_out, const 
     a.dk = view_of<scalar_t>(dk);
     a.dv = view_of<scalar_t>(dv);
 
+    if (short_backward<scalar_t>(op, grad_out, q, k, v, mask, scale, lse, grad_lse, dq, dk, dv, stream)) return;
     attn_bwd_delta_kernel<scalar_t, acc_t><<<grid_of(ceil_div(B * H * Lq, kRowWarps), op), kRowThreads, 0, stream>>>(a);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
+    if (mma_backward<scalar_t>(op, grad_out, q, k, v, mask, scale, lse, delta, dq, dk, dv, stream)) return;
 
     const size_t smem = (static_cast<size_t>(2 * kRowBlock + 2 * kTile) * a.ld + 2 * kTile) * sizeof(acc_t);
     dispatch_dpl(D, [&](auto dpl) {
