@@ -1,13 +1,14 @@
 """Attention benchmark on video-diffusion shapes: every SDPA backend, the naive matmul-softmax-matmul,
 SageAttention (when installed) and vd.fused_attention / vd.strided_attention, side by side in one run.
 
-    python bench/attention.py [--dtype bf16] [--quick] [--backward]
+    python bench/attention.py [--dtype bf16] [--quick] [--backward | --backward-only]
 
 Prints ms, TFLOP/s, GB/s and the ratio to the default SDPA per shape, and writes JSON under bench/results/.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import sys
 import os
@@ -122,22 +123,67 @@ def bench_forward(shapes, dtype, dev, budget_bytes):
     return rows
 
 
-def bench_backward(shapes, dtype, dev):
+def bench_backward(shapes, dtype, dev, rows_max_flops=4e11):
+    """dq, dk, dv from one output gradient: every SDPA backend's backward, the naive path's (autograd
+    through matmul-softmax-matmul), vd's (default kernels) and vd's CUDA-core kernels
+    (VD_ATTENTION_BACKWARD=rows; only up to rows_max_flops, they are slow). FLOPs are counted as
+    FlashAttention does: five L x L x D products, 2.5x the forward; bytes: q, k, v, dO read, dq, dk,
+    dv written (the least a backward moves: out is not needed, delta can come from P and dP)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
     rows = []
+    backends = {"sdpa_default": None, "cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+                "efficient": SDPBackend.EFFICIENT_ATTENTION}
     for name, B, H, L, D in shapes:
-        if L < 512:
-            continue
         scale = 1 / math.sqrt(D)
         q, k, v = (torch.randn(B, H, L, D, device=dev, dtype=dtype, requires_grad=True) for _ in range(3))
         go = torch.randn(B, H, L, D, device=dev, dtype=dtype)
-        row = {"shape": name}
-        out_sdpa = F.scaled_dot_product_attention(q, k, v, scale=scale)
-        row["sdpa_bwd_ms"] = time_cuda(lambda i: torch.autograd.grad(out_sdpa, (q, k, v), go, retain_graph=True))
-        out_vd = torch.ops.vd.fused_attention(q, k, v, None, scale)[0]
-        row["vd_bwd_ms"] = time_cuda(lambda i: torch.autograd.grad(out_vd, (q, k, v), go, retain_graph=True))
-        row["vd_bwd_x_sdpa"] = row["sdpa_bwd_ms"] / row["vd_bwd_ms"]
+        flops = 10 * B * H * L * L * D
+        nbytes = 7 * B * H * L * D * torch.finfo(dtype).bits // 8
+        row = {"shape": name, "B": B, "H": H, "L": L, "D": D, "flops": flops, "bytes": nbytes}
+        # Reference gradients on a slice (float32 naive path) to report each path's error.
+        sl = [t[:1].detach().float().requires_grad_() for t in (q, k, v)]
+        ref = torch.autograd.grad(naive(*sl, scale), sl, go[:1].float())
+        paths = {}
+        for pname, backend in backends.items():
+            def fwd(q, k, v, backend=backend):
+                if backend is None:
+                    return F.scaled_dot_product_attention(q, k, v, scale=scale)
+                with sdpa_kernel([backend]):
+                    return F.scaled_dot_product_attention(q, k, v, scale=scale)
+            paths[pname] = (fwd, None)
+        if B * H * L * L * 4 * 3 <= 40 * 2**30:  # scores, probabilities and their gradients
+            paths["naive"] = (lambda q, k, v: naive(q, k, v, scale), None)
+        vd = lambda q, k, v: torch.ops.vd.fused_attention(q, k, v, None, scale)[0]  # noqa: E731
+        paths["vd"] = (vd, None)
+        if 4 * B * H * L * L * D <= rows_max_flops:
+            paths["vd_rows"] = (vd, ("VD_ATTENTION_BACKWARD", "rows"))
+        for pname, (fwd, env) in paths.items():
+            ctx = env_var(*env) if env else contextlib.nullcontext()
+            try:
+                with ctx:
+                    sq = [t.detach().requires_grad_() for t in sl]
+                    got = torch.autograd.grad(fwd(*(t.to(dtype) for t in sq)), sq, go[:1])
+                    err = max(((g.float() - r).abs().max() / (r.abs().max() + 1e-6)).item() for g, r in zip(got, ref))
+                    out = fwd(q, k, v)
+                    iters = 50 if pname != "vd_rows" else 5
+                    ms = time_cuda(lambda i: torch.autograd.grad(out, (q, k, v), go, retain_graph=True), iters=iters,
+                                   min_ms=200.0 if pname != "vd_rows" else 0.0)
+                del out
+            except Exception as e:  # a backend without a kernel for this shape/dtype
+                row[f"{pname}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+                continue
+            row[f"{pname}_bwd_ms"] = ms
+            row[f"{pname}_bwd_relerr"] = err
+            row[f"{pname}_bwd_tflops"] = flops / ms / 1e9
+            row[f"{pname}_bwd_gbps"] = nbytes / ms / 1e6
+        for pname in paths:
+            if row.get(f"{pname}_bwd_ms") and row.get("sdpa_default_bwd_ms"):
+                row[f"{pname}_bwd_x_default"] = row["sdpa_default_bwd_ms"] / row[f"{pname}_bwd_ms"]
+        best = min((row[f"{p}_bwd_ms"] for p in backends if row.get(f"{p}_bwd_ms")), default=None)
+        if best and row.get("vd_bwd_ms"):
+            row["vd_bwd_x_best_sdpa"] = best / row["vd_bwd_ms"]
         rows.append(row)
-        del q, k, v, go, out_sdpa, out_vd
+        del q, k, v, go
         torch.cuda.empty_cache()
     return rows
 
@@ -173,6 +219,7 @@ def main():
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     p.add_argument("--quick", action="store_true", help="three representative shapes")
     p.add_argument("--backward", action="store_true")
+    p.add_argument("--backward-only", action="store_true", help="the backward table alone")
     p.add_argument("--strided", action="store_true")
     p.add_argument("--no-ceilings", action="store_true")
     p.add_argument("--shapes", default="", help="comma-separated name prefixes, e.g. temporal,spatial-2304")
@@ -187,7 +234,7 @@ def main():
     env = environment(dev)
     ceilings = {} if args.no_ceilings else measure_ceilings(dev)
     print(env, ceilings)
-    fwd = bench_forward(shapes, dtype, dev, budget_bytes=8 * 2**30)
+    fwd = [] if args.backward_only else bench_forward(shapes, dtype, dev, budget_bytes=8 * 2**30)
     if ceilings.get("copy_GBps"):
         for row in fwd:
             if row.get("vd_gbps"):
@@ -198,14 +245,20 @@ def main():
     cols += [("vd_tflops", "vd TFLOP/s", ".0f"), ("vd_x_cudnn", "vd x cudnn", ".2f"), ("vd_gbps", "vd GB/s", ".0f"),
              ("vd_pct_copy", "vd % copy", ".0f"),
              ("vd_x_default", "vd x default", ".2f"), ("vd_x_naive", "vd x naive", ".2f")]
-    print_table(fwd, cols)
+    if fwd:
+        print_table(fwd, cols)
     # float32 peers (naive's matmuls, SDPA) run in full float32 unless TF32 is switched on: record which.
     payload = {"environment": env, "ceilings": ceilings, "dtype": args.dtype, "forward": fwd,
                "tf32_matmul": torch.backends.cuda.matmul.allow_tf32}
-    if args.backward:
+    if args.backward or args.backward_only:
         bwd = bench_backward(shapes, dtype, dev)
-        print_table(bwd, [("shape", "shape", ""), ("sdpa_bwd_ms", "sdpa bwd ms", ".3f"),
-                          ("vd_bwd_ms", "vd bwd ms", ".3f"), ("vd_bwd_x_sdpa", "vd x sdpa", ".2f")])
+        cols = [("shape", "shape", "")]
+        for pname in ["sdpa_default", "cudnn", "flash", "efficient", "naive", "vd_rows", "vd"]:
+            cols.append((f"{pname}_bwd_ms", f"{pname} ms", ".3f"))
+        cols += [("vd_bwd_tflops", "vd TFLOP/s", ".0f"), ("vd_bwd_gbps", "vd GB/s", ".0f"),
+                 ("vd_bwd_x_default", "vd x default", ".2f"), ("vd_bwd_x_best_sdpa", "vd x best SDPA", ".2f"),
+                 ("vd_bwd_relerr", "vd relerr", ".1e")]
+        print_table(bwd, cols)
         payload["backward"] = bwd
     if args.strided:
         st = bench_strided(dtype, dev)
