@@ -309,6 +309,40 @@ def test_cuda_sdpa_kept_where_vendor_is_faster(length, dim, fires):
     compare_with_eager(SDPA(), q, k, v, options=AUTO, grad=False, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.skipif(not _CUDA, reason="vd::fused_attention has no CUDA kernel in this build, or no GPU")
+@pytest.mark.parametrize("dtype, length, dim, fires", [
+    (torch.bfloat16, 14, 64, True), (torch.bfloat16, 25, 40, True), (torch.bfloat16, 2048, 64, False),
+    (torch.bfloat16, 256, 64, False), (torch.float32, 14, 64, True), (torch.float32, 25, 64, False),
+    (torch.float32, 256, 64, False)])
+def test_cuda_sdpa_training_keeps_vendor_where_its_backward_wins(dtype, length, dim, fires):
+    # With q, k, v requiring grad, "auto" goes to vd only where forward + backward are faster: fp16 /
+    # bf16 up to 32 tokens (the short kernels), fp32 up to 16 (its backward runs on the CUDA cores);
+    # "vd" forces the rewrite.
+    q, k, v = (torch.randn(2, 3, length, dim, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
+    out, _ = rewrite(SDPA(), q, k, v, options=AUTO)
+    if fires:
+        assert_fired(out, {"attention": 1})
+    else:
+        assert_rejected(out, "attention", "requires grad and vd's")
+    assert_fired(rewrite(SDPA(), q, k, v, options={"attention_kernels": "vd"})[0], {"attention": 1})
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    compare_with_eager(SDPA(), q, k, v, options=AUTO, atol=tol, rtol=tol)
+
+
+@pytest.mark.skipif(not _CUDA, reason="vd::fused_attention has no CUDA kernel in this build, or no GPU")
+def test_cuda_textbook_fp32_training_keeps_matmuls():
+    # Autograd through the matmuls beats vd's CUDA-core fp32 backward: kept in training, rewritten
+    # without gradients and in bf16.
+    q, k, v = (torch.randn(2, 3, 14, 64, device="cuda", requires_grad=True) for _ in range(3))
+    out, _ = rewrite(Naive(), q, k, v, options=AUTO)
+    assert_fired(out, {})
+    assert_rejected(out, "attention", "autograd through the matmuls")
+    assert_fired(rewrite(Naive(), q, k, v, options={"attention_kernels": "vd"})[0], {"attention": 1})
+    assert_fired(rewrite(Naive(), *(t.detach() for t in (q, k, v)), options=AUTO)[0], {"attention": 1})
+    assert_fired(rewrite(Naive(), *(t.detach().bfloat16().requires_grad_() for t in (q, k, v)), options=AUTO)[0],
+                 {"attention": 1})
+
+
 def test_cpu_sdpa_kept_by_default():
     # vd's CPU kernel is slower than PyTorch's CPU SDPA: "auto" (the backend's default) keeps the call,
     # with the reason in the report; the textbook form has no faster PyTorch kernel and is rewritten.

@@ -12,7 +12,8 @@ Options (``torch.compile(..., options={...})``):
     (the rewritten graph run as is: for debugging);
   - ``attention_kernels``: "auto" (default: F.scaled_dot_product_attention calls are kept where
     PyTorch's own kernels are measured faster than vd's: on the CPU, and on CUDA beyond 32 tokens
-    except long sequences at head_dim <= 64 on Hopper; see vdcompile.passes.attention) or
+    except long sequences at head_dim <= 64 on Hopper when no gradient is needed; see
+    vdcompile.passes.attention) or
     "vd" (every matched attention goes to vd::fused_attention);
   - any other key must be an inductor option (torch._inductor.list_options()) and is applied as a
     config patch of this compile, like backend="inductor" does.

@@ -12,13 +12,16 @@ out, where an additive mask before a plain softmax gives NaN.
 
 With the backend's default attention_kernels="auto", an SDPA call on the CPU is kept as it is
 (PyTorch's CPU kernel is faster than vd's), and one on CUDA in fp16/bf16 unless q_len and kv_len
-are both <= 32 (vd's short-sequence kernel is faster than every SDPA backend: temporal attention
-over frames) or, on a Hopper GPU with the sm_90a kernel built, both >= 2048 at head_dim <= 64
-without a mask (vd's wgmma kernel beats cuDNN there: SVD's spatial self-attention). Elsewhere
+are both <= 32 (vd's short-sequence kernels, forward and backward, are faster than every SDPA
+backend: temporal attention over frames) or, on a Hopper GPU with the sm_90a kernel built, both
+>= 2048 at head_dim <= 64 without a mask and no gradient needed (vd's wgmma kernel beats cuDNN there:
+SVD's spatial self-attention; vd's backward beyond 32 tokens is ~0.3x SDPA's). Elsewhere
 PyTorch's cuDNN / flash kernels are faster (bench/attention.py; bench/notes/attention.md). fp32 SDPA
-calls on CUDA are always rewritten: vd's 3xTF32 tensor-core kernels beat SDPA's fp32 paths (~1.05x on
-long sequences, 2.8-7x on temporal attention).
-The textbook and bmm forms are always rewritten: vd's kernels beat their unfused matmuls.
+calls on CUDA are rewritten: vd's 3xTF32 tensor-core kernels beat SDPA's fp32 paths (~1.05x on long
+sequences, 2.8-7x on temporal attention); in training only up to 16 tokens, because vd's fp32 backward
+runs on the CUDA cores (forward + backward beat SDPA's there only).
+The textbook and bmm forms are rewritten (vd's kernels beat their unfused matmuls) except in training
+on CUDA in fp32 / fp64, where autograd through the matmuls beats vd's CUDA-core fp32 backward.
 """
 from __future__ import annotations
 
@@ -125,11 +128,23 @@ def _sdpa_faster(m: Match, q, k) -> str | None:
     if q.device.type == "cpu":
         # vd's CPU kernel is 1.5-3.4x slower than PyTorch's CPU SDPA on temporal and spatial shapes.
         return "SDPA kept: PyTorch's CPU kernel is faster than vd's (options={'attention_kernels': 'vd'} forces vd)"
+    training = _training(m)
+    lq, lk = static_int(q.shape[2]), static_int(k.shape[2])
+    if q.device.type == "cuda" and q.dtype in (torch.float32, torch.float64) and training:
+        # vd's fp32 / fp64 backward runs on the CUDA cores: with the forward, fp32 gains over SDPA only
+        # on temporal attention over <= 16 frames (bench/notes/attention.md, "Backward").
+        if q.dtype == torch.float32 and lq is not None and lk is not None and lq <= 16 and lk <= 16:
+            return None
+        return ("SDPA kept: q, k or v requires grad and vd's fp32 / fp64 backward (CUDA cores) is slower than "
+                "SDPA's beyond 16 tokens (options={'attention_kernels': 'vd'} forces vd)")
     if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16):
         return None  # fp32: vd's 3xTF32 kernels measured faster than SDPA's fp32 paths (fp64: not measured)
-    lq, lk = static_int(q.shape[2]), static_int(k.shape[2])
     if lq is not None and lk is not None and lq <= SHORT_MAX and lk <= SHORT_MAX:
         return None
+    if training:
+        # vd's long-sequence backward (mma.sync, two kernels) runs at ~0.3x SDPA's (cuDNN, wgmma).
+        return (f"SDPA kept: q, k or v requires grad and vd's backward beyond {SHORT_MAX} tokens is slower than "
+                "SDPA's (options={'attention_kernels': 'vd'} forces vd)")
     d = static_int(q.shape[-1])
     if (lq is not None and lk is not None and d is not None and min(lq, lk) >= HOPPER_MIN and d <= HOPPER_MAX_DIM
             and d % 8 == 0 and m.val("attn_mask") is None and _hopper_kernel(q.device)):
@@ -137,6 +152,21 @@ def _sdpa_faster(m: Match, q, k) -> str | None:
     return (f"SDPA kept: its CUDA kernels are faster than vd's beyond {SHORT_MAX} tokens, except from "
             f"{HOPPER_MIN} tokens at head_dim <= {HOPPER_MAX_DIM} without a mask on sm_90 "
             "(options={'attention_kernels': 'vd'} forces vd)")
+
+
+def _training(m: Match) -> bool:
+    return any(requires_grad(m[name]) for name in ("q", "k", "v"))
+
+
+def _unfused_faster(m: Match, q) -> str | None:
+    """The textbook and bmm forms in training on CUDA in fp32 / fp64: autograd through the matmuls
+    (cuBLAS) beats vd's CUDA-core fp32 backward on every measured shape, forward included."""
+    if m.ctx is not None and m.ctx.attention_kernels == "vd":
+        return None
+    if q.device.type == "cuda" and q.dtype in (torch.float32, torch.float64) and _training(m):
+        return ("kept: q, k or v requires grad, and autograd through the matmuls beats vd's fp32 / fp64 "
+                "backward (CUDA cores) (options={'attention_kernels': 'vd'} forces vd)")
+    return None
 
 
 def _same_device(mask, q) -> str | None:
@@ -343,10 +373,18 @@ def _naive(scale_form: str, masked: bool, cast: bool):
         if cast and m["dtype"] != q.dtype:
             return "softmax output cast to another dtype"
         q4, k4, v4 = (t.unsqueeze(0) if squeeze else t for t in (q, k, v))
-        return _shapes(q4, k4, v4) or kernel_missing(_OP, q, k, v)
+        return _shapes(q4, k4, v4) or kernel_missing(_OP, q, k, v) or _unfused_faster(m, q)
 
     tag = f"naive_{scale_form}{'_mask' if masked else ''}{'_cast' if cast else ''}"
     return Rewrite(FAMILY, tag, pattern, replacement, check)
+
+
+def _vd_bmm(check):
+    """A bmm form's check for the vd rewrite (the single-key ones share the structural checks)."""
+    def run(m: Match):
+        reason = check(m)
+        return reason if reason is not None else _unfused_faster(m, m.val("q"))
+    return run
 
 
 REWRITES = [
@@ -355,7 +393,7 @@ REWRITES = [
             _check_bmm_split_one_key),
     Rewrite(SINGLE_KEY, "bmm_one_key", _pattern_bmm, _replacement_bmm_one_key, _check_bmm_one_key),
     Rewrite(FAMILY, "sdpa", _pattern_sdpa, _replacement_sdpa, _check_sdpa),
-    Rewrite(FAMILY, "bmm_head_split", _pattern_bmm_split, _replacement_bmm_split, _check_bmm_split),
-    Rewrite(FAMILY, "bmm", _pattern_bmm, _replacement_bmm, _check_bmm),
+    Rewrite(FAMILY, "bmm_head_split", _pattern_bmm_split, _replacement_bmm_split, _vd_bmm(_check_bmm_split)),
+    Rewrite(FAMILY, "bmm", _pattern_bmm, _replacement_bmm, _vd_bmm(_check_bmm)),
     *(_naive(s, mk, c) for s, mk, c in itertools.product(("mul", "div", "q_mul"), (True, False), (True, False))),
 ]
