@@ -498,6 +498,14 @@ def check_cuda_against_reference(q, k, v, mask, dtype):
 needs_cuda = pytest.mark.skipif(not _CUDA, reason="vd::fused_attention has no CUDA kernel in this build, or no GPU")
 
 
+def cuda_kernels_run(fn) -> list[str]:
+    """Names of the CUDA kernels ``fn()`` launches (the tests below pin which kernel serves a case)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events()]
+
+
 # The short-sequence CUDA kernel (fp16/bf16, q_len and kv_len <= 32, head_dim <= 128, multiple of 8):
 # both tile heights, padded head dims, the projections' strided views, masks, and more (b, h)
 # problems than the persistent grid has warps.
@@ -574,10 +582,7 @@ def test_fp32_kernel_choice():
     for (B, H, Lq, Lk, D), kernel, want in cases:
         q = torch.randn(B, H, Lq, D, device="cuda")
         k = torch.randn(B, H, Lk, D, device="cuda")
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            OP(q, k, k)
-            torch.cuda.synchronize()
-        names = [e.name for e in prof.events()]
+        names = cuda_kernels_run(lambda: OP(q, k, k))
         assert any(kernel in n for n in names) == want, (kernel, sorted(set(names)))
 
 
@@ -660,10 +665,7 @@ def test_backward_kernel_choice(monkeypatch):
             monkeypatch.setenv("VD_ATTENTION_BACKWARD", env)
         q = torch.randn(3, 2, L, D, device="cuda", dtype=dtype, requires_grad=True)
         out, _ = OP(q, q, q)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            torch.autograd.grad(out, q, torch.ones_like(out))
-            torch.cuda.synchronize()
-        names = [e.name for e in prof.events()]
+        names = cuda_kernels_run(lambda: torch.autograd.grad(out, q, torch.ones_like(out)))
         ran = {n for n in short + pair + rows if any(n + "<" in e for e in names)}
         assert ran == set(want), (dtype, L, D, env, sorted(set(names)))
 
@@ -725,9 +727,6 @@ def test_hopper_runs_wgmma_kernel(monkeypatch):
             monkeypatch.delenv("VD_ATTENTION_KERNEL", raising=False)
         else:
             monkeypatch.setenv("VD_ATTENTION_KERNEL", env)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            OP(q, q, q)
-            torch.cuda.synchronize()
-        names = [e.name for e in prof.events()]
+        names = cuda_kernels_run(lambda: OP(q, q, q))
         assert any("attn_fwd_wgmma_kernel" in n for n in names) == want, (env, sorted(set(names)))
         assert any("attn_fwd_mma_kernel" in n for n in names) == (not want), (env, sorted(set(names)))

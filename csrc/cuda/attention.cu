@@ -2222,6 +2222,17 @@ void launch_persistent(Kernel kernel, const Args& a, int64_t problems, const cha
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// The short kernels' (q_len, kv_len) and head_dim buckets: f(LP, DP) with LP 16 when both lengths
+// are <= 16, else 32, and DP 64 or 128.
+template <typename F>
+void dispatch_short(int64_t Lq, int64_t Lk, int64_t D, F&& f) {
+  const bool l16 = Lq <= 16 && Lk <= 16;
+  if (l16 && D <= 64) f(std::integral_constant<int, 16>{}, std::integral_constant<int, 64>{});
+  else if (l16) f(std::integral_constant<int, 16>{}, std::integral_constant<int, 128>{});
+  else if (D <= 64) f(std::integral_constant<int, 32>{}, std::integral_constant<int, 64>{});
+  else f(std::integral_constant<int, 32>{}, std::integral_constant<int, 128>{});
+}
+
 // The short-sequence tensor-core kernel: fp16 / bf16, q_len and kv_len <= 32, head_dim <= 128 and a
 // multiple of 8. Returns false where another kernel is used.
 template <typename scalar_t>
@@ -2237,11 +2248,10 @@ bool short_forward(const char* op, const at::Tensor& q, const at::Tensor& k, con
     a.out = out.mutable_data_ptr<scalar_t>();
     a.lse_out = lse.mutable_data_ptr<float>();
     const int64_t P = B * H;
-    const bool l16 = Lq <= 16 && Lk <= 16;
-    if (l16 && D <= 64) launch_persistent<ShortTile<16, 64>>(attn_fwd_short_kernel<scalar_t, 16, 64>, a, P, op, stream);
-    else if (l16) launch_persistent<ShortTile<16, 128>>(attn_fwd_short_kernel<scalar_t, 16, 128>, a, P, op, stream);
-    else if (D <= 64) launch_persistent<ShortTile<32, 64>>(attn_fwd_short_kernel<scalar_t, 32, 64>, a, P, op, stream);
-    else launch_persistent<ShortTile<32, 128>>(attn_fwd_short_kernel<scalar_t, 32, 128>, a, P, op, stream);
+    dispatch_short(Lq, Lk, D, [&](auto lp, auto dp) {
+      constexpr int LP = decltype(lp)::value, DP = decltype(dp)::value;
+      launch_persistent<ShortTile<LP, DP>>(attn_fwd_short_kernel<scalar_t, LP, DP>, a, P, op, stream);
+    });
     return true;
   }
 }
@@ -2259,11 +2269,10 @@ bool tf32_forward(const char* op, const at::Tensor& q, const at::Tensor& k, cons
   a.lse_out = lse.mutable_data_ptr<float>();
   if (Lq <= 32 && Lk <= 32) {
     const int64_t P = B * H;
-    const bool l16 = Lq <= 16 && Lk <= 16;
-    if (l16 && D <= 64) launch_persistent<Tf32ShortTile<16, 64>>(attn_fwd_tf32_short_kernel<16, 64>, a, P, op, stream);
-    else if (l16) launch_persistent<Tf32ShortTile<16, 128>>(attn_fwd_tf32_short_kernel<16, 128>, a, P, op, stream);
-    else if (D <= 64) launch_persistent<Tf32ShortTile<32, 64>>(attn_fwd_tf32_short_kernel<32, 64>, a, P, op, stream);
-    else launch_persistent<Tf32ShortTile<32, 128>>(attn_fwd_tf32_short_kernel<32, 128>, a, P, op, stream);
+    dispatch_short(Lq, Lk, D, [&](auto lp, auto dp) {
+      constexpr int LP = decltype(lp)::value, DP = decltype(dp)::value;
+      launch_persistent<Tf32ShortTile<LP, DP>>(attn_fwd_tf32_short_kernel<LP, DP>, a, P, op, stream);
+    });
     return true;
   }
   const unsigned blocks = grid_of(B * H * ceil_div(Lq, kMmaRows), op);
@@ -2284,6 +2293,26 @@ bool mma_backward_allowed() {
   return e == nullptr || std::string(e) != "rows";
 }
 
+// What both tensor-core backward paths need: head_dim <= 128 and % 8 == 0, dk / dv views that take
+// 4-byte stores along D, and no VD_ATTENTION_BACKWARD=rows.
+bool tensor_core_backward_ok(int64_t D, const at::Tensor& dk, const at::Tensor& dv) {
+  return D % 8 == 0 && D <= 128 && mma_layout_ok(dk) && mma_layout_ok(dv) && mma_backward_allowed();
+}
+
+// Their kernel arguments from mma_ready operands; delta / grad_lse are set by the caller.
+template <typename scalar_t>
+AttnArgs<scalar_t, float> tensor_core_backward_args(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
+                                                    const at::Tensor& v, const at::Tensor& mask, double scale,
+                                                    const at::Tensor& lse, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv) {
+  auto a = base_args<scalar_t, float>(q, k, v, mask, scale);
+  a.dout = view_of<const scalar_t>(grad_out);
+  a.lse = lse.const_data_ptr<float>();
+  a.dq = dq.mutable_data_ptr<scalar_t>();
+  a.dk = view_of<scalar_t>(dk);
+  a.dv = view_of<scalar_t>(dv);
+  return a;
+}
+
 // The tensor-core backward: fp16 / bf16, head_dim <= 128 and % 8 == 0, dk / dv views that take
 // 4-byte stores along D. delta is already computed. Returns false where the "rows" kernels run.
 template <typename scalar_t>
@@ -2294,15 +2323,10 @@ bool mma_backward(const char* op, const at::Tensor& grad_out, const at::Tensor& 
     return false;
   } else {
     const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), Lk = k.size(2), D = q.size(3);
-    if (D % 8 != 0 || D > 128 || !mma_layout_ok(dk) || !mma_layout_ok(dv) || !mma_backward_allowed()) return false;
+    if (!tensor_core_backward_ok(D, dk, dv)) return false;
     const at::Tensor q2 = mma_ready(q), k2 = mma_ready(k), v2 = mma_ready(v), go2 = mma_ready(grad_out);
-    auto a = base_args<scalar_t, float>(q2, k2, v2, mask, scale);
-    a.dout = view_of<const scalar_t>(go2);
-    a.lse = lse.const_data_ptr<float>();
+    auto a = tensor_core_backward_args<scalar_t>(go2, q2, k2, v2, mask, scale, lse, dq, dk, dv);
     a.delta = delta.mutable_data_ptr<float>();
-    a.dq = dq.mutable_data_ptr<scalar_t>();
-    a.dk = view_of<scalar_t>(dk);
-    a.dv = view_of<scalar_t>(dv);
     auto run = [&](auto tile, auto dq_kernel, auto dkdv_kernel) {
       using T = decltype(tile);
       set_smem(dq_kernel, T::smem_bytes, op);
@@ -2328,24 +2352,15 @@ bool short_backward(const char* op, const at::Tensor& grad_out, const at::Tensor
     return false;
   } else {
     const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), Lk = k.size(2), D = q.size(3);
-    if (D % 8 != 0 || D > 128 || Lq > 32 || Lk > 32 || !mma_layout_ok(dk) || !mma_layout_ok(dv) ||
-        !mma_backward_allowed()) {
-      return false;
-    }
+    if (Lq > 32 || Lk > 32 || !tensor_core_backward_ok(D, dk, dv)) return false;
     const at::Tensor q2 = mma_ready(q), k2 = mma_ready(k), v2 = mma_ready(v), go2 = mma_ready(grad_out);
-    auto a = base_args<scalar_t, float>(q2, k2, v2, mask, scale);
-    a.dout = view_of<const scalar_t>(go2);
-    a.lse = lse.const_data_ptr<float>();
+    auto a = tensor_core_backward_args<scalar_t>(go2, q2, k2, v2, mask, scale, lse, dq, dk, dv);
     a.grad_lse = grad_lse.defined() ? grad_lse.const_data_ptr<float>() : nullptr;
-    a.dq = dq.mutable_data_ptr<scalar_t>();
-    a.dk = view_of<scalar_t>(dk);
-    a.dv = view_of<scalar_t>(dv);
     const int64_t P = B * H;
-    const bool l16 = Lq <= 16 && Lk <= 16;
-    if (l16 && D <= 64) launch_persistent<ShortBwdTile<16, 64>>(attn_bwd_short_kernel<scalar_t, 16, 64>, a, P, op, stream);
-    else if (l16) launch_persistent<ShortBwdTile<16, 128>>(attn_bwd_short_kernel<scalar_t, 16, 128>, a, P, op, stream);
-    else if (D <= 64) launch_persistent<ShortBwdTile<32, 64>>(attn_bwd_short_kernel<scalar_t, 32, 64>, a, P, op, stream);
-    else launch_persistent<ShortBwdTile<32, 128>>(attn_bwd_short_kernel<scalar_t, 32, 128>, a, P, op, stream);
+    dispatch_short(Lq, Lk, D, [&](auto lp, auto dp) {
+      constexpr int LP = decltype(lp)::value, DP = decltype(dp)::value;
+      launch_persistent<ShortBwdTile<LP, DP>>(attn_bwd_short_kernel<scalar_t, LP, DP>, a, P, op, stream);
+    });
     return true;
   }
 }

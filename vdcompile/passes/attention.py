@@ -122,26 +122,33 @@ def _hopper_kernel(device) -> bool:
             and torch.cuda.get_device_capability(device) == (9, 0))
 
 
+FP32_TRAINING_MAX = 16  # q_len and kv_len up to which vd's fp32 forward + backward beat SDPA's
+
+
+def _at_most(lq, lk, n: int) -> bool:
+    """Both lengths are known constants and at most n."""
+    return lq is not None and lk is not None and lq <= n and lk <= n
+
+
 def _sdpa_faster(m: Match, q, k) -> str | None:
     if m.ctx is not None and m.ctx.attention_kernels == "vd":
         return None
     if q.device.type == "cpu":
         # vd's CPU kernel is 1.5-3.4x slower than PyTorch's CPU SDPA on temporal and spatial shapes.
         return "SDPA kept: PyTorch's CPU kernel is faster than vd's (options={'attention_kernels': 'vd'} forces vd)"
-    training = _training(m)
     lq, lk = static_int(q.shape[2]), static_int(k.shape[2])
-    if q.device.type == "cuda" and q.dtype in (torch.float32, torch.float64) and training:
+    if _cuda_wide_float_training(m, q):
         # vd's fp32 / fp64 backward runs on the CUDA cores: with the forward, fp32 gains over SDPA only
-        # on temporal attention over <= 16 frames (bench/notes/attention.md, "Backward").
-        if q.dtype == torch.float32 and lq is not None and lk is not None and lq <= 16 and lk <= 16:
+        # on temporal attention over <= 16 frames (bench/notes/attention.md, version 6).
+        if q.dtype == torch.float32 and _at_most(lq, lk, FP32_TRAINING_MAX):
             return None
         return ("SDPA kept: q, k or v requires grad and vd's fp32 / fp64 backward (CUDA cores) is slower than "
-                "SDPA's beyond 16 tokens (options={'attention_kernels': 'vd'} forces vd)")
+                f"SDPA's beyond {FP32_TRAINING_MAX} tokens (options={{'attention_kernels': 'vd'}} forces vd)")
     if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16):
         return None  # fp32: vd's 3xTF32 kernels measured faster than SDPA's fp32 paths (fp64: not measured)
-    if lq is not None and lk is not None and lq <= SHORT_MAX and lk <= SHORT_MAX:
+    if _at_most(lq, lk, SHORT_MAX):
         return None
-    if training:
+    if _training(m):
         # vd's long-sequence backward (mma.sync, two kernels) runs at ~0.3x SDPA's (cuDNN, wgmma).
         return (f"SDPA kept: q, k or v requires grad and vd's backward beyond {SHORT_MAX} tokens is slower than "
                 "SDPA's (options={'attention_kernels': 'vd'} forces vd)")
@@ -158,12 +165,17 @@ def _training(m: Match) -> bool:
     return any(requires_grad(m[name]) for name in ("q", "k", "v"))
 
 
+def _cuda_wide_float_training(m: Match, q) -> bool:
+    """fp32 / fp64 on CUDA with a gradient needed: vd's backward then runs on the CUDA cores."""
+    return q.device.type == "cuda" and q.dtype in (torch.float32, torch.float64) and _training(m)
+
+
 def _unfused_faster(m: Match, q) -> str | None:
     """The textbook and bmm forms in training on CUDA in fp32 / fp64: autograd through the matmuls
     (cuBLAS) beats vd's CUDA-core fp32 backward on every measured shape, forward included."""
     if m.ctx is not None and m.ctx.attention_kernels == "vd":
         return None
-    if q.device.type == "cuda" and q.dtype in (torch.float32, torch.float64) and _training(m):
+    if _cuda_wide_float_training(m, q):
         return ("kept: q, k or v requires grad, and autograd through the matmuls beats vd's fp32 / fp64 "
                 "backward (CUDA cores) (options={'attention_kernels': 'vd'} forces vd)")
     return None
