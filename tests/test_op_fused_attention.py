@@ -587,15 +587,16 @@ def test_fp32_kernel_choice():
 
 
 # The backward kernels for fp16/bf16: the tensor-core pair (head_dim <= 128 and % 8 == 0; dq and
-# dk/dv kernels) by default, VD_ATTENTION_BACKWARD=rows the CUDA-core ones; both against the float64
-# reference. Lengths off the 64-row blocks and 64/32-row tiles, padded head dims, masks of every kind
+# dk/dv kernels; on Hopper the wgmma pair) by default, VD_ATTENTION_BACKWARD=mma the mma.sync pair,
+# =rows the CUDA-core ones; each against the float64 reference. Lengths off the 64-row blocks and 64/32-row tiles, padded head dims, masks of every kind
 # (with fully masked rows), the projections' views, a single key, temporal lengths.
 @needs_cuda
-@pytest.mark.parametrize("family", ["default", "rows"])
+@pytest.mark.parametrize("family", ["default", "mma", "rows"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("shape,layout,mask_kind", [
     ((2, 3, 300, 517, 64), "contiguous", None),
     ((1, 2, 200, 130, 128), "bnhd", "bool"),
+    ((1, 2, 700, 300, 128), "contiguous", None),  # several stages of both wgmma kernels at head_dim 128
     ((2, 2, 64, 33, 40), "packed_kv", "float"),
     ((1, 3, 193, 129, 96), "contiguous", "float32"),
     ((2, 1, 77, 1, 64), "bnhd", None),           # one key
@@ -612,8 +613,8 @@ def test_fp32_kernel_choice():
     ((3, 2, 20, 9, 64), "d_strided", "bool"),
 ])
 def test_backward_kernels_cuda_match_reference(family, dtype, shape, layout, mask_kind, monkeypatch):
-    if family == "rows":
-        monkeypatch.setenv("VD_ATTENTION_BACKWARD", "rows")
+    if family != "default":
+        monkeypatch.setenv("VD_ATTENTION_BACKWARD", family)
     B, H, Lq, Lk, D = shape
     gen = torch.Generator(device="cuda").manual_seed(sum(shape) + D + 1)
     q, k, v = (t.requires_grad_() for t in make_qkv(B, H, Lq, Lk, D, dtype, layout, "cuda", gen))
@@ -649,11 +650,14 @@ def test_backward_cuda_fully_masked_rows(dtype):
 @needs_cuda
 def test_backward_kernel_choice(monkeypatch):
     # Which kernels serve the backward, fp16/bf16 at head_dim <= 128 and % 8 == 0: the short kernel
-    # up to 32 tokens, the tensor-core pair beyond; else (or with VD_ATTENTION_BACKWARD=rows) the
-    # CUDA-core pair.
-    short, pair, rows = ("attn_bwd_short_kernel",), ("attn_bwd_dq_mma_kernel", "attn_bwd_dkdv_mma_kernel"), \
+    # up to 32 tokens, the tensor-core pair beyond (wgmma on Hopper, mma.sync elsewhere or with
+    # VD_ATTENTION_BACKWARD=mma); else (or with VD_ATTENTION_BACKWARD=rows) the CUDA-core pair.
+    short, mma, rows = ("attn_bwd_short_kernel",), ("attn_bwd_dq_mma_kernel", "attn_bwd_dkdv_mma_kernel"), \
         ("attn_bwd_dq_kernel", "attn_bwd_dkdv_kernel")
+    wgmma = ("attn_bwd_dq_wgmma_kernel", "attn_bwd_dkdv_wgmma_kernel")
+    pair = wgmma if torch.cuda.get_device_capability() == (9, 0) else mma
     cases = [(torch.bfloat16, 100, 64, None, pair), (torch.float16, 100, 128, None, pair),
+             (torch.bfloat16, 100, 64, "mma", mma), (torch.float16, 300, 96, "mma", mma),
              (torch.bfloat16, 14, 64, None, short), (torch.float16, 32, 128, None, short),
              (torch.bfloat16, 100, 64, "rows", rows), (torch.bfloat16, 14, 64, "rows", rows),
              (torch.bfloat16, 100, 36, None, rows), (torch.bfloat16, 14, 256, None, rows),
@@ -666,8 +670,25 @@ def test_backward_kernel_choice(monkeypatch):
         q = torch.randn(3, 2, L, D, device="cuda", dtype=dtype, requires_grad=True)
         out, _ = OP(q, q, q)
         names = cuda_kernels_run(lambda: torch.autograd.grad(out, q, torch.ones_like(out)))
-        ran = {n for n in short + pair + rows if any(n + "<" in e for e in names)}
+        ran = {n for n in short + mma + wgmma + rows if any(n + "<" in e for e in names)}
         assert ran == set(want), (dtype, L, D, env, sorted(set(names)))
+
+
+@needs_cuda
+@pytest.mark.parametrize("L,D", [(700, 64), (700, 128), (14, 64)])
+def test_backward_cuda_is_deterministic(L, D):
+    # No atomics in any backward kernel: the same gradients, bit for bit, on every run (what
+    # torch.use_deterministic_algorithms asks for; the op needs no switch for it).
+    B, H = 2, 3
+    gen = torch.Generator(device="cuda").manual_seed(D + L)
+    q, k, v = (t.requires_grad_() for t in make_qkv(B, H, L, L, D, torch.bfloat16, "contiguous", "cuda", gen))
+    out, _ = OP(q, k, v)
+    go = torch.randn(out.shape, generator=gen, device="cuda", dtype=out.dtype)
+    runs = [torch.autograd.grad(out, (q, k, v), go, retain_graph=True) for _ in range(3)]
+    for r in runs[1:]:
+        for x, y in zip(runs[0], r):
+            assert torch.equal(x, y)
+    assert all((g != 0).any() for g in runs[0])
 
 
 @needs_cuda

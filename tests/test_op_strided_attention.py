@@ -205,15 +205,16 @@ _CUDA = "CUDA" in torch._C._dispatch_dump("vd::strided_attention") and torch.cud
 
 
 # The CUDA backward writes dk / dv through the every-stride-th-row views of zero-filled gradients:
-# the tensor-core kernels (default) and the CUDA-core ones, against the float64 reference.
+# the tensor-core kernels (default; on Hopper the wgmma pair), the mma.sync pair and the CUDA-core
+# ones, against the float64 reference.
 @pytest.mark.skipif(not _CUDA, reason="vd::strided_attention has no CUDA kernel in this build, or no GPU")
-@pytest.mark.parametrize("family", ["default", "rows"])
+@pytest.mark.parametrize("family", ["default", "mma", "rows"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("shape,stride", [((2, 2, 300, 517, 64), 2), ((1, 2, 100, 700, 128), 5),
                                           ((2, 3, 37, 140, 32), 3)])
 def test_backward_cuda_matches_reference(family, dtype, shape, stride, monkeypatch):
-    if family == "rows":
-        monkeypatch.setenv("VD_ATTENTION_BACKWARD", "rows")
+    if family != "default":
+        monkeypatch.setenv("VD_ATTENTION_BACKWARD", family)
     B, H, Lq, Lk, D = shape
     gen = torch.Generator(device="cuda").manual_seed(sum(shape) + stride)
     q, k, v = (t.requires_grad_() for t in make_qkv(B, H, Lq, Lk, D, dtype, "bnhd", "cuda", gen))

@@ -20,7 +20,10 @@
 // Backward, recomputing P from lse:
 //   short: fp16/bf16 with q_len, kv_len <= 32 and head_dim <= 128, % 8 == 0: a warp per (b, h)
 //         problem, tensor cores, one launch;
-// otherwise one kernel for delta = rowsum(dO * O) - grad_lse, then
+//   wgmma: fp16/bf16 with head_dim <= 128 and % 8 == 0 on Hopper: one kernel for dq (which also
+//         computes delta = rowsum(dO * O) - grad_lse) and one for dk / dv, warpgroup MMA fed by the
+//         bulk tensor copy engine;
+// otherwise one kernel for delta, then
 //   mma:  fp16/bf16 with head_dim <= 128 and % 8 == 0: tensor cores, one kernel for dq (a block per
 //         64 query rows) and one for dk / dv (a block per 64 key rows);
 //   rows: everything else: one kernel for dq (a warp per query row) and one for dk / dv (a warp per
@@ -144,6 +147,8 @@ struct AttnArgs {
   const acc_t* grad_lse;          // backward: contiguous (B, H, Lq) or nullptr
   acc_t* delta;                   // backward: rowsum(dO * O) - grad_lse, (B, H, Lq)
   scalar_t* dq;                   // backward: contiguous (B, H, Lq, D)
+  float* lse_delta;               // backward, Hopper pair: (lse in log2 units, delta) a query, (B * H, Lq_pad)
+  int64_t Lq_pad;                 // Lq rounded up to 64; the padding holds (+inf, 0)
   View4<scalar_t> dk, dv;         // backward: written through their strides
   int64_t B, H, Lq, Lk;
   int D;
@@ -598,6 +603,26 @@ struct WgTile {
   static constexpr size_t smem_bytes = bar_off + 64 + 1024;       // + slack to align to 1024
 };
 
+// The producer thread's streaming loop: n tiles of BC rows of two operands (tensor maps m1, m2) into
+// stages of stage_bytes at s1 and s2, tile t in stage t % S once the consumers have freed it (empty), all
+// completing on full; extra(t, st) issues any further copies of the tile, their bytes in extra_bytes.
+template <int DP, int BC, int S, typename Full, typename Empty, typename Extra>
+__device__ __forceinline__ void stream_tiles(const CUtensorMap* m1, const CUtensorMap* m2, uint32_t s1, uint32_t s2,
+                                             uint32_t stage_bytes, int64_t n, int h, int b, Full full, Empty empty,
+                                             uint32_t extra_bytes, Extra&& extra) {
+  for (int64_t t = 0; t < n; ++t) {
+    const int st = static_cast<int>(t % S);
+    wgmma::mbar_wait(empty(st), static_cast<uint32_t>((t / S) & 1) ^ 1u);
+    wgmma::mbar_expect_tx(full(st), 2 * stage_bytes + extra_bytes);
+    const int r0 = static_cast<int>(t * BC);
+    for (int c = 0; c < DP / 64; ++c) {
+      wgmma::tma_load_4d(s1 + st * stage_bytes + c * BC * 128, m1, full(st), c * 64, r0, h, b);
+      wgmma::tma_load_4d(s2 + st * stage_bytes + c * BC * 128, m2, full(st), c * 64, r0, h, b);
+    }
+    extra(t, st);
+  }
+}
+
 template <typename scalar_t, int DP>
 __global__ void __launch_bounds__(WgTile<DP>::threads, 1)
     attn_fwd_wgmma_kernel(const AttnArgs<scalar_t, float> a, const __grid_constant__ CUtensorMap tq,
@@ -639,16 +664,7 @@ __global__ void __launch_bounds__(WgTile<DP>::threads, 1)
     if (tid == 0) {
       wgmma::mbar_expect_tx(bar, T::q_bytes);
       for (int c = 0; c < DP / 64; ++c) wgmma::tma_load_4d(sQ + c * BM * 128, &tq, bar, c * 64, int(q0), h, b);
-      for (int64_t t = 0; t < nkt; ++t) {
-        const int st = static_cast<int>(t % S);
-        wgmma::mbar_wait(empty(st), static_cast<uint32_t>((t / S) & 1) ^ 1u);
-        wgmma::mbar_expect_tx(full(st), 2 * T::kv_bytes);
-        const int k0 = static_cast<int>(t * BN);
-        for (int c = 0; c < DP / 64; ++c) {
-          wgmma::tma_load_4d(sK + st * T::kv_bytes + c * BN * 128, &tk, full(st), c * 64, k0, h, b);
-          wgmma::tma_load_4d(sV + st * T::kv_bytes + c * BN * 128, &tv, full(st), c * 64, k0, h, b);
-        }
-      }
+      stream_tiles<DP, BN, S>(&tk, &tv, sK, sV, T::kv_bytes, nkt, h, b, full, empty, 0, [](int64_t, int) {});
     }
     return;
   }
@@ -1777,6 +1793,362 @@ __global__ void __launch_bounds__(kMmaThreads) attn_bwd_dq_mma_kernel(const Attn
 }
 
 
+// ---------------------------------------------------------------------------------------------
+// Backward, Hopper kernels (sm_90a; fp16 / bf16, head_dim <= 128 and % 8 == 0): the two deterministic
+// kernels above on warpgroup MMA, warp-specialised as the forward's. Warpgroup 0 is the producer:
+// one thread loads the block's resident operands once and streams tiles of BC rows of the other two
+// through a ring of shared-memory stages with the copy engine (128-byte swizzle, rows past the
+// sequence zero-filled); in dkdv each query tile's (lse, delta) pairs come with it by a bulk copy.
+// Warpgroups 1..WG each own 64 rows of the block and run, per tile, the two products
+// from shared memory into registers, the elementwise step on the accumulators, and the gradient
+// products with the A operand straight from registers (P^T / dS^T or dS packed to the input type):
+//   dkdv (64 keys a warpgroup): S^T = K Q^T, dP^T = V dO^T, dV += P^T dO, dK += dS^T Q;
+//   dq   (64 queries a warpgroup): S = Q K^T, dP = dO V^T, dQ += dS K.
+// Q, dO (dkdv) and K (dq) serve as the K-major B operand of the first products and as the MN-major B
+// of the gradient products from the same swizzled tile. dq runs first and computes delta for its rows
+// from O and dO (no separate launch), and writes (lse in log2 units, delta) pairs for dkdv.
+template <int DP, int BC_, int WG_ = 2, int S_ = 2>
+struct WgBwdTile {
+  static constexpr int WG = WG_;                          // consumer warpgroups (2 or 3)
+  static constexpr int threads = 128 * (WG + 1);
+  // At launch 168 (WG 2) or 128 (WG 3) registers a thread; the producer gives most of its back.
+  static constexpr int regs_producer = WG == 2 ? 40 : 24;
+  static constexpr int regs_consumer = WG == 2 ? 232 : 160;  // producer * 128 + consumer * 128 WG <= 65536
+  static constexpr int BR = 64 * WG;                      // resident rows a block owns
+  static constexpr int BC = BC_;                          // rows of a streamed tile
+  static constexpr int kStages = S_;
+  static constexpr int r_bytes = BR * DP * 2;             // one resident operand
+  static constexpr int c_bytes = BC * DP * 2;             // one streamed operand, one stage
+  static constexpr int vec_off = 2 * r_bytes + 2 * kStages * c_bytes;  // dkdv: (lse2, delta) [kStages][BC]
+  static constexpr int vec_bytes = BC * 8;                               // one stage of them
+  static constexpr int bar_off = vec_off + kStages * vec_bytes;
+  static constexpr size_t smem_bytes = bar_off + 64 + 1024;  // + slack to align to 1024
+};
+
+// d (64 x N) (+)= A B^T with both operands from shared memory (K-major); N = 32 / 64 / 128.
+template <bool kBf16, int N>
+__device__ __forceinline__ void wg_mma_ss(float (&d)[N / 2], uint64_t da, uint64_t db, int scale_d) {
+  if constexpr (N == 32) wgmma::mma_m64n32k16_ss<kBf16>(d, da, db, scale_d);
+  else if constexpr (N == 64) wgmma::mma_m64n64k16_ss<kBf16>(d, da, db, scale_d);
+  else wgmma::mma_m64n128k16_ss<kBf16>(d, da, db, scale_d);
+}
+// d (64 x N) += A (registers) B (shared, MN-major); N = 64 / 128.
+template <bool kBf16, int N>
+__device__ __forceinline__ void wg_mma_rs(float (&d)[N / 2], const unsigned (&a)[4], uint64_t db) {
+  if constexpr (N == 64) wgmma::mma_m64n64k16_rs<kBf16>(d, a, db);
+  else wgmma::mma_m64n128k16_rs<kBf16>(d, a, db);
+}
+
+// A tile's first two products, x1 = A1 B1^T and x2 = A2 B2^T (64 x BC each): A from the block's resident
+// [DP / 64][BR][128 B] tiles at this warpgroup's rows, B from the stage's [DP / 64][BC][128 B] tiles
+// (descriptors of their first k-step); waits for both.
+template <bool kBf16, int DP, int BR, int BC>
+__device__ __forceinline__ void wg_paired_ss(float (&x1)[BC / 2], float (&x2)[BC / 2], uint64_t a1, uint64_t b1, uint64_t a2,
+                                             uint64_t b2, uint32_t stage) {
+  wgmma::fence();
+#pragma unroll
+  for (int ks = 0; ks < DP / 16; ++ks) {
+    const uint32_t ra = (ks / 4) * BR * 128 + (ks % 4) * 32;
+    const uint32_t cb = stage + (ks / 4) * BC * 128 + (ks % 4) * 32;
+    wg_mma_ss<kBf16, BC>(x1, a1 + (ra >> 4), b1 + (cb >> 4), ks);
+    wg_mma_ss<kBf16, BC>(x2, a2 + (ra >> 4), b2 + (cb >> 4), ks);
+  }
+  wgmma::commit();
+  wgmma::wait<0>();
+  wgmma::fence_regs(x1);
+  wgmma::fence_regs(x2);
+}
+
+// Stores a 64 x DP accumulator tile's rows row0 and row0 + 8 (this thread's, m64 layout) times `mul`
+// into rows of `base` (row stride sl, unit stride along D), rows below L only.
+template <typename scalar_t, int DP>
+__device__ __forceinline__ void wg_store_rows(scalar_t* base, int64_t sl, const float (&x)[DP / 2], float mul,
+                                              int64_t row0, int64_t L, int D, int tig) {
+  using MT = MmaTraits<scalar_t>;
+#pragma unroll
+  for (int rr = 0; rr < 2; ++rr) {
+    const int64_t r = row0 + rr * 8;
+    if (r >= L) continue;
+    scalar_t* p = base + r * sl;
+#pragma unroll
+    for (int j = 0; j < DP / 8; ++j) {
+      const int d = j * 8 + 2 * tig;
+      if (d < D) *reinterpret_cast<unsigned*>(p + d) = MT::pack(x[4 * j + 2 * rr] * mul, x[4 * j + 2 * rr + 1] * mul);
+    }
+  }
+}
+
+template <typename scalar_t, int DP, int BC, int WG, int S_>
+__global__ void __launch_bounds__(WgBwdTile<DP, BC, WG, S_>::threads, 1)
+    attn_bwd_dkdv_wgmma_kernel(const AttnArgs<scalar_t, float> a, const __grid_constant__ CUtensorMap tk,
+                               const __grid_constant__ CUtensorMap tv, const __grid_constant__ CUtensorMap tq,
+                               const __grid_constant__ CUtensorMap tdo) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using T = WgBwdTile<DP, BC, WG, S_>;
+  constexpr int BR = T::BR, S = T::kStages;
+  constexpr int NS = BC / 2, NA = DP / 2;  // S^T (dP^T) and dK (dV) accumulators a thread
+  constexpr bool kBf16 = std::is_same_v<scalar_t, at::BFloat16>;
+  using MT = MmaTraits<scalar_t>;
+
+  // [K][V] resident, [Q stages][dO stages], then (lse2, delta) per stage and the mbarriers.
+  unsigned char* raw = dyn_smem();
+  const uint32_t raw_addr = smem_addr(raw);
+  const uint32_t sK = (raw_addr + 1023u) & ~1023u, sV = sK + T::r_bytes;
+  const uint32_t sQ = sV + T::r_bytes, sO = sQ + S * T::c_bytes, sL = sK + T::vec_off;
+  const float* ld_s = reinterpret_cast<const float*>(raw + (sK - raw_addr) + T::vec_off);  // [S][BC][2]
+  const uint32_t bar = sK + T::bar_off;  // kv_full, full[S], empty[S]
+  auto full = [&](int st) { return bar + 8 * (1 + st); };
+  auto empty = [&](int st) { return bar + 8 * (1 + S + st); };
+
+  const int64_t nkb = (a.Lk + BR - 1) / BR;
+  const int64_t bh = blockIdx.x / nkb, k0 = (blockIdx.x % nkb) * BR;
+  const int b = static_cast<int>(bh / a.H), h = static_cast<int>(bh % a.H);
+  const int tid = threadIdx.x, wg = tid / 128;
+  const int64_t nqt = (a.Lq + BC - 1) / BC;
+
+  if (tid == 0) {
+    wgmma::mbar_init(bar, 1);
+    for (int st = 0; st < S; ++st) {
+      wgmma::mbar_init(full(st), 1);
+      wgmma::mbar_init(empty(st), 128 * T::WG);  // every consumer thread (each read the stage's pairs)
+    }
+    wgmma::mbar_init_fence();
+  }
+  __syncthreads();
+
+  if (wg == 0) {
+    wgmma::setmaxnreg_dec<T::regs_producer>();
+    if (tid == 0) {
+      wgmma::mbar_expect_tx(bar, 2 * T::r_bytes);
+      for (int c = 0; c < DP / 64; ++c) {
+        wgmma::tma_load_4d(sK + c * BR * 128, &tk, bar, c * 64, int(k0), h, b);
+        wgmma::tma_load_4d(sV + c * BR * 128, &tv, bar, c * 64, int(k0), h, b);
+      }
+      // With each tile its (lse2, delta) pairs: 16-byte aligned, inside the padded rows (Lq_pad % 64 == 0).
+      stream_tiles<DP, BC, S>(&tq, &tdo, sQ, sO, T::c_bytes, nqt, h, b, full, empty, T::vec_bytes, [&](int64_t t, int st) {
+        wgmma::bulk_load(sL + st * T::vec_bytes, a.lse_delta + 2 * (bh * a.Lq_pad + static_cast<int>(t * BC)), T::vec_bytes,
+                          full(st));
+      });
+    }
+    return;
+  }
+  wgmma::setmaxnreg_inc<T::regs_consumer>();
+
+  const int cw = wg - 1, warp = (tid / 32) % 4, lane = tid % 32;
+  const int g = lane >> 2, tig = lane & 3;
+  const int64_t moff = b * a.mask.sb + a.mask.sh * h;
+  const float sl2 = a.scale * kLog2e;
+  const int64_t key_base = k0 + cw * 64 + warp * 16 + g;  // this thread's keys: key_base, key_base + 8
+
+  float dk[NA], dv[NA];
+#pragma unroll
+  for (int i = 0; i < NA; ++i) dk[i] = dv[i] = 0.f;
+  // A: this warpgroup's 64 rows of K / V (K-major); B: the Q / dO tile, K-major for S^T / dP^T and
+  // MN-major (atoms of 64 dims BC * 128 bytes apart) for dK / dV.
+  const uint64_t dka = wgmma::desc_sw128(sK + cw * 64 * 128, 16, 1024);
+  const uint64_t dva = wgmma::desc_sw128(sV + cw * 64 * 128, 16, 1024);
+  const uint64_t dqk = wgmma::desc_sw128(sQ, 16, 1024), dok = wgmma::desc_sw128(sO, 16, 1024);
+  const uint64_t dqm = wgmma::desc_sw128(sQ, BC * 128, 1024), dom = wgmma::desc_sw128(sO, BC * 128, 1024);
+
+  wgmma::mbar_wait(bar, 0);
+  for (int64_t t = 0; t < nqt; ++t) {
+    const int st = static_cast<int>(t % S);
+    const uint32_t stage = st * T::c_bytes;
+    wgmma::mbar_wait(full(st), static_cast<uint32_t>((t / S) & 1));
+
+    float s[NS], dp[NS];
+    wg_paired_ss<kBf16, DP, BR, BC>(s, dp, dka, dqk, dva, dok, stage);
+
+    // P^T and dS^T: element 4j + e is (key key_base + 8 ((e >> 1) & 1), query q0 + 8j + 2 tig + (e & 1)).
+    const float* lt = ld_s + st * 2 * BC;
+    const int64_t q0 = t * BC;
+    unsigned pa[BC / 16][4], da[BC / 16][4];
+#pragma unroll
+    for (int j = 0; j < BC / 8; ++j) {
+      const float4 ld = *reinterpret_cast<const float4*>(lt + 2 * (j * 8 + 2 * tig));  // (lse2, delta) x 2 queries
+      const float2 l2 = make_float2(ld.x, ld.z), d2 = make_float2(ld.y, ld.w);
+      float p[4], ds[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float x = s[4 * j + e] * sl2;
+        if (a.mask.kind != kNoMask) {
+          const int64_t key = key_base + ((e >> 1) & 1) * 8, i = q0 + j * 8 + 2 * tig + (e & 1);
+          if (key < a.Lk && i < a.Lq) x += mask_add<scalar_t, float>(a.mask, moff + i * a.mask.sq + key * a.mask.sk) * kLog2e;
+        }
+        p[e] = ex2_approx(x - ((e & 1) ? l2.y : l2.x));
+        ds[e] = p[e] * (dp[4 * j + e] - ((e & 1) ? d2.y : d2.x));
+      }
+      pa[j / 2][(j % 2) * 2] = MT::pack(p[0], p[1]);
+      pa[j / 2][(j % 2) * 2 + 1] = MT::pack(p[2], p[3]);
+      da[j / 2][(j % 2) * 2] = MT::pack(ds[0], ds[1]);
+      da[j / 2][(j % 2) * 2 + 1] = MT::pack(ds[2], ds[3]);
+    }
+
+    // dV += P^T dO, dK += dS^T Q: K-steps of 16 queries, 2048 bytes apart.
+    wgmma::fence_regs(dk);
+    wgmma::fence_regs(dv);
+    wgmma::fence();
+#pragma unroll
+    for (int kk = 0; kk < BC / 16; ++kk) {
+      const uint32_t off = stage + kk * 16 * 128;
+      wg_mma_rs<kBf16, DP>(dv, pa[kk], dom + (off >> 4));
+      wg_mma_rs<kBf16, DP>(dk, da[kk], dqm + (off >> 4));
+    }
+    wgmma::commit();
+    wgmma::wait<0>();
+    wgmma::fence_regs(dk);
+    wgmma::fence_regs(dv);
+    // Done with the stage. Every thread arrives: an arrival releases only the arriving thread's own
+    // reads (here of the stage's (lse2, delta) pairs) before the copy engine rewrites them.
+    wgmma::mbar_arrive(empty(st));
+  }
+
+  wg_store_rows<scalar_t, DP>(a.dk.head(b, h), a.dk.sl, dk, a.scale, key_base, a.Lk, a.D, tig);
+  wg_store_rows<scalar_t, DP>(a.dv.head(b, h), a.dv.sl, dv, 1.f, key_base, a.Lk, a.D, tig);
+#endif
+}
+
+template <typename scalar_t, int DP, int BC, int WG, int S_>
+__global__ void __launch_bounds__(WgBwdTile<DP, BC, WG, S_>::threads, 1)
+    attn_bwd_dq_wgmma_kernel(const AttnArgs<scalar_t, float> a, const __grid_constant__ CUtensorMap tq,
+                             const __grid_constant__ CUtensorMap tdo, const __grid_constant__ CUtensorMap tk,
+                             const __grid_constant__ CUtensorMap tv) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using T = WgBwdTile<DP, BC, WG, S_>;
+  constexpr int BR = T::BR, S = T::kStages;
+  constexpr int NS = BC / 2, NA = DP / 2;  // S (dP) and dQ accumulators a thread
+  constexpr bool kBf16 = std::is_same_v<scalar_t, at::BFloat16>;
+  using MT = MmaTraits<scalar_t>;
+
+  // [Q][dO] resident, [K stages][V stages], then the mbarriers.
+  const uint32_t raw_addr = smem_addr(dyn_smem());
+  const uint32_t sQ = (raw_addr + 1023u) & ~1023u, sO = sQ + T::r_bytes;
+  const uint32_t sK = sO + T::r_bytes, sV = sK + S * T::c_bytes;
+  const uint32_t bar = sQ + T::bar_off;  // q_full, full[S], empty[S]
+  auto full = [&](int st) { return bar + 8 * (1 + st); };
+  auto empty = [&](int st) { return bar + 8 * (1 + S + st); };
+
+  const int64_t nqb = (a.Lq + BR - 1) / BR;
+  const int64_t bh = blockIdx.x / nqb, q0 = (blockIdx.x % nqb) * BR;
+  const int b = static_cast<int>(bh / a.H), h = static_cast<int>(bh % a.H);
+  const int tid = threadIdx.x, wg = tid / 128;
+  const int64_t nkt = (a.Lk + BC - 1) / BC;
+
+  if (tid == 0) {
+    wgmma::mbar_init(bar, 1);
+    for (int st = 0; st < S; ++st) {
+      wgmma::mbar_init(full(st), 1);
+      wgmma::mbar_init(empty(st), 4 * T::WG);
+    }
+    wgmma::mbar_init_fence();
+  }
+  __syncthreads();
+
+  if (wg == 0) {
+    wgmma::setmaxnreg_dec<T::regs_producer>();
+    if (tid == 0) {
+      wgmma::mbar_expect_tx(bar, 2 * T::r_bytes);
+      for (int c = 0; c < DP / 64; ++c) {
+        wgmma::tma_load_4d(sQ + c * BR * 128, &tq, bar, c * 64, int(q0), h, b);
+        wgmma::tma_load_4d(sO + c * BR * 128, &tdo, bar, c * 64, int(q0), h, b);
+      }
+      stream_tiles<DP, BC, S>(&tk, &tv, sK, sV, T::c_bytes, nkt, h, b, full, empty, 0, [](int64_t, int) {});
+    }
+    return;
+  }
+  wgmma::setmaxnreg_inc<T::regs_consumer>();
+
+  const int cw = wg - 1, warp = (tid / 32) % 4, lane = tid % 32;
+  const int g = lane >> 2, tig = lane & 3;
+  const int64_t moff = b * a.mask.sb + a.mask.sh * h;
+  const float sl2 = a.scale * kLog2e;
+  const int64_t row_base = q0 + cw * 64 + warp * 16 + g;  // this thread's rows: row_base, row_base + 8
+  // delta = rowsum(dO * O) - grad_lse for this thread's two rows, the 4 lanes of a quad splitting each
+  // row's 16-byte chunks; written with lse2 for the dkdv kernel that runs next (rows up to Lq_pad: the
+  // padding gets (+inf, 0), so P = 0 there).
+  float lse2[2], delta[2];
+#pragma unroll
+  for (int rr = 0; rr < 2; ++rr) {
+    const int64_t i = row_base + rr * 8;
+    lse2[rr] = std::numeric_limits<float>::infinity();  // P = 0: past Lq or a fully masked row
+    float part = 0.f;
+    if (i < a.Lq) {
+      const float lse = a.lse[bh * a.Lq + i];
+      if (lse != neg_inf<float>()) lse2[rr] = lse * kLog2e;
+      const scalar_t* orow = a.o.head(b, h) + i * a.o.sl;
+      const scalar_t* drow = a.dout.head(b, h) + i * a.dout.sl;
+      for (int c = tig * 8; c < a.D; c += 32) {
+        const Vec<scalar_t, 8> ov = *reinterpret_cast<const Vec<scalar_t, 8>*>(orow + c);
+        const Vec<scalar_t, 8> dv8 = *reinterpret_cast<const Vec<scalar_t, 8>*>(drow + c);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) part += static_cast<float>(ov.v[e]) * static_cast<float>(dv8.v[e]);
+      }
+    }
+    part += __shfl_xor_sync(kFullMask, part, 1);
+    part += __shfl_xor_sync(kFullMask, part, 2);
+    delta[rr] = i < a.Lq ? part - (a.grad_lse ? a.grad_lse[bh * a.Lq + i] : 0.f) : 0.f;
+    if (tig == 0 && i < a.Lq_pad)
+      *reinterpret_cast<float2*>(a.lse_delta + 2 * (bh * a.Lq_pad + i)) = make_float2(lse2[rr], delta[rr]);
+  }
+  float dq[NA];
+#pragma unroll
+  for (int i = 0; i < NA; ++i) dq[i] = 0.f;
+  const uint64_t dqa = wgmma::desc_sw128(sQ + cw * 64 * 128, 16, 1024);
+  const uint64_t doa = wgmma::desc_sw128(sO + cw * 64 * 128, 16, 1024);
+  const uint64_t dkk = wgmma::desc_sw128(sK, 16, 1024), dvk = wgmma::desc_sw128(sV, 16, 1024);
+  const uint64_t dkm = wgmma::desc_sw128(sK, BC * 128, 1024);
+
+  wgmma::mbar_wait(bar, 0);
+  for (int64_t t = 0; t < nkt; ++t) {
+    const int st = static_cast<int>(t % S);
+    const uint32_t stage = st * T::c_bytes;
+    wgmma::mbar_wait(full(st), static_cast<uint32_t>((t / S) & 1));
+
+    float s[NS], dp[NS];
+    wg_paired_ss<kBf16, DP, BR, BC>(s, dp, dqa, dkk, doa, dvk, stage);
+
+    // dS: element 4j + e is (row row_base + 8 ((e >> 1) & 1), key k0 + 8j + 2 tig + (e & 1)); keys past
+    // Lk read zero rows of K and V but must still get P = 0.
+    const int64_t k0 = t * BC;
+    const bool plain = k0 + BC <= a.Lk && a.mask.kind == kNoMask;
+    unsigned da[BC / 16][4];
+#pragma unroll
+    for (int j = 0; j < BC / 8; ++j) {
+      float ds[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int rr = (e >> 1) & 1;
+        float x = s[4 * j + e] * sl2;
+        if (!plain) {
+          const int64_t key = k0 + j * 8 + 2 * tig + (e & 1);
+          if (key >= a.Lk) {
+            x = neg_inf<float>();
+          } else if (a.mask.kind != kNoMask) {
+            const int64_t i = row_base + rr * 8;
+            if (i < a.Lq) x += mask_add<scalar_t, float>(a.mask, moff + i * a.mask.sq + key * a.mask.sk) * kLog2e;
+          }
+        }
+        ds[e] = ex2_approx(x - lse2[rr]) * (dp[4 * j + e] - delta[rr]);
+      }
+      da[j / 2][(j % 2) * 2] = MT::pack(ds[0], ds[1]);
+      da[j / 2][(j % 2) * 2 + 1] = MT::pack(ds[2], ds[3]);
+    }
+
+    // dQ += dS K: K's tile as the MN-major B; K-steps of 16 keys, 2048 bytes apart.
+    wgmma::fence_regs(dq);
+    wgmma::fence();
+#pragma unroll
+    for (int kk = 0; kk < BC / 16; ++kk) wg_mma_rs<kBf16, DP>(dq, da[kk], dkm + ((stage + kk * 16 * 128) >> 4));
+    wgmma::commit();
+    wgmma::wait<0>();
+    wgmma::fence_regs(dq);
+    if (lane == 0) wgmma::mbar_arrive(empty(st));
+  }
+
+  wg_store_rows<scalar_t, DP>(a.dq + bh * a.Lq * a.D, a.D, dq, a.scale, row_base, a.Lq, a.D, tig);
+#endif
+}
+
 // Backward, short sequences (fp16 / bf16, q_len and kv_len <= 32, head_dim <= 128 and % 8 == 0; the
 // temporal attention over frames): a warp per (b, h) problem, persistent, q, k, v and dO staged once
 // in shared memory. delta = rowsum(P * dP) - grad_lse from the recomputed P (equal to rowsum(dO * O),
@@ -2286,11 +2658,16 @@ bool tf32_forward(const char* op, const at::Tensor& q, const at::Tensor& k, cons
   return true;
 }
 
-// Which backward serves fp16 / bf16. VD_ATTENTION_BACKWARD=rows keeps the CUDA-core kernels
-// (benchmarks and tests compare the two in one process); read on every call.
-bool mma_backward_allowed() {
+// Which backward serves fp16 / bf16. VD_ATTENTION_BACKWARD=rows keeps the CUDA-core kernels, =mma the
+// mma.sync pair on Hopper too (benchmarks and tests compare them in one process); read on every call.
+std::string backward_choice() {
   const char* e = std::getenv("VD_ATTENTION_BACKWARD");
-  return e == nullptr || std::string(e) != "rows";
+  return e == nullptr ? std::string() : std::string(e);
+}
+bool mma_backward_allowed() { return backward_choice() != "rows"; }
+bool wgmma_backward_allowed() {
+  const std::string c = backward_choice();
+  return c != "rows" && c != "mma";
 }
 
 // What both tensor-core backward paths need: head_dim <= 128 and % 8 == 0, dk / dv views that take
@@ -2340,6 +2717,61 @@ bool mma_backward(const char* op, const at::Tensor& grad_out, const at::Tensor& 
     else run(BwdTile<128>{}, attn_bwd_dq_mma_kernel<scalar_t, 128>, attn_bwd_dkdv_mma_kernel<scalar_t, 128>);
     return true;
   }
+}
+
+// The Hopper backward pair: sm_90a builds on compute capability 9.0, fp16 / bf16, head_dim <= 128 and
+// % 8 == 0, lengths the copy engine's 32-bit coordinates reach. The dq kernel computes delta (from out
+// and grad_out, minus grad_lse) and writes it with lse for the dkdv kernel: no separate launch. Returns
+// false where the mma.sync pair runs instead.
+template <typename scalar_t>
+bool wgmma_backward(const char* op, const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
+                    const at::Tensor& v, const at::Tensor& out, const at::Tensor& mask, double scale,
+                    const at::Tensor& lse, const at::Tensor& grad_lse, at::Tensor& dq, at::Tensor& dk,
+                    at::Tensor& dv, cudaStream_t stream) {
+#if defined(VD_SM90A)
+  if constexpr (std::is_same_v<scalar_t, at::Half> || std::is_same_v<scalar_t, at::BFloat16>) {
+    const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), Lk = k.size(2), D = q.size(3);
+    if (!tensor_core_backward_ok(D, dk, dv) || !wgmma_backward_allowed() || !device_is_sm90a()) return false;
+    constexpr int64_t kMaxInt = std::numeric_limits<int>::max();
+    if (B > kMaxInt || H > kMaxInt || Lk > kMaxInt - 256 || Lq > kMaxInt - 256) return false;
+    const at::Tensor q2 = mma_ready(q), k2 = mma_ready(k), v2 = mma_ready(v), go2 = mma_ready(grad_out);
+    auto a = tensor_core_backward_args<scalar_t>(go2, q2, k2, v2, mask, scale, lse, dq, dk, dv);
+    // Written by dq for dk/dv. BR of both kernels' tiles is a multiple of 64: dq's blocks cover the padding.
+    a.Lq_pad = ceil_div(Lq, 64) * 64;
+    at::Tensor lse_delta = at::empty({B * H * a.Lq_pad * 2}, q.options().dtype(at::kFloat));
+    a.lse_delta = lse_delta.mutable_data_ptr<float>();
+    a.o = view_of<const scalar_t>(mma_ready(out));  // rows read in 16-byte vectors
+    a.grad_lse = grad_lse.defined() ? grad_lse.const_data_ptr<float>() : nullptr;
+    // One kernel of the pair with tile T over L rows: resident operands r1, r2 (blocks of BR rows), c1, c2
+    // streamed (tiles of BC rows). dkdv: K / V resident, Q / dO streamed; dq: the other way round.
+    auto launch = [&](auto tile, auto kernel, int64_t L, const at::Tensor& r1, const at::Tensor& r2, const at::Tensor& c1,
+                      const at::Tensor& c2) {
+      using T = decltype(tile);
+      CUtensorMap m[4];
+      if (!make_tensor_map(&m[0], r1, T::BR) || !make_tensor_map(&m[1], r2, T::BR) || !make_tensor_map(&m[2], c1, T::BC) ||
+          !make_tensor_map(&m[3], c2, T::BC)) {
+        return false;
+      }
+      set_smem(kernel, T::smem_bytes, op);
+      kernel<<<grid_of(B * H * ceil_div(L, T::BR), op), T::threads, T::smem_bytes, stream>>>(a, m[0], m[1], m[2], m[3]);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      return true;
+    };
+    auto launch_dq = [&](auto tile, auto kernel) { return launch(tile, kernel, Lq, q2, go2, k2, v2); };
+    auto launch_dkdv = [&](auto tile, auto kernel) { return launch(tile, kernel, Lk, k2, v2, q2, go2); };
+    // Measured on the H200 (bench/notes/attention.md, version 7): three consumer warpgroups where the
+    // registers allow it. dq: 64 queries x 64 keys a warpgroup; dkdv at head_dim 64: 32 queries a tile
+    // (dK + dV + S^T + dP^T within 160 registers), 4 stages; at 128 dK + dV alone take 128 registers:
+    // two warpgroups, 32 queries a tile.
+    if (D <= 64) {
+      return launch_dq(WgBwdTile<64, 64, 3>{}, attn_bwd_dq_wgmma_kernel<scalar_t, 64, 64, 3, 2>) &&
+             launch_dkdv(WgBwdTile<64, 32, 3, 4>{}, attn_bwd_dkdv_wgmma_kernel<scalar_t, 64, 32, 3, 4>);
+    }
+    return launch_dq(WgBwdTile<128, 64, 3>{}, attn_bwd_dq_wgmma_kernel<scalar_t, 128, 64, 3, 2>) &&
+           launch_dkdv(WgBwdTile<128, 32>{}, attn_bwd_dkdv_wgmma_kernel<scalar_t, 128, 32, 2, 2>);
+  }
+#endif
+  return false;
 }
 
 // The short-sequence backward: fp16 / bf16, q_len and kv_len <= 32, head_dim <= 128 and % 8 == 0.
@@ -2420,6 +2852,7 @@ at::Tensor attention_backward(const char* op, const at::Tensor& grad_out, const 
     a.dv = view_of<scalar_t>(dv);
 
     if (short_backward<scalar_t>(op, grad_out, q, k, v, mask, scale, lse, grad_lse, dq, dk, dv, stream)) return;
+    if (wgmma_backward<scalar_t>(op, grad_out, q, k, v, out, mask, scale, lse, grad_lse, dq, dk, dv, stream)) return;
     attn_bwd_delta_kernel<scalar_t, acc_t><<<grid_of(ceil_div(B * H * Lq, kRowWarps), op), kRowThreads, 0, stream>>>(a);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     if (mma_backward<scalar_t>(op, grad_out, q, k, v, mask, scale, lse, delta, dq, dk, dv, stream)) return;

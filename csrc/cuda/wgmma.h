@@ -43,17 +43,25 @@ __device__ __forceinline__ void fence_regs(float (&d)[N]) {
       "+f"(d[(i) + 6]), "+f"(d[(i) + 7])
 
 // The accumulator lists of the asm statements below.
-#define VD_R32 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
-  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+#define VD_R16 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
+#define VD_R32 VD_R16 ", %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
 #define VD_R64 VD_R32 ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
   "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-#define VD_D32(d) VD_ACC8(d, 0), VD_ACC8(d, 8), VD_ACC8(d, 16), VD_ACC8(d, 24)
+#define VD_D16(d) VD_ACC8(d, 0), VD_ACC8(d, 8)
+#define VD_D32(d) VD_D16(d), VD_ACC8(d, 16), VD_ACC8(d, 24)
 #define VD_D64(d) VD_D32(d), VD_ACC8(d, 32), VD_ACC8(d, 40), VD_ACC8(d, 48), VD_ACC8(d, 56)
 // TY: bf16 or f16 (the A and B element type).
 #define VD_SS_M64N128(TY)                                                                             \
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                          \
                "wgmma.mma_async.sync.aligned.m64n128k16.f32." #TY "." #TY " {" VD_R64 "}, %64, %65, p, 1, 1, 0, 0;\n}\n" \
                : VD_D64(d)                                                                             \
+               : "l"(da), "l"(db), "r"(scale_d))
+// Both operands from shared memory, K-major (operands DA, DB); scale-d from SC (0: d is overwritten).
+#define VD_SS(N, TY, RLIST, DLIST, DA, DB, SC)                                                        \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " SC ", 0;\n"                                       \
+               "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." #TY "." #TY " {" RLIST "}, " DA ", " DB \
+               ", p, 1, 1, 0, 0;\n}\n"                                                                  \
+               : DLIST                                                                                 \
                : "l"(da), "l"(db), "r"(scale_d))
 // A from registers (ALIST: its four operands), B from shared memory MN-major (trans-b = 1), always
 // accumulating (the predicate operand SC is set from a constant 1).
@@ -71,6 +79,19 @@ __device__ __forceinline__ void mma_m64n128k16_ss(float (&d)[64], uint64_t da, u
   else VD_SS_M64N128(f16);
 }
 
+// d (64 x N, f32) = (scale_d ? d : 0) + A (64 x 16, shared, K-major) * B (16 x N, shared, K-major),
+// N = 32 or 64 (the backward's S, dP tiles).
+template <bool kBf16>
+__device__ __forceinline__ void mma_m64n64k16_ss(float (&d)[32], uint64_t da, uint64_t db, int scale_d) {
+  if constexpr (kBf16) VD_SS(64, bf16, VD_R32, VD_D32(d), "%32", "%33", "%34");
+  else VD_SS(64, f16, VD_R32, VD_D32(d), "%32", "%33", "%34");
+}
+template <bool kBf16>
+__device__ __forceinline__ void mma_m64n32k16_ss(float (&d)[16], uint64_t da, uint64_t db, int scale_d) {
+  if constexpr (kBf16) VD_SS(32, bf16, VD_R16, VD_D16(d), "%16", "%17", "%18");
+  else VD_SS(32, f16, VD_R16, VD_D16(d), "%16", "%17", "%18");
+}
+
 // d (64 x 64, f32) += A (64 x 16, registers) * B (16 x 64, shared, MN-major).
 template <bool kBf16>
 __device__ __forceinline__ void mma_m64n64k16_rs(float (&d)[32], const unsigned (&a)[4], uint64_t db) {
@@ -86,11 +107,14 @@ __device__ __forceinline__ void mma_m64n128k16_rs(float (&d)[64], const unsigned
 }
 
 #undef VD_RS
+#undef VD_SS
 #undef VD_SS_M64N128
 #undef VD_D64
 #undef VD_D32
+#undef VD_D16
 #undef VD_R64
 #undef VD_R32
+#undef VD_R16
 #undef VD_ACC8
 
 // ---- mbarriers (shared::cta), the bulk tensor copy engine (TMA) and register reallocation ----
@@ -126,6 +150,12 @@ __device__ __forceinline__ void tma_load_4d(uint32_t dst, const void* tmap, uint
       "[%6];\n" ::"r"(dst),
       "l"(tmap), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
       : "memory");
+}
+// `bytes` (a multiple of 16) of contiguous global memory into shared memory, completing on the barrier.
+__device__ __forceinline__ void bulk_load(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+               "l"(src), "r"(bytes), "r"(bar)
+               : "memory");
 }
 template <int N>
 __device__ __forceinline__ void setmaxnreg_inc() {
