@@ -2735,12 +2735,13 @@ bool wgmma_backward(const char* op, const at::Tensor& grad_out, const at::Tensor
     constexpr int64_t kMaxInt = std::numeric_limits<int>::max();
     if (B > kMaxInt || H > kMaxInt || Lk > kMaxInt - 256 || Lq > kMaxInt - 256) return false;
     const at::Tensor q2 = mma_ready(q), k2 = mma_ready(k), v2 = mma_ready(v), go2 = mma_ready(grad_out);
+    const at::Tensor o2 = mma_ready(out);  // rows read in 16-byte vectors; kept alive past the launches
     auto a = tensor_core_backward_args<scalar_t>(go2, q2, k2, v2, mask, scale, lse, dq, dk, dv);
     // Written by dq for dk/dv. BR of both kernels' tiles is a multiple of 64: dq's blocks cover the padding.
     a.Lq_pad = ceil_div(Lq, 64) * 64;
     at::Tensor lse_delta = at::empty({B * H * a.Lq_pad * 2}, q.options().dtype(at::kFloat));
     a.lse_delta = lse_delta.mutable_data_ptr<float>();
-    a.o = view_of<const scalar_t>(mma_ready(out));  // rows read in 16-byte vectors
+    a.o = view_of<const scalar_t>(o2);
     a.grad_lse = grad_lse.defined() ? grad_lse.const_data_ptr<float>() : nullptr;
     // One kernel of the pair with tile T over L rows: resident operands r1, r2 (blocks of BR rows), c1, c2
     // streamed (tiles of BC rows). dkdv: K / V resident, Q / dO streamed; dq: the other way round.
