@@ -1822,7 +1822,8 @@ struct WgBwdTile {
   static constexpr int vec_off = 2 * r_bytes + 2 * kStages * c_bytes;  // dkdv: (lse2, delta) [kStages][BC]
   static constexpr int vec_bytes = BC * 8;                               // one stage of them
   static constexpr int bar_off = vec_off + kStages * vec_bytes;
-  static constexpr size_t smem_bytes = bar_off + 64 + 1024;  // + slack to align to 1024
+  // + the mbarriers (resident, full[S], empty[S]) and slack to align to 1024.
+  static constexpr size_t smem_bytes = bar_off + 8 * (1 + 2 * kStages) + 1024;
 };
 
 // d (64 x N) (+)= A B^T with both operands from shared memory (K-major); N = 32 / 64 / 128.
