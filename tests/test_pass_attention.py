@@ -289,6 +289,17 @@ _CUDA = "CUDA" in built_backends("fused_attention") and torch.cuda.is_available(
 AUTO = {"attention_kernels": "auto"}  # the backend's default (backend_checks forces "vd")
 
 
+def check_auto_rule(q, k, v, fires, reason):
+    """SDPA under attention_kernels="auto": rewritten to vd when `fires`, else kept with `reason` in the
+    explain report; "vd" forces the rewrite either way."""
+    out, _ = rewrite(SDPA(), q, k, v, options=AUTO)
+    if fires:
+        assert_fired(out, {"attention": 1})
+    else:
+        assert_rejected(out, "attention", reason)
+    assert_fired(rewrite(SDPA(), q, k, v, options={"attention_kernels": "vd"})[0], {"attention": 1})
+
+
 @pytest.mark.skipif(not _CUDA, reason="vd::fused_attention has no CUDA kernel in this build, or no GPU")
 @pytest.mark.parametrize("length, dim, fires", [(14, 64, True), (32, 64, True), (33, 64, False), (256, 64, False),
                                                (2048, 64, "hopper"), (2048, 128, False)])
@@ -300,12 +311,7 @@ def test_cuda_sdpa_kept_where_vendor_is_faster(length, dim, fires):
         from vdcompile import _C
         fires = bool(_C.HOPPER_ATTENTION) and torch.cuda.get_device_capability() == (9, 0)
     q, k, v = (torch.randn(1, 2, length, dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    out, _ = rewrite(SDPA(), q, k, v, options=AUTO)
-    if fires:
-        assert_fired(out, {"attention": 1})
-    else:
-        assert_rejected(out, "attention", "SDPA kept")
-    assert_fired(rewrite(SDPA(), q, k, v, options={"attention_kernels": "vd"})[0], {"attention": 1})
+    check_auto_rule(q, k, v, fires, "SDPA kept")
     compare_with_eager(SDPA(), q, k, v, options=AUTO, grad=False, atol=2e-2, rtol=2e-2)
 
 
@@ -319,12 +325,7 @@ def test_cuda_sdpa_training_keeps_vendor_where_its_backward_wins(dtype, length, 
     # bf16 up to 32 tokens (the short kernels), fp32 up to 16 (its backward runs on the CUDA cores);
     # "vd" forces the rewrite.
     q, k, v = (torch.randn(2, 3, length, dim, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
-    out, _ = rewrite(SDPA(), q, k, v, options=AUTO)
-    if fires:
-        assert_fired(out, {"attention": 1})
-    else:
-        assert_rejected(out, "attention", "requires grad and vd's")
-    assert_fired(rewrite(SDPA(), q, k, v, options={"attention_kernels": "vd"})[0], {"attention": 1})
+    check_auto_rule(q, k, v, fires, "requires grad and vd's")
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
     compare_with_eager(SDPA(), q, k, v, options=AUTO, atol=tol, rtol=tol)
 
