@@ -1,6 +1,7 @@
 """vd::fused_attention: opcheck, equivalence with the float64 reference, gradients, properties, bad inputs."""
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -586,12 +587,13 @@ def test_fp32_kernel_choice():
         assert any(kernel in n for n in names) == want, (kernel, sorted(set(names)))
 
 
-# The backward kernels for fp16/bf16: the tensor-core pair (head_dim <= 128 and % 8 == 0; dq and
-# dk/dv kernels; on Hopper the wgmma pair) by default, VD_ATTENTION_BACKWARD=mma the mma.sync pair,
-# =rows the CUDA-core ones; each against the float64 reference. Lengths off the 64-row blocks and 64/32-row tiles, padded head dims, masks of every kind
+# The backward kernels for fp16/bf16: the tensor-core kernels (head_dim <= 128 and % 8 == 0; dq and
+# dk/dv kernels; on Hopper the fused wgmma kernel up to head_dim 64, the wgmma pair beyond) by default,
+# VD_ATTENTION_BACKWARD=pair the deterministic wgmma pair, =mma the mma.sync pair, =rows the CUDA-core
+# ones; each against the float64 reference. Lengths off the 64-row blocks and 64/32-row tiles, padded head dims, masks of every kind
 # (with fully masked rows), the projections' views, a single key, temporal lengths.
 @needs_cuda
-@pytest.mark.parametrize("family", ["default", "mma", "rows"])
+@pytest.mark.parametrize("family", ["default", "pair", "mma", "rows"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("shape,layout,mask_kind", [
     ((2, 3, 300, 517, 64), "contiguous", None),
@@ -650,64 +652,94 @@ def test_backward_cuda_fully_masked_rows(dtype):
 @needs_cuda
 def test_backward_kernel_choice(monkeypatch):
     # Which kernels serve the backward, fp16/bf16 at head_dim <= 128 and % 8 == 0: the short kernel
-    # up to 32 tokens, the tensor-core pair beyond (wgmma on Hopper, mma.sync elsewhere or with
-    # VD_ATTENTION_BACKWARD=mma); else (or with VD_ATTENTION_BACKWARD=rows) the CUDA-core pair.
+    # up to 32 tokens, beyond it on Hopper the fused wgmma kernel at head_dim <= 64 (with its prep and
+    # finish launches) and the wgmma pair above 64, with VD_ATTENTION_BACKWARD=pair or under
+    # torch.use_deterministic_algorithms; the mma.sync pair elsewhere or with VD_ATTENTION_BACKWARD=mma;
+    # else (or with VD_ATTENTION_BACKWARD=rows) the CUDA-core pair.
     short, mma, rows = ("attn_bwd_short_kernel",), ("attn_bwd_dq_mma_kernel", "attn_bwd_dkdv_mma_kernel"), \
         ("attn_bwd_dq_kernel", "attn_bwd_dkdv_kernel")
     wgmma = ("attn_bwd_dq_wgmma_kernel", "attn_bwd_dkdv_wgmma_kernel")
-    pair = wgmma if torch.cuda.get_device_capability() == (9, 0) else mma
-    cases = [(torch.bfloat16, 100, 64, None, pair), (torch.float16, 100, 128, None, pair),
+    fused = ("attn_bwd_prep_kernel", "attn_bwd_fused_wgmma_kernel", "attn_bwd_dq_finish_kernel")
+    hopper = torch.cuda.get_device_capability() == (9, 0)
+    pair = wgmma if hopper else mma
+    cases = [(torch.bfloat16, 100, 64, None, fused if hopper else mma), (torch.float16, 300, 40, None, fused if hopper else mma),
+             (torch.float16, 100, 128, None, pair), (torch.bfloat16, 100, 64, "pair", pair),
+             (torch.bfloat16, 100, 64, "deterministic", pair),
              (torch.bfloat16, 100, 64, "mma", mma), (torch.float16, 300, 96, "mma", mma),
              (torch.bfloat16, 14, 64, None, short), (torch.float16, 32, 128, None, short),
              (torch.bfloat16, 100, 64, "rows", rows), (torch.bfloat16, 14, 64, "rows", rows),
              (torch.bfloat16, 100, 36, None, rows), (torch.bfloat16, 14, 256, None, rows),
              (torch.float32, 100, 64, None, rows)]
     for dtype, L, D, env, want in cases:
-        if env is None:
+        if env is None or env == "deterministic":
             monkeypatch.delenv("VD_ATTENTION_BACKWARD", raising=False)
         else:
             monkeypatch.setenv("VD_ATTENTION_BACKWARD", env)
         q = torch.randn(3, 2, L, D, device="cuda", dtype=dtype, requires_grad=True)
         out, _ = OP(q, q, q)
-        names = cuda_kernels_run(lambda: torch.autograd.grad(out, q, torch.ones_like(out)))
-        ran = {n for n in short + mma + wgmma + rows if any(n + "<" in e for e in names)}
+        with deterministic(env == "deterministic"):
+            names = cuda_kernels_run(lambda: torch.autograd.grad(out, q, torch.ones_like(out)))
+        ran = {n for n in short + mma + wgmma + fused + rows if any(n + "<" in e for e in names)}
         assert ran == set(want), (dtype, L, D, env, sorted(set(names)))
+
+
+@contextlib.contextmanager
+def deterministic(on: bool = True):
+    """torch.use_deterministic_algorithms(on) for the block, restored after it."""
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(on)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was)
 
 
 @needs_cuda
 @pytest.mark.parametrize("D", [64, 128])
 def test_backward_cuda_takes_strided_out_and_grad(D):
     # out with a head_dim stride of 2 (copied before the kernels read it in vectors) and grad_out in
-    # (B, L, H, D) order (read through its strides): the same gradients, bit for bit, as from contiguous ones.
+    # (B, L, H, D) order (read through its strides): the same gradients, bit for bit, as from contiguous ones
+    # (deterministic kernels: the fused one's dq may differ in its last bits between any two runs).
     B, H, L = 2, 3, 300
     gen = torch.Generator(device="cuda").manual_seed(D + 7)
     q, k, v = make_qkv(B, H, L, L, D, torch.bfloat16, "contiguous", "cuda", gen)
     out, lse = OP(q, k, v)
     go = torch.randn(out.shape, generator=gen, device="cuda", dtype=out.dtype)
-    ref = BWD(go, q, k, v, out, lse, None, None, None)
     out_v = torch.zeros(B, H, L, 2 * D, device="cuda", dtype=out.dtype)[..., ::2]
     out_v.copy_(out)
     go_v = go.transpose(1, 2).contiguous().transpose(1, 2)
-    got = BWD(go_v, q, k, v, out_v, lse, None, None, None)
+    with deterministic():
+        ref = BWD(go, q, k, v, out, lse, None, None, None)
+        got = BWD(go_v, q, k, v, out_v, lse, None, None, None)
     for r, g in zip(ref, got):
         assert torch.equal(r, g)
+    got = BWD(go_v, q, k, v, out_v, lse, None, None, None)  # the default kernels
+    for r, g in zip(ref, got):
+        torch.testing.assert_close(g, r, rtol=2e-2, atol=2e-2)
 
 
 @needs_cuda
 @pytest.mark.parametrize("L,D", [(700, 64), (700, 128), (14, 64)])
 def test_backward_cuda_is_deterministic(L, D):
-    # No atomics in any backward kernel: the same gradients, bit for bit, on every run (what
-    # torch.use_deterministic_algorithms asks for; the op needs no switch for it).
+    # Under torch.use_deterministic_algorithms every backward kernel that runs is free of atomics: the
+    # same gradients, bit for bit, on every run. Without it, the fused Hopper kernel's dq (float atomic
+    # adds in varying order) may differ in its last bits between runs, dk and dv may not.
     B, H = 2, 3
     gen = torch.Generator(device="cuda").manual_seed(D + L)
     q, k, v = (t.requires_grad_() for t in make_qkv(B, H, L, L, D, torch.bfloat16, "contiguous", "cuda", gen))
     out, _ = OP(q, k, v)
     go = torch.randn(out.shape, generator=gen, device="cuda", dtype=out.dtype)
-    runs = [torch.autograd.grad(out, (q, k, v), go, retain_graph=True) for _ in range(3)]
+    with deterministic():
+        runs = [torch.autograd.grad(out, (q, k, v), go, retain_graph=True) for _ in range(3)]
     for r in runs[1:]:
         for x, y in zip(runs[0], r):
             assert torch.equal(x, y)
     assert all((g != 0).any() for g in runs[0])
+    free = [torch.autograd.grad(out, (q, k, v), go, retain_graph=True) for _ in range(3)]
+    for r in free:
+        assert torch.equal(r[1], free[0][1]) and torch.equal(r[2], free[0][2])
+        for x, y in zip(r, runs[0]):  # the default kernels against the deterministic ones
+            torch.testing.assert_close(x, y, rtol=2e-2, atol=2e-2)
 
 
 @needs_cuda

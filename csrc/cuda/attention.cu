@@ -1879,6 +1879,40 @@ __device__ __forceinline__ void wg_store_rows(scalar_t* base, int64_t sl, const 
   }
 }
 
+// P^T and dS^T of a dk/dv tile, packed to the input type as the A operands of dV += P^T dO and dK += dS^T Q,
+// from the S^T and dP^T accumulators (element 4j + e is (key key_base + 8 ((e >> 1) & 1), query
+// q0 + 8j + 2 tig + (e & 1))) and the tile's (lse2, delta) pairs lt. kill_keys: keys at or past Lk (zero
+// rows of K and V) get dS = 0, which the fused kernel's dQ needs (P there is exp(-lse), not 0).
+template <typename scalar_t, int BC>
+__device__ __forceinline__ void wg_bwd_pt_dst(const AttnArgs<scalar_t, float>& a, const float (&s)[BC / 2],
+                                              const float (&dp)[BC / 2], const float* lt, int64_t key_base, int64_t q0,
+                                              int64_t moff, float sl2, int tig, bool kill_keys, unsigned (&pa)[BC / 16][4],
+                                              unsigned (&da)[BC / 16][4]) {
+  using MT = MmaTraits<scalar_t>;
+#pragma unroll
+  for (int j = 0; j < BC / 8; ++j) {
+    const float4 ld = *reinterpret_cast<const float4*>(lt + 2 * (j * 8 + 2 * tig));  // (lse2, delta) x 2 queries
+    const float2 l2 = make_float2(ld.x, ld.z), d2 = make_float2(ld.y, ld.w);
+    float p[4], ds[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int64_t key = key_base + ((e >> 1) & 1) * 8;
+      float x = s[4 * j + e] * sl2;
+      if (a.mask.kind != kNoMask) {
+        const int64_t i = q0 + j * 8 + 2 * tig + (e & 1);
+        if (key < a.Lk && i < a.Lq) x += mask_add<scalar_t, float>(a.mask, moff + i * a.mask.sq + key * a.mask.sk) * kLog2e;
+      }
+      p[e] = ex2_approx(x - ((e & 1) ? l2.y : l2.x));
+      ds[e] = p[e] * (dp[4 * j + e] - ((e & 1) ? d2.y : d2.x));
+      if (kill_keys && key >= a.Lk) ds[e] = 0.f;
+    }
+    pa[j / 2][(j % 2) * 2] = MT::pack(p[0], p[1]);
+    pa[j / 2][(j % 2) * 2 + 1] = MT::pack(p[2], p[3]);
+    da[j / 2][(j % 2) * 2] = MT::pack(ds[0], ds[1]);
+    da[j / 2][(j % 2) * 2 + 1] = MT::pack(ds[2], ds[3]);
+  }
+}
+
 template <typename scalar_t, int DP, int BC, int WG, int S_>
 __global__ void __launch_bounds__(WgBwdTile<DP, BC, WG, S_>::threads, 1)
     attn_bwd_dkdv_wgmma_kernel(const AttnArgs<scalar_t, float> a, const __grid_constant__ CUtensorMap tk,
@@ -1889,7 +1923,6 @@ __global__ void __launch_bounds__(WgBwdTile<DP, BC, WG, S_>::threads, 1)
   constexpr int BR = T::BR, S = T::kStages;
   constexpr int NS = BC / 2, NA = DP / 2;  // S^T (dP^T) and dK (dV) accumulators a thread
   constexpr bool kBf16 = std::is_same_v<scalar_t, at::BFloat16>;
-  using MT = MmaTraits<scalar_t>;
 
   // [K][V] resident, [Q stages][dO stages], then (lse2, delta) per stage and the mbarriers.
   unsigned char* raw = dyn_smem();
@@ -1960,30 +1993,8 @@ __global__ void __launch_bounds__(WgBwdTile<DP, BC, WG, S_>::threads, 1)
     float s[NS], dp[NS];
     wg_paired_ss<kBf16, DP, BR, BC>(s, dp, dka, dqk, dva, dok, stage);
 
-    // P^T and dS^T: element 4j + e is (key key_base + 8 ((e >> 1) & 1), query q0 + 8j + 2 tig + (e & 1)).
-    const float* lt = ld_s + st * 2 * BC;
-    const int64_t q0 = t * BC;
     unsigned pa[BC / 16][4], da[BC / 16][4];
-#pragma unroll
-    for (int j = 0; j < BC / 8; ++j) {
-      const float4 ld = *reinterpret_cast<const float4*>(lt + 2 * (j * 8 + 2 * tig));  // (lse2, delta) x 2 queries
-      const float2 l2 = make_float2(ld.x, ld.z), d2 = make_float2(ld.y, ld.w);
-      float p[4], ds[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float x = s[4 * j + e] * sl2;
-        if (a.mask.kind != kNoMask) {
-          const int64_t key = key_base + ((e >> 1) & 1) * 8, i = q0 + j * 8 + 2 * tig + (e & 1);
-          if (key < a.Lk && i < a.Lq) x += mask_add<scalar_t, float>(a.mask, moff + i * a.mask.sq + key * a.mask.sk) * kLog2e;
-        }
-        p[e] = ex2_approx(x - ((e & 1) ? l2.y : l2.x));
-        ds[e] = p[e] * (dp[4 * j + e] - ((e & 1) ? d2.y : d2.x));
-      }
-      pa[j / 2][(j % 2) * 2] = MT::pack(p[0], p[1]);
-      pa[j / 2][(j % 2) * 2 + 1] = MT::pack(p[2], p[3]);
-      da[j / 2][(j % 2) * 2] = MT::pack(ds[0], ds[1]);
-      da[j / 2][(j % 2) * 2 + 1] = MT::pack(ds[2], ds[3]);
-    }
+    wg_bwd_pt_dst<scalar_t, BC>(a, s, dp, ld_s + st * 2 * BC, key_base, t * BC, moff, sl2, tig, false, pa, da);
 
     // dV += P^T dO, dK += dS^T Q: K-steps of 16 queries, 2048 bytes apart.
     wgmma::fence_regs(dk);
@@ -2148,6 +2159,251 @@ __global__ void __launch_bounds__(WgBwdTile<DP, BC, WG, S_>::threads, 1)
 
   wg_store_rows<scalar_t, DP>(a.dq + bh * a.Lq * a.D, a.D, dq, a.scale, row_base, a.Lq, a.D, tig);
 #endif
+}
+
+// The fused Hopper backward (head_dim <= 64): one kernel runs all five products. A block owns BR = 64 WG
+// keys with K and V resident and streams query tiles of 64 rows (Q, dO and their (lse2, delta) pairs) as
+// the dkdv kernel above does; per tile each warpgroup computes S^T and dP^T for its 64 keys, then
+// dV += P^T dO and dK += dS^T Q from registers, and also stores dS^T to shared memory. Warpgroup
+// t % WG then takes the whole block's dS^T and K for the tile's dQ part, dQ_t += dS (64 x BR) K (BR x D),
+// stages it in shared memory and adds it to a float32 accumulator in global memory with one bulk
+// reduce-add of the copy engine (atomic per element, so the sum order, and dQ's last bits, vary between
+// runs; torch.use_deterministic_algorithms keeps the deterministic pair). Named barriers hand each dS^T
+// buffer over (ready: every warpgroup has written its rows; free: its reader has finished), one buffer
+// per warpgroup so the reader of tile t is always warpgroup t % WG and the others run ahead.
+// attn_bwd_prep_kernel computes the (lse2, delta) pairs and zeroes the accumulator first;
+// attn_bwd_dq_finish_kernel scales and converts it to dq.
+template <int DP, int WG_, int S_>
+struct WgFusedTile {
+  using Base = WgBwdTile<DP, 64, WG_, S_>;
+  static constexpr int WG = WG_, threads = Base::threads, BR = Base::BR, BC = 64, kStages = S_;
+  static constexpr int regs_producer = Base::regs_producer, regs_consumer = Base::regs_consumer;
+  static constexpr int r_bytes = Base::r_bytes, c_bytes = Base::c_bytes, vec_off = Base::vec_off,
+                       vec_bytes = Base::vec_bytes, bar_off = Base::bar_off;
+  static constexpr int ds_off = (bar_off + 8 * (1 + 2 * kStages) + 1023) / 1024 * 1024;
+  static constexpr int ds_bytes = BR * BC * 2;          // one dS^T buffer: BR key rows of 64 queries
+  static constexpr int dq_off = ds_off + WG * ds_bytes;
+  static constexpr int dq_bytes = BC * DP * 4;          // one warpgroup's dQ staging (float32)
+  static constexpr size_t smem_bytes = dq_off + WG * dq_bytes + 1024;
+  // Named barrier ids: ready[WG], free[WG], then one per warpgroup.
+  static constexpr int bar_ready = 1, bar_free = 1 + WG, bar_wg = 1 + 2 * WG;
+  static_assert(bar_wg + WG <= 16, "named barriers");
+};
+
+// The dQ accumulator's layout: per (b, h) and 64-row query tile, DP / 64 chunks of 64 x 64 floats, each
+// in the m64n64 accumulator order of the warpgroup that writes it: float4 j (0..7) of thread tw (0..127)
+// at float4 index j * 128 + tw (conflict-free 16-byte shared-memory stores, one contiguous bulk copy).
+// Its elements are (row (tw / 32) * 16 + (tw % 32) / 4 (+8 for .z, .w), column 8 j + 2 (tw % 4) (+1)).
+
+template <typename scalar_t, int DP, int WG, int S_>
+__global__ void __launch_bounds__(WgFusedTile<DP, WG, S_>::threads, 1)
+    attn_bwd_fused_wgmma_kernel(const AttnArgs<scalar_t, float> a, float* __restrict__ dq_acc,
+                                const __grid_constant__ CUtensorMap tk, const __grid_constant__ CUtensorMap tv,
+                                const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tdo) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using T = WgFusedTile<DP, WG, S_>;
+  constexpr int BR = T::BR, BC = T::BC, S = T::kStages;
+  constexpr int NS = BC / 2, NA = DP / 2;
+  constexpr bool kBf16 = std::is_same_v<scalar_t, at::BFloat16>;
+
+  unsigned char* raw = dyn_smem();
+  const uint32_t raw_addr = smem_addr(raw);
+  const uint32_t sK = (raw_addr + 1023u) & ~1023u, sV = sK + T::r_bytes;
+  const uint32_t sQ = sV + T::r_bytes, sO = sQ + S * T::c_bytes, sL = sK + T::vec_off;
+  const uint32_t sDS = sK + T::ds_off, sDQ = sK + T::dq_off;
+  const float* ld_s = reinterpret_cast<const float*>(raw + (sK - raw_addr) + T::vec_off);  // [S][BC][2]
+  const uint32_t bar = sK + T::bar_off;  // kv_full, full[S], empty[S]
+  auto full = [&](int st) { return bar + 8 * (1 + st); };
+  auto empty = [&](int st) { return bar + 8 * (1 + S + st); };
+
+  const int64_t nkb = (a.Lk + BR - 1) / BR;
+  const int64_t bh = blockIdx.x / nkb, k0 = (blockIdx.x % nkb) * BR;
+  const int b = static_cast<int>(bh / a.H), h = static_cast<int>(bh % a.H);
+  const int tid = threadIdx.x, wg = tid / 128;
+  const int64_t nqt = a.Lq_pad / BC;
+
+  if (tid == 0) {
+    wgmma::mbar_init(bar, 1);
+    for (int st = 0; st < S; ++st) {
+      wgmma::mbar_init(full(st), 1);
+      wgmma::mbar_init(empty(st), 128 * T::WG);
+    }
+    wgmma::mbar_init_fence();
+  }
+  __syncthreads();
+
+  if (wg == 0) {
+    wgmma::setmaxnreg_dec<T::regs_producer>();
+    if (tid == 0) {
+      wgmma::mbar_expect_tx(bar, 2 * T::r_bytes);
+      for (int c = 0; c < DP / 64; ++c) {
+        wgmma::tma_load_4d(sK + c * BR * 128, &tk, bar, c * 64, int(k0), h, b);
+        wgmma::tma_load_4d(sV + c * BR * 128, &tv, bar, c * 64, int(k0), h, b);
+      }
+      stream_tiles<DP, BC, S>(&tq, &tdo, sQ, sO, T::c_bytes, nqt, h, b, full, empty, T::vec_bytes, [&](int64_t t, int st) {
+        wgmma::bulk_load(sL + st * T::vec_bytes, a.lse_delta + 2 * (bh * a.Lq_pad + t * BC), T::vec_bytes, full(st));
+      });
+    }
+    return;
+  }
+  wgmma::setmaxnreg_inc<T::regs_consumer>();
+
+  const int cw = wg - 1, tw = tid % 128, warp = tw / 32, lane = tid % 32;
+  const int g = lane >> 2, tig = lane & 3;
+  const int64_t moff = b * a.mask.sb + a.mask.sh * h;
+  const float sl2 = a.scale * kLog2e;
+  const int key_row = cw * 64 + warp * 16 + g;  // this thread's keys in the block: key_row, key_row + 8
+  const int64_t key_base = k0 + key_row;
+  const bool key_bound = k0 + BR > a.Lk;         // keys past Lk (zero rows of K, V) must get dS = 0
+
+  float dk[NA], dv[NA];
+#pragma unroll
+  for (int i = 0; i < NA; ++i) dk[i] = dv[i] = 0.f;
+  const uint64_t dka = wgmma::desc_sw128(sK + cw * 64 * 128, 16, 1024);
+  const uint64_t dva = wgmma::desc_sw128(sV + cw * 64 * 128, 16, 1024);
+  const uint64_t dqk = wgmma::desc_sw128(sQ, 16, 1024), dok = wgmma::desc_sw128(sO, 16, 1024);
+  const uint64_t dqm = wgmma::desc_sw128(sQ, BC * 128, 1024), dom = wgmma::desc_sw128(sO, BC * 128, 1024);
+  // dQ = dS K: A = dS^T's buffer (rows = keys, 64 queries a row: MN-major), B = K (rows = keys, MN-major).
+  const uint64_t dkm = wgmma::desc_sw128(sK, BR * 128, 1024);
+  float* const dq_head = dq_acc + bh * a.Lq_pad * DP;
+
+  wgmma::mbar_wait(bar, 0);
+  for (int64_t t = 0; t < nqt; ++t) {
+    const int st = static_cast<int>(t % S);
+    const uint32_t stage = st * T::c_bytes;
+    const int rd = static_cast<int>(t % WG);  // the warpgroup that reads this tile's dS^T buffer
+    const uint32_t ds_buf = sDS + rd * T::ds_bytes;
+    wgmma::mbar_wait(full(st), static_cast<uint32_t>((t / S) & 1));
+    const int64_t q0 = t * BC;
+
+    float s[NS], dp[NS];
+    wg_paired_ss<kBf16, DP, BR, BC>(s, dp, dka, dqk, dva, dok, stage);
+
+    unsigned pa[BC / 16][4], da[BC / 16][4];
+    wg_bwd_pt_dst<scalar_t, BC>(a, s, dp, ld_s + st * 2 * BC, key_base, q0, moff, sl2, tig, key_bound, pa, da);
+
+    // dS^T into the reader's buffer (128-byte swizzle: query chunk j of key row r at chunk j ^ (r % 8)),
+    // once its reader has finished the tile WG earlier.
+    if (t >= WG && cw != rd) wgmma::named_sync(T::bar_free + rd, 128 * WG);
+#pragma unroll
+    for (int j = 0; j < BC / 8; ++j) {
+#pragma unroll
+      for (int rr = 0; rr < 2; ++rr) {
+        const uint32_t row = key_row + 8 * rr;
+        const uint32_t addr = ds_buf + row * 128 + ((j ^ (row & 7)) << 4) + 4 * tig;
+        asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(da[j / 2][(j % 2) * 2 + rr]) : "memory");
+      }
+    }
+    wgmma::fence_proxy_async();
+    if (cw != rd) wgmma::named_arrive(T::bar_ready + rd, 128 * WG);
+
+    // dV += P^T dO, dK += dS^T Q: K-steps of 16 queries, 2048 bytes apart.
+    wgmma::fence_regs(dk);
+    wgmma::fence_regs(dv);
+    wgmma::fence();
+#pragma unroll
+    for (int kk = 0; kk < BC / 16; ++kk) {
+      const uint32_t off = stage + kk * 16 * 128;
+      wg_mma_rs<kBf16, DP>(dv, pa[kk], dom + (off >> 4));
+      wg_mma_rs<kBf16, DP>(dk, da[kk], dqm + (off >> 4));
+    }
+    wgmma::commit();
+    wgmma::wait<0>();
+    wgmma::fence_regs(dk);
+    wgmma::fence_regs(dv);
+    wgmma::mbar_arrive(empty(st));  // every thread: releases its own reads of the stage's pairs
+    if (cw != rd) continue;
+
+    // This warpgroup's tile: dQ_t = dS K over the block's BR keys, 64 head dims at a time. dV / dK are
+    // done first: their A registers are free for dQ's accumulators (within 160 registers at WG = 3;
+    // overlapping them made ptxas serialize every wgmma of the kernel, 25.7 vs 22.6 ms on spatial-9216).
+    wgmma::named_sync(T::bar_ready + rd, 128 * WG);
+#pragma unroll
+    for (int c = 0; c < DP / 64; ++c) {
+      float dq[32];
+      wgmma::fence();
+#pragma unroll
+      for (int kk = 0; kk < BR / 16; ++kk)
+        wgmma::mma_m64n64k16_ss_mn<kBf16>(dq, wgmma::desc_sw128(ds_buf + kk * 2048, 16, 1024),
+                                          dkm + ((c * BR * 128 + kk * 2048) >> 4), kk);
+      wgmma::commit();
+      wgmma::wait<0>();
+      wgmma::fence_regs(dq);
+      if (c == DP / 64 - 1 && t + WG < nqt) wgmma::named_arrive(T::bar_free + rd, 128 * WG);
+      // Stage the chunk once the previous bulk copy has read the buffer, then add it into global memory.
+      if (tw == 0) wgmma::bulk_wait_read();
+      wgmma::named_sync(T::bar_wg + cw, 128);
+      float4* stage_dq = reinterpret_cast<float4*>(raw + (sDQ - raw_addr) + cw * T::dq_bytes + c * 64 * 64 * 4);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) stage_dq[j * 128 + tw] = make_float4(dq[4 * j], dq[4 * j + 1], dq[4 * j + 2], dq[4 * j + 3]);
+      wgmma::fence_proxy_async();
+      wgmma::named_sync(T::bar_wg + cw, 128);
+      if (tw == 0) {
+        wgmma::bulk_reduce_add_f32(dq_head + (q0 * DP + c * 64 * 64), sDQ + cw * T::dq_bytes + c * 64 * 64 * 4, 64 * 64 * 4);
+        wgmma::bulk_commit();
+      }
+    }
+  }
+  if (tw == 0) wgmma::bulk_wait();
+
+  wg_store_rows<scalar_t, DP>(a.dk.head(b, h), a.dk.sl, dk, a.scale, key_base, a.Lk, a.D, tig);
+  wg_store_rows<scalar_t, DP>(a.dv.head(b, h), a.dv.sl, dv, 1.f, key_base, a.Lk, a.D, tig);
+#endif
+}
+
+// Before the fused backward: per query row (padded to Lq_pad) the pair (lse in log2 units, delta =
+// rowsum(dO * O) - grad_lse) — (+inf, 0) past Lq or on a fully masked row, so P = 0 there — and the
+// row's share of the dQ accumulator zeroed. DP / 8 threads a row, one 16-byte vector of O and dO each.
+template <typename scalar_t, int DP>
+__global__ void __launch_bounds__(256) attn_bwd_prep_kernel(const AttnArgs<scalar_t, float> a, float* __restrict__ dq_acc) {
+  constexpr int TPR = DP / 8;
+  const int64_t row = (static_cast<int64_t>(blockIdx.x) * 256 + threadIdx.x) / TPR;
+  const int c = (threadIdx.x % TPR) * 8;
+  const bool live = row < a.B * a.H * a.Lq_pad;  // no early return: the whole warp shuffles below
+  const int64_t bh = row / a.Lq_pad, i = row % a.Lq_pad;
+  const int b = static_cast<int>(bh / a.H), h = static_cast<int>(bh % a.H);
+  float part = 0.f;
+  if (live && i < a.Lq && c < a.D) {
+    const Vec<scalar_t, 8> ov = *reinterpret_cast<const Vec<scalar_t, 8>*>(a.o.head(b, h) + i * a.o.sl + c);
+    const Vec<scalar_t, 8> dv8 = *reinterpret_cast<const Vec<scalar_t, 8>*>(a.dout.head(b, h) + i * a.dout.sl + c);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) part += static_cast<float>(ov.v[e]) * static_cast<float>(dv8.v[e]);
+  }
+#pragma unroll
+  for (int o = 1; o < TPR; o *= 2) part += __shfl_xor_sync(kFullMask, part, o);
+  if (!live) return;
+  float4* z = reinterpret_cast<float4*>(dq_acc + row * DP + c);
+  z[0] = make_float4(0.f, 0.f, 0.f, 0.f);
+  z[1] = make_float4(0.f, 0.f, 0.f, 0.f);
+  if (c == 0) {
+    float lse2 = std::numeric_limits<float>::infinity(), delta = 0.f;
+    if (i < a.Lq) {
+      const float lse = a.lse[bh * a.Lq + i];
+      if (lse != neg_inf<float>()) lse2 = lse * kLog2e;
+      delta = part - (a.grad_lse ? a.grad_lse[bh * a.Lq + i] : 0.f);
+    }
+    *reinterpret_cast<float2*>(a.lse_delta + 2 * row) = make_float2(lse2, delta);
+  }
+}
+
+// After it: dq = scale * the accumulator, rows below Lq and columns below D, from its fragment order
+// (above); one float4 (two pairs of two rows) a thread.
+template <typename scalar_t, int DP>
+__global__ void __launch_bounds__(256) attn_bwd_dq_finish_kernel(const AttnArgs<scalar_t, float> a, const float* __restrict__ dq_acc) {
+  using MT = MmaTraits<scalar_t>;
+  const int64_t f = static_cast<int64_t>(blockIdx.x) * 256 + threadIdx.x;  // float4 index
+  if (f >= a.B * a.H * a.Lq_pad * DP / 4) return;
+  const float4 x = reinterpret_cast<const float4*>(dq_acc)[f];
+  const int64_t tile = f / (DP * 16);  // 64 rows x DP floats = DP * 16 float4
+  const int within = static_cast<int>(f % (DP * 16));
+  const int chunk = within / 1024, j = (within % 1024) / 128, tw = within % 128;
+  const int64_t bh = tile / (a.Lq_pad / 64);
+  const int64_t r = (tile % (a.Lq_pad / 64)) * 64 + (tw / 32) * 16 + (tw % 32) / 4;
+  const int d = chunk * 64 + 8 * j + 2 * (tw % 4);
+  if (d >= a.D) return;
+  scalar_t* out = a.dq + bh * a.Lq * a.D + d;
+  if (r < a.Lq) *reinterpret_cast<unsigned*>(out + r * a.D) = MT::pack(x.x * a.scale, x.y * a.scale);
+  if (r + 8 < a.Lq) *reinterpret_cast<unsigned*>(out + (r + 8) * a.D) = MT::pack(x.z * a.scale, x.w * a.scale);
 }
 
 // Backward, short sequences (fp16 / bf16, q_len and kv_len <= 32, head_dim <= 128 and % 8 == 0; the
@@ -2660,7 +2916,8 @@ bool tf32_forward(const char* op, const at::Tensor& q, const at::Tensor& k, cons
 }
 
 // Which backward serves fp16 / bf16. VD_ATTENTION_BACKWARD=rows keeps the CUDA-core kernels, =mma the
-// mma.sync pair on Hopper too (benchmarks and tests compare them in one process); read on every call.
+// mma.sync pair on Hopper too, =pair the deterministic Hopper pair where the fused kernel would run
+// (benchmarks and tests compare them in one process); read on every call.
 std::string backward_choice() {
   const char* e = std::getenv("VD_ATTENTION_BACKWARD");
   return e == nullptr ? std::string() : std::string(e);
@@ -2759,6 +3016,29 @@ bool wgmma_backward(const char* op, const at::Tensor& grad_out, const at::Tensor
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       return true;
     };
+    // head_dim <= 64: the fused kernel (five products, dQ summed by the copy engine's atomic adds),
+    // unless the caller asked for deterministic algorithms or VD_ATTENTION_BACKWARD=pair.
+    if (D <= 64 && !at::globalContext().deterministicAlgorithms() && backward_choice() != "pair") {
+      // Three consumer warpgroups (192 keys a block), two stages: measured on the H200 against two
+      // warpgroups (128 keys) and three stages (bench/notes/attention.md, version 8).
+      using T = WgFusedTile<64, 3, 2>;
+      auto kernel = attn_bwd_fused_wgmma_kernel<scalar_t, 64, T::WG, T::kStages>;
+      CUtensorMap m[4];
+      if (make_tensor_map(&m[0], k2, T::BR) && make_tensor_map(&m[1], v2, T::BR) && make_tensor_map(&m[2], q2, T::BC) &&
+          make_tensor_map(&m[3], go2, T::BC)) {
+        at::Tensor dq_acc = at::empty({B * H * a.Lq_pad * 64}, q.options().dtype(at::kFloat));
+        float* acc = dq_acc.mutable_data_ptr<float>();
+        const int64_t rows = B * H * a.Lq_pad;
+        attn_bwd_prep_kernel<scalar_t, 64><<<grid_of(ceil_div(rows * 8, 256), op), 256, 0, stream>>>(a, acc);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        set_smem(kernel, T::smem_bytes, op);
+        kernel<<<grid_of(B * H * ceil_div(Lk, T::BR), op), T::threads, T::smem_bytes, stream>>>(a, acc, m[0], m[1], m[2], m[3]);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        attn_bwd_dq_finish_kernel<scalar_t, 64><<<grid_of(ceil_div(rows * 16, 256), op), 256, 0, stream>>>(a, acc);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        return true;
+      }
+    }
     auto launch_dq = [&](auto tile, auto kernel) { return launch(tile, kernel, Lq, q2, go2, k2, v2); };
     auto launch_dkdv = [&](auto tile, auto kernel) { return launch(tile, kernel, Lk, k2, v2, q2, go2); };
     // Measured on the H200 (bench/notes/attention.md, version 7): three consumer warpgroups where the

@@ -56,11 +56,12 @@ __device__ __forceinline__ void fence_regs(float (&d)[N]) {
                "wgmma.mma_async.sync.aligned.m64n128k16.f32." #TY "." #TY " {" VD_R64 "}, %64, %65, p, 1, 1, 0, 0;\n}\n" \
                : VD_D64(d)                                                                             \
                : "l"(da), "l"(db), "r"(scale_d))
-// Both operands from shared memory, K-major (operands DA, DB); scale-d from SC (0: d is overwritten).
-#define VD_SS(N, TY, RLIST, DLIST, DA, DB, SC)                                                        \
+// Both operands from shared memory (operands DA, DB), K-major (TR "0, 0") or both MN-major (TR "1, 1");
+// scale-d from SC (0: d is overwritten).
+#define VD_SS(N, TY, RLIST, DLIST, DA, DB, SC, TR)                                                    \
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " SC ", 0;\n"                                       \
                "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." #TY "." #TY " {" RLIST "}, " DA ", " DB \
-               ", p, 1, 1, 0, 0;\n}\n"                                                                  \
+               ", p, 1, 1, " TR ";\n}\n"                                                                \
                : DLIST                                                                                 \
                : "l"(da), "l"(db), "r"(scale_d))
 // A from registers (ALIST: its four operands), B from shared memory MN-major (trans-b = 1), always
@@ -83,13 +84,21 @@ __device__ __forceinline__ void mma_m64n128k16_ss(float (&d)[64], uint64_t da, u
 // N = 32 or 64 (the backward's S, dP tiles).
 template <bool kBf16>
 __device__ __forceinline__ void mma_m64n64k16_ss(float (&d)[32], uint64_t da, uint64_t db, int scale_d) {
-  if constexpr (kBf16) VD_SS(64, bf16, VD_R32, VD_D32(d), "%32", "%33", "%34");
-  else VD_SS(64, f16, VD_R32, VD_D32(d), "%32", "%33", "%34");
+  if constexpr (kBf16) VD_SS(64, bf16, VD_R32, VD_D32(d), "%32", "%33", "%34", "0, 0");
+  else VD_SS(64, f16, VD_R32, VD_D32(d), "%32", "%33", "%34", "0, 0");
 }
 template <bool kBf16>
 __device__ __forceinline__ void mma_m64n32k16_ss(float (&d)[16], uint64_t da, uint64_t db, int scale_d) {
-  if constexpr (kBf16) VD_SS(32, bf16, VD_R16, VD_D16(d), "%16", "%17", "%18");
-  else VD_SS(32, f16, VD_R16, VD_D16(d), "%16", "%17", "%18");
+  if constexpr (kBf16) VD_SS(32, bf16, VD_R16, VD_D16(d), "%16", "%17", "%18", "0, 0");
+  else VD_SS(32, f16, VD_R16, VD_D16(d), "%16", "%17", "%18", "0, 0");
+}
+
+// d (64 x 64, f32) = (scale_d ? d : 0) + A (64 x 16, shared, MN-major) * B (16 x 64, shared, MN-major):
+// the fused backward's dQ = dS K, with dS stored transposed (rows = keys) and K as stored (rows = keys).
+template <bool kBf16>
+__device__ __forceinline__ void mma_m64n64k16_ss_mn(float (&d)[32], uint64_t da, uint64_t db, int scale_d) {
+  if constexpr (kBf16) VD_SS(64, bf16, VD_R32, VD_D32(d), "%32", "%33", "%34", "1, 1");
+  else VD_SS(64, f16, VD_R32, VD_D32(d), "%32", "%33", "%34", "1, 1");
 }
 
 // d (64 x 64, f32) += A (64 x 16, registers) * B (16 x 64, shared, MN-major).
@@ -157,6 +166,29 @@ __device__ __forceinline__ void bulk_load(uint32_t dst, const void* src, uint32_
                "l"(src), "r"(bytes), "r"(bar)
                : "memory");
 }
+// `bytes` (a multiple of 16) of float32 in shared memory added element-wise into global memory by the
+// copy engine (atomic per element); tracked in this thread's bulk async-group.
+__device__ __forceinline__ void bulk_reduce_add_f32(float* dst, uint32_t src, uint32_t bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst), "r"(src),
+               "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+// Waits until this thread's bulk groups have finished reading their shared-memory sources.
+__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
+// Waits until this thread's bulk groups have completed (their writes performed).
+__device__ __forceinline__ void bulk_wait() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
+
+// Named CTA barriers (ids 1..15; 0 is __syncthreads) over `n` threads (a multiple of 32): sync waits for
+// the n arrivals, arrive counts this thread's without waiting. Both order the thread's earlier
+// shared-memory accesses before the barrier's completion for the participating threads.
+__device__ __forceinline__ void named_sync(int id, int n) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id, int n) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory");
+}
+
 template <int N>
 __device__ __forceinline__ void setmaxnreg_inc() {
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
