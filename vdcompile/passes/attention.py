@@ -15,7 +15,7 @@ With the backend's default attention_kernels="auto", an SDPA call on the CPU is 
 are both <= 32 (vd's short-sequence kernels, forward and backward, are faster than every SDPA
 backend: temporal attention over frames) or, on a Hopper GPU with the sm_90a kernel built, both
 >= 2048 at head_dim <= 64 without a mask and no gradient needed (vd's wgmma kernel beats cuDNN there:
-SVD's spatial self-attention; vd's backward beyond 32 tokens is 0.6-0.7x SDPA's on Hopper, ~0.3x elsewhere). Elsewhere
+SVD's spatial self-attention; vd's backward beyond 32 tokens is 0.76-0.82x SDPA's on Hopper, ~0.3x elsewhere). Elsewhere
 PyTorch's cuDNN / flash kernels are faster (bench/attention.py; bench/notes/attention.md). fp32 SDPA
 calls on CUDA are rewritten: vd's 3xTF32 tensor-core kernels beat SDPA's fp32 paths (~1.05x on long
 sequences, 2.8-7x on temporal attention); in training only up to 16 tokens, because vd's fp32 backward
@@ -154,8 +154,8 @@ def _sdpa_faster(m: Match, q, k) -> str | None:
     if _at_most(lq, lk, SHORT_MAX):
         return None
     if _training(m):
-        # vd's long-sequence backward (two deterministic kernels) runs at 0.6-0.7x SDPA's on Hopper (wgmma),
-        # ~0.3x elsewhere (mma.sync): bench/notes/attention.md, versions 6 and 7.
+        # vd's long-sequence backward runs at 0.76-0.82x SDPA's on Hopper (the fused wgmma kernel; 0.62-0.70x
+        # with its deterministic pair), ~0.3x elsewhere (mma.sync): bench/notes/attention.md, versions 6-8.
         return (f"SDPA kept: q, k or v requires grad and vd's backward beyond {SHORT_MAX} tokens is slower than "
                 "SDPA's (options={'attention_kernels': 'vd'} forces vd)")
     d = static_int(q.shape[-1])
