@@ -590,8 +590,9 @@ def test_fp32_kernel_choice():
 # The backward kernels for fp16/bf16: the tensor-core kernels (head_dim <= 128 and % 8 == 0; dq and
 # dk/dv kernels; on Hopper the fused wgmma kernel up to head_dim 64, the wgmma pair beyond) by default,
 # VD_ATTENTION_BACKWARD=pair the deterministic wgmma pair, =mma the mma.sync pair, =rows the CUDA-core
-# ones; each against the float64 reference. Lengths off the 64-row blocks and 64/32-row tiles, padded head dims, masks of every kind
-# (with fully masked rows), the projections' views, a single key, temporal lengths.
+# ones; each against the float64 reference. Lengths off the 64-row blocks and 64/32-row tiles, padded
+# head dims, masks of every kind (with fully masked rows), the projections' views, a single key,
+# temporal lengths.
 @needs_cuda
 @pytest.mark.parametrize("family", ["default", "pair", "mma", "rows"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -1913,18 +1913,52 @@ __device__ __forceinline__ void wg_bwd_pt_dst(const AttnArgs<scalar_t, float>& a
   }
 }
 
-template <typename scalar_t, int DP, int BC, int WG, int S_>
-__global__ void __launch_bounds__(WgBwdTile<DP, BC, WG, S_>::threads, 1)
-    attn_bwd_dkdv_wgmma_kernel(const AttnArgs<scalar_t, float> a, const __grid_constant__ CUtensorMap tk,
-                               const __grid_constant__ CUtensorMap tv, const __grid_constant__ CUtensorMap tq,
-                               const __grid_constant__ CUtensorMap tdo) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using T = WgBwdTile<DP, BC, WG, S_>;
-  constexpr int BR = T::BR, S = T::kStages;
+// The fused Hopper backward (head_dim <= 64): one kernel runs all five products. A block owns BR = 64 WG
+// keys with K and V resident and streams query tiles of 64 rows (Q, dO and their (lse2, delta) pairs) as
+// the dkdv kernel above does; per tile each warpgroup computes S^T and dP^T for its 64 keys, then
+// dV += P^T dO and dK += dS^T Q from registers, and also stores dS^T to shared memory. Warpgroup
+// t % WG then takes the whole block's dS^T and K for the tile's dQ part, dQ_t += dS (64 x BR) K (BR x D),
+// stages it in shared memory and adds it to a float32 accumulator in global memory with one bulk
+// reduce-add of the copy engine (atomic per element, so the sum order, and dQ's last bits, vary between
+// runs; torch.use_deterministic_algorithms keeps the deterministic pair). Named barriers hand each dS^T
+// buffer over (ready: every warpgroup has written its rows; free: its reader has finished), one buffer
+// per warpgroup so the reader of tile t is always warpgroup t % WG and the others run ahead.
+// attn_bwd_prep_kernel computes the (lse2, delta) pairs and zeroes the accumulator first;
+// attn_bwd_dq_finish_kernel scales and converts it to dq.
+template <int DP, int WG_, int S_>
+struct WgFusedTile {
+  using Base = WgBwdTile<DP, 64, WG_, S_>;
+  static constexpr int WG = WG_, threads = Base::threads, BR = Base::BR, BC = 64, kStages = S_;
+  static constexpr int regs_producer = Base::regs_producer, regs_consumer = Base::regs_consumer;
+  static constexpr int r_bytes = Base::r_bytes, c_bytes = Base::c_bytes, vec_off = Base::vec_off,
+                       vec_bytes = Base::vec_bytes, bar_off = Base::bar_off;
+  static constexpr int ds_off = (bar_off + 8 * (1 + 2 * kStages) + 1023) / 1024 * 1024;
+  static constexpr int ds_bytes = BR * BC * 2;          // one dS^T buffer: BR key rows of 64 queries
+  static constexpr int dq_off = ds_off + WG * ds_bytes;
+  static constexpr int dq_bytes = BC * DP * 4;          // one warpgroup's dQ staging (float32)
+  static constexpr size_t smem_bytes = dq_off + WG * dq_bytes + 1024;
+  // Named barrier ids: ready[WG], free[WG], then one per warpgroup.
+  static constexpr int bar_ready = 1, bar_free = 1 + WG, bar_wg = 1 + 2 * WG;
+  static_assert(bar_wg + WG <= 16, "named barriers");
+};
+
+// The dQ accumulator's layout: per (b, h) and 64-row query tile, DP / 64 chunks of 64 x 64 floats, each
+// in the m64n64 accumulator order of the warpgroup that writes it: float4 j (0..7) of thread tw (0..127)
+// at float4 index j * 128 + tw (conflict-free 16-byte shared-memory stores, one contiguous bulk copy).
+// Its elements are (row (tw / 32) * 16 + (tw % 32) / 4 (+8 for .z, .w), column 8 j + 2 (tw % 4) (+1)).
+
+// The dk/dv block of the Hopper backward: the pair's dk/dv kernel (kDq false, tile WgBwdTile) and the
+// fused kernel (kDq true, tile WgFusedTile, which also computes dQ as described above).
+template <typename scalar_t, int DP, typename T, bool kDq>
+__device__ __forceinline__ void wg_dkdv_block(const AttnArgs<scalar_t, float>& a, float* __restrict__ dq_acc,
+                                              const CUtensorMap& tk, const CUtensorMap& tv, const CUtensorMap& tq,
+                                              const CUtensorMap& tdo) {
+  constexpr int BR = T::BR, BC = T::BC, S = T::kStages, WG = T::WG;
   constexpr int NS = BC / 2, NA = DP / 2;  // S^T (dP^T) and dK (dV) accumulators a thread
   constexpr bool kBf16 = std::is_same_v<scalar_t, at::BFloat16>;
 
-  // [K][V] resident, [Q stages][dO stages], then (lse2, delta) per stage and the mbarriers.
+  // [K][V] resident, [Q stages][dO stages], then (lse2, delta) per stage and the mbarriers; fused: then
+  // the dS^T buffers and the dQ staging.
   unsigned char* raw = dyn_smem();
   const uint32_t raw_addr = smem_addr(raw);
   const uint32_t sK = (raw_addr + 1023u) & ~1023u, sV = sK + T::r_bytes;
@@ -1938,13 +1972,13 @@ __global__ void __launch_bounds__(WgBwdTile<DP, BC, WG, S_>::threads, 1)
   const int64_t bh = blockIdx.x / nkb, k0 = (blockIdx.x % nkb) * BR;
   const int b = static_cast<int>(bh / a.H), h = static_cast<int>(bh % a.H);
   const int tid = threadIdx.x, wg = tid / 128;
-  const int64_t nqt = (a.Lq + BC - 1) / BC;
+  const int64_t nqt = kDq ? a.Lq_pad / BC : (a.Lq + BC - 1) / BC;  // the same count (fused: BC = 64)
 
   if (tid == 0) {
     wgmma::mbar_init(bar, 1);
     for (int st = 0; st < S; ++st) {
       wgmma::mbar_init(full(st), 1);
-      wgmma::mbar_init(empty(st), 128 * T::WG);  // every consumer thread (each read the stage's pairs)
+      wgmma::mbar_init(empty(st), 128 * WG);  // every consumer thread (each read the stage's pairs)
     }
     wgmma::mbar_init_fence();
   }
@@ -1968,11 +2002,14 @@ __global__ void __launch_bounds__(WgBwdTile<DP, BC, WG, S_>::threads, 1)
   }
   wgmma::setmaxnreg_inc<T::regs_consumer>();
 
-  const int cw = wg - 1, warp = (tid / 32) % 4, lane = tid % 32;
+  const int cw = wg - 1, tw = tid % 128, warp = (tid / 32) % 4, lane = tid % 32;
   const int g = lane >> 2, tig = lane & 3;
   const int64_t moff = b * a.mask.sb + a.mask.sh * h;
   const float sl2 = a.scale * kLog2e;
-  const int64_t key_base = k0 + cw * 64 + warp * 16 + g;  // this thread's keys: key_base, key_base + 8
+  const int key_row = cw * 64 + warp * 16 + g;  // this thread's keys in the block: key_row, key_row + 8
+  const int64_t key_base = k0 + key_row;
+  // Fused: keys past Lk (zero rows of K, V) must get dS = 0 (their P is not 0).
+  const bool key_bound = kDq && k0 + BR > a.Lk;
 
   float dk[NA], dv[NA];
 #pragma unroll
@@ -1994,7 +2031,27 @@ __global__ void __launch_bounds__(WgBwdTile<DP, BC, WG, S_>::threads, 1)
     wg_paired_ss<kBf16, DP, BR, BC>(s, dp, dka, dqk, dva, dok, stage);
 
     unsigned pa[BC / 16][4], da[BC / 16][4];
-    wg_bwd_pt_dst<scalar_t, BC>(a, s, dp, ld_s + st * 2 * BC, key_base, t * BC, moff, sl2, tig, false, pa, da);
+    wg_bwd_pt_dst<scalar_t, BC>(a, s, dp, ld_s + st * 2 * BC, key_base, t * BC, moff, sl2, tig, key_bound, pa, da);
+
+    const int rd = static_cast<int>(t % WG);  // fused: the warpgroup that reads this tile's dS^T buffer
+    uint32_t ds_buf = 0;
+    if constexpr (kDq) {
+      ds_buf = sK + T::ds_off + rd * T::ds_bytes;
+      // dS^T into the reader's buffer (128-byte swizzle: query chunk j of key row r at chunk j ^ (r % 8)),
+      // once its reader has finished the tile WG earlier.
+      if (t >= WG && cw != rd) wgmma::named_sync(T::bar_free + rd, 128 * WG);
+#pragma unroll
+      for (int j = 0; j < BC / 8; ++j) {
+#pragma unroll
+        for (int rr = 0; rr < 2; ++rr) {
+          const uint32_t row = key_row + 8 * rr;
+          const uint32_t addr = ds_buf + row * 128 + ((j ^ (row & 7)) << 4) + 4 * tig;
+          asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(da[j / 2][(j % 2) * 2 + rr]) : "memory");
+        }
+      }
+      wgmma::fence_proxy_async();
+      if (cw != rd) wgmma::named_arrive(T::bar_ready + rd, 128 * WG);
+    }
 
     // dV += P^T dO, dK += dS^T Q: K-steps of 16 queries, 2048 bytes apart.
     wgmma::fence_regs(dk);
@@ -2013,10 +2070,65 @@ __global__ void __launch_bounds__(WgBwdTile<DP, BC, WG, S_>::threads, 1)
     // Done with the stage. Every thread arrives: an arrival releases only the arriving thread's own
     // reads (here of the stage's (lse2, delta) pairs) before the copy engine rewrites them.
     wgmma::mbar_arrive(empty(st));
+    if constexpr (kDq) {
+      if (cw != rd) continue;
+
+      // This warpgroup's tile: dQ_t = dS K over the block's BR keys (A = the dS^T buffer, rows = keys,
+      // MN-major; B = K, MN-major), 64 head dims at a time. dV / dK are done first: their A registers are
+      // free for dQ's accumulators (within 160 registers at WG = 3; overlapping them made ptxas serialize
+      // every wgmma of the kernel, 25.7 vs 22.6 ms on spatial-9216).
+      wgmma::named_sync(T::bar_ready + rd, 128 * WG);
+#pragma unroll
+      for (int c = 0; c < DP / 64; ++c) {
+        float dq[32];
+        wgmma::fence();
+#pragma unroll
+        for (int kk = 0; kk < BR / 16; ++kk)
+          wgmma::mma_m64n64k16_ss_mn<kBf16>(dq, wgmma::desc_sw128(ds_buf + kk * 2048, 16, 1024),
+                                            wgmma::desc_sw128(sK + c * BR * 128 + kk * 2048, BR * 128, 1024), kk);
+        wgmma::commit();
+        wgmma::wait<0>();
+        wgmma::fence_regs(dq);
+        if (c == DP / 64 - 1 && t + WG < nqt) wgmma::named_arrive(T::bar_free + rd, 128 * WG);
+        // Stage the chunk once the previous bulk copy has read the buffer, then add it into global memory.
+        const uint32_t sdq = sK + T::dq_off + cw * T::dq_bytes + c * 64 * 64 * 4;
+        if (tw == 0) wgmma::bulk_wait_read();
+        wgmma::named_sync(T::bar_wg + cw, 128);
+        float4* stage_dq = reinterpret_cast<float4*>(raw + (sdq - raw_addr));
+#pragma unroll
+        for (int j = 0; j < 8; ++j) stage_dq[j * 128 + tw] = make_float4(dq[4 * j], dq[4 * j + 1], dq[4 * j + 2], dq[4 * j + 3]);
+        wgmma::fence_proxy_async();
+        wgmma::named_sync(T::bar_wg + cw, 128);
+        if (tw == 0) {
+          wgmma::bulk_reduce_add_f32(dq_acc + (bh * a.Lq_pad + t * BC) * DP + c * 64 * 64, sdq, 64 * 64 * 4);
+          wgmma::bulk_commit();
+        }
+      }
+    }
   }
+  if (kDq && tw == 0) wgmma::bulk_wait();
 
   wg_store_rows<scalar_t, DP>(a.dk.head(b, h), a.dk.sl, dk, a.scale, key_base, a.Lk, a.D, tig);
   wg_store_rows<scalar_t, DP>(a.dv.head(b, h), a.dv.sl, dv, 1.f, key_base, a.Lk, a.D, tig);
+}
+
+template <typename scalar_t, int DP, int BC, int WG, int S_>
+__global__ void __launch_bounds__(WgBwdTile<DP, BC, WG, S_>::threads, 1)
+    attn_bwd_dkdv_wgmma_kernel(const AttnArgs<scalar_t, float> a, const __grid_constant__ CUtensorMap tk,
+                               const __grid_constant__ CUtensorMap tv, const __grid_constant__ CUtensorMap tq,
+                               const __grid_constant__ CUtensorMap tdo) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  wg_dkdv_block<scalar_t, DP, WgBwdTile<DP, BC, WG, S_>, false>(a, nullptr, tk, tv, tq, tdo);
+#endif
+}
+
+template <typename scalar_t, int DP, int WG, int S_>
+__global__ void __launch_bounds__(WgFusedTile<DP, WG, S_>::threads, 1)
+    attn_bwd_fused_wgmma_kernel(const AttnArgs<scalar_t, float> a, float* __restrict__ dq_acc,
+                                const __grid_constant__ CUtensorMap tk, const __grid_constant__ CUtensorMap tv,
+                                const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tdo) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  wg_dkdv_block<scalar_t, DP, WgFusedTile<DP, WG, S_>, true>(a, dq_acc, tk, tv, tq, tdo);
 #endif
 }
 
@@ -2158,196 +2270,6 @@ __global__ void __launch_bounds__(WgBwdTile<DP, BC, WG, S_>::threads, 1)
   }
 
   wg_store_rows<scalar_t, DP>(a.dq + bh * a.Lq * a.D, a.D, dq, a.scale, row_base, a.Lq, a.D, tig);
-#endif
-}
-
-// The fused Hopper backward (head_dim <= 64): one kernel runs all five products. A block owns BR = 64 WG
-// keys with K and V resident and streams query tiles of 64 rows (Q, dO and their (lse2, delta) pairs) as
-// the dkdv kernel above does; per tile each warpgroup computes S^T and dP^T for its 64 keys, then
-// dV += P^T dO and dK += dS^T Q from registers, and also stores dS^T to shared memory. Warpgroup
-// t % WG then takes the whole block's dS^T and K for the tile's dQ part, dQ_t += dS (64 x BR) K (BR x D),
-// stages it in shared memory and adds it to a float32 accumulator in global memory with one bulk
-// reduce-add of the copy engine (atomic per element, so the sum order, and dQ's last bits, vary between
-// runs; torch.use_deterministic_algorithms keeps the deterministic pair). Named barriers hand each dS^T
-// buffer over (ready: every warpgroup has written its rows; free: its reader has finished), one buffer
-// per warpgroup so the reader of tile t is always warpgroup t % WG and the others run ahead.
-// attn_bwd_prep_kernel computes the (lse2, delta) pairs and zeroes the accumulator first;
-// attn_bwd_dq_finish_kernel scales and converts it to dq.
-template <int DP, int WG_, int S_>
-struct WgFusedTile {
-  using Base = WgBwdTile<DP, 64, WG_, S_>;
-  static constexpr int WG = WG_, threads = Base::threads, BR = Base::BR, BC = 64, kStages = S_;
-  static constexpr int regs_producer = Base::regs_producer, regs_consumer = Base::regs_consumer;
-  static constexpr int r_bytes = Base::r_bytes, c_bytes = Base::c_bytes, vec_off = Base::vec_off,
-                       vec_bytes = Base::vec_bytes, bar_off = Base::bar_off;
-  static constexpr int ds_off = (bar_off + 8 * (1 + 2 * kStages) + 1023) / 1024 * 1024;
-  static constexpr int ds_bytes = BR * BC * 2;          // one dS^T buffer: BR key rows of 64 queries
-  static constexpr int dq_off = ds_off + WG * ds_bytes;
-  static constexpr int dq_bytes = BC * DP * 4;          // one warpgroup's dQ staging (float32)
-  static constexpr size_t smem_bytes = dq_off + WG * dq_bytes + 1024;
-  // Named barrier ids: ready[WG], free[WG], then one per warpgroup.
-  static constexpr int bar_ready = 1, bar_free = 1 + WG, bar_wg = 1 + 2 * WG;
-  static_assert(bar_wg + WG <= 16, "named barriers");
-};
-
-// The dQ accumulator's layout: per (b, h) and 64-row query tile, DP / 64 chunks of 64 x 64 floats, each
-// in the m64n64 accumulator order of the warpgroup that writes it: float4 j (0..7) of thread tw (0..127)
-// at float4 index j * 128 + tw (conflict-free 16-byte shared-memory stores, one contiguous bulk copy).
-// Its elements are (row (tw / 32) * 16 + (tw % 32) / 4 (+8 for .z, .w), column 8 j + 2 (tw % 4) (+1)).
-
-template <typename scalar_t, int DP, int WG, int S_>
-__global__ void __launch_bounds__(WgFusedTile<DP, WG, S_>::threads, 1)
-    attn_bwd_fused_wgmma_kernel(const AttnArgs<scalar_t, float> a, float* __restrict__ dq_acc,
-                                const __grid_constant__ CUtensorMap tk, const __grid_constant__ CUtensorMap tv,
-                                const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tdo) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using T = WgFusedTile<DP, WG, S_>;
-  constexpr int BR = T::BR, BC = T::BC, S = T::kStages;
-  constexpr int NS = BC / 2, NA = DP / 2;
-  constexpr bool kBf16 = std::is_same_v<scalar_t, at::BFloat16>;
-
-  unsigned char* raw = dyn_smem();
-  const uint32_t raw_addr = smem_addr(raw);
-  const uint32_t sK = (raw_addr + 1023u) & ~1023u, sV = sK + T::r_bytes;
-  const uint32_t sQ = sV + T::r_bytes, sO = sQ + S * T::c_bytes, sL = sK + T::vec_off;
-  const uint32_t sDS = sK + T::ds_off, sDQ = sK + T::dq_off;
-  const float* ld_s = reinterpret_cast<const float*>(raw + (sK - raw_addr) + T::vec_off);  // [S][BC][2]
-  const uint32_t bar = sK + T::bar_off;  // kv_full, full[S], empty[S]
-  auto full = [&](int st) { return bar + 8 * (1 + st); };
-  auto empty = [&](int st) { return bar + 8 * (1 + S + st); };
-
-  const int64_t nkb = (a.Lk + BR - 1) / BR;
-  const int64_t bh = blockIdx.x / nkb, k0 = (blockIdx.x % nkb) * BR;
-  const int b = static_cast<int>(bh / a.H), h = static_cast<int>(bh % a.H);
-  const int tid = threadIdx.x, wg = tid / 128;
-  const int64_t nqt = a.Lq_pad / BC;
-
-  if (tid == 0) {
-    wgmma::mbar_init(bar, 1);
-    for (int st = 0; st < S; ++st) {
-      wgmma::mbar_init(full(st), 1);
-      wgmma::mbar_init(empty(st), 128 * T::WG);
-    }
-    wgmma::mbar_init_fence();
-  }
-  __syncthreads();
-
-  if (wg == 0) {
-    wgmma::setmaxnreg_dec<T::regs_producer>();
-    if (tid == 0) {
-      wgmma::mbar_expect_tx(bar, 2 * T::r_bytes);
-      for (int c = 0; c < DP / 64; ++c) {
-        wgmma::tma_load_4d(sK + c * BR * 128, &tk, bar, c * 64, int(k0), h, b);
-        wgmma::tma_load_4d(sV + c * BR * 128, &tv, bar, c * 64, int(k0), h, b);
-      }
-      stream_tiles<DP, BC, S>(&tq, &tdo, sQ, sO, T::c_bytes, nqt, h, b, full, empty, T::vec_bytes, [&](int64_t t, int st) {
-        wgmma::bulk_load(sL + st * T::vec_bytes, a.lse_delta + 2 * (bh * a.Lq_pad + t * BC), T::vec_bytes, full(st));
-      });
-    }
-    return;
-  }
-  wgmma::setmaxnreg_inc<T::regs_consumer>();
-
-  const int cw = wg - 1, tw = tid % 128, warp = tw / 32, lane = tid % 32;
-  const int g = lane >> 2, tig = lane & 3;
-  const int64_t moff = b * a.mask.sb + a.mask.sh * h;
-  const float sl2 = a.scale * kLog2e;
-  const int key_row = cw * 64 + warp * 16 + g;  // this thread's keys in the block: key_row, key_row + 8
-  const int64_t key_base = k0 + key_row;
-  const bool key_bound = k0 + BR > a.Lk;         // keys past Lk (zero rows of K, V) must get dS = 0
-
-  float dk[NA], dv[NA];
-#pragma unroll
-  for (int i = 0; i < NA; ++i) dk[i] = dv[i] = 0.f;
-  const uint64_t dka = wgmma::desc_sw128(sK + cw * 64 * 128, 16, 1024);
-  const uint64_t dva = wgmma::desc_sw128(sV + cw * 64 * 128, 16, 1024);
-  const uint64_t dqk = wgmma::desc_sw128(sQ, 16, 1024), dok = wgmma::desc_sw128(sO, 16, 1024);
-  const uint64_t dqm = wgmma::desc_sw128(sQ, BC * 128, 1024), dom = wgmma::desc_sw128(sO, BC * 128, 1024);
-  // dQ = dS K: A = dS^T's buffer (rows = keys, 64 queries a row: MN-major), B = K (rows = keys, MN-major).
-  const uint64_t dkm = wgmma::desc_sw128(sK, BR * 128, 1024);
-  float* const dq_head = dq_acc + bh * a.Lq_pad * DP;
-
-  wgmma::mbar_wait(bar, 0);
-  for (int64_t t = 0; t < nqt; ++t) {
-    const int st = static_cast<int>(t % S);
-    const uint32_t stage = st * T::c_bytes;
-    const int rd = static_cast<int>(t % WG);  // the warpgroup that reads this tile's dS^T buffer
-    const uint32_t ds_buf = sDS + rd * T::ds_bytes;
-    wgmma::mbar_wait(full(st), static_cast<uint32_t>((t / S) & 1));
-    const int64_t q0 = t * BC;
-
-    float s[NS], dp[NS];
-    wg_paired_ss<kBf16, DP, BR, BC>(s, dp, dka, dqk, dva, dok, stage);
-
-    unsigned pa[BC / 16][4], da[BC / 16][4];
-    wg_bwd_pt_dst<scalar_t, BC>(a, s, dp, ld_s + st * 2 * BC, key_base, q0, moff, sl2, tig, key_bound, pa, da);
-
-    // dS^T into the reader's buffer (128-byte swizzle: query chunk j of key row r at chunk j ^ (r % 8)),
-    // once its reader has finished the tile WG earlier.
-    if (t >= WG && cw != rd) wgmma::named_sync(T::bar_free + rd, 128 * WG);
-#pragma unroll
-    for (int j = 0; j < BC / 8; ++j) {
-#pragma unroll
-      for (int rr = 0; rr < 2; ++rr) {
-        const uint32_t row = key_row + 8 * rr;
-        const uint32_t addr = ds_buf + row * 128 + ((j ^ (row & 7)) << 4) + 4 * tig;
-        asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(da[j / 2][(j % 2) * 2 + rr]) : "memory");
-      }
-    }
-    wgmma::fence_proxy_async();
-    if (cw != rd) wgmma::named_arrive(T::bar_ready + rd, 128 * WG);
-
-    // dV += P^T dO, dK += dS^T Q: K-steps of 16 queries, 2048 bytes apart.
-    wgmma::fence_regs(dk);
-    wgmma::fence_regs(dv);
-    wgmma::fence();
-#pragma unroll
-    for (int kk = 0; kk < BC / 16; ++kk) {
-      const uint32_t off = stage + kk * 16 * 128;
-      wg_mma_rs<kBf16, DP>(dv, pa[kk], dom + (off >> 4));
-      wg_mma_rs<kBf16, DP>(dk, da[kk], dqm + (off >> 4));
-    }
-    wgmma::commit();
-    wgmma::wait<0>();
-    wgmma::fence_regs(dk);
-    wgmma::fence_regs(dv);
-    wgmma::mbar_arrive(empty(st));  // every thread: releases its own reads of the stage's pairs
-    if (cw != rd) continue;
-
-    // This warpgroup's tile: dQ_t = dS K over the block's BR keys, 64 head dims at a time. dV / dK are
-    // done first: their A registers are free for dQ's accumulators (within 160 registers at WG = 3;
-    // overlapping them made ptxas serialize every wgmma of the kernel, 25.7 vs 22.6 ms on spatial-9216).
-    wgmma::named_sync(T::bar_ready + rd, 128 * WG);
-#pragma unroll
-    for (int c = 0; c < DP / 64; ++c) {
-      float dq[32];
-      wgmma::fence();
-#pragma unroll
-      for (int kk = 0; kk < BR / 16; ++kk)
-        wgmma::mma_m64n64k16_ss_mn<kBf16>(dq, wgmma::desc_sw128(ds_buf + kk * 2048, 16, 1024),
-                                          dkm + ((c * BR * 128 + kk * 2048) >> 4), kk);
-      wgmma::commit();
-      wgmma::wait<0>();
-      wgmma::fence_regs(dq);
-      if (c == DP / 64 - 1 && t + WG < nqt) wgmma::named_arrive(T::bar_free + rd, 128 * WG);
-      // Stage the chunk once the previous bulk copy has read the buffer, then add it into global memory.
-      if (tw == 0) wgmma::bulk_wait_read();
-      wgmma::named_sync(T::bar_wg + cw, 128);
-      float4* stage_dq = reinterpret_cast<float4*>(raw + (sDQ - raw_addr) + cw * T::dq_bytes + c * 64 * 64 * 4);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) stage_dq[j * 128 + tw] = make_float4(dq[4 * j], dq[4 * j + 1], dq[4 * j + 2], dq[4 * j + 3]);
-      wgmma::fence_proxy_async();
-      wgmma::named_sync(T::bar_wg + cw, 128);
-      if (tw == 0) {
-        wgmma::bulk_reduce_add_f32(dq_head + (q0 * DP + c * 64 * 64), sDQ + cw * T::dq_bytes + c * 64 * 64 * 4, 64 * 64 * 4);
-        wgmma::bulk_commit();
-      }
-    }
-  }
-  if (tw == 0) wgmma::bulk_wait();
-
-  wg_store_rows<scalar_t, DP>(a.dk.head(b, h), a.dk.sl, dk, a.scale, key_base, a.Lk, a.D, tig);
-  wg_store_rows<scalar_t, DP>(a.dv.head(b, h), a.dv.sl, dv, 1.f, key_base, a.Lk, a.D, tig);
 #endif
 }
 
@@ -2995,62 +2917,62 @@ bool wgmma_backward(const char* op, const at::Tensor& grad_out, const at::Tensor
     const at::Tensor q2 = mma_ready(q), k2 = mma_ready(k), v2 = mma_ready(v), go2 = mma_ready(grad_out);
     const at::Tensor o2 = mma_ready(out);  // rows read in 16-byte vectors; kept alive past the launches
     auto a = tensor_core_backward_args<scalar_t>(go2, q2, k2, v2, mask, scale, lse, dq, dk, dv);
-    // Written by dq for dk/dv. BR of both kernels' tiles is a multiple of 64: dq's blocks cover the padding.
+    // (lse2, delta) pairs, written by the pair's dq kernel for its dk/dv kernel (BR of both tiles is a multiple
+    // of 64: dq's blocks cover the padding) or by the fused path's prep kernel.
     a.Lq_pad = ceil_div(Lq, 64) * 64;
     at::Tensor lse_delta = at::empty({B * H * a.Lq_pad * 2}, q.options().dtype(at::kFloat));
     a.lse_delta = lse_delta.mutable_data_ptr<float>();
     a.o = view_of<const scalar_t>(o2);
     a.grad_lse = grad_lse.defined() ? grad_lse.const_data_ptr<float>() : nullptr;
-    // One kernel of the pair with tile T over L rows: resident operands r1, r2 (blocks of BR rows), c1, c2
-    // streamed (tiles of BC rows). dkdv: K / V resident, Q / dO streamed; dq: the other way round.
-    auto launch = [&](auto tile, auto kernel, int64_t L, const at::Tensor& r1, const at::Tensor& r2, const at::Tensor& c1,
-                      const at::Tensor& c2) {
+    // A kernel with tile T over L rows: resident operands r1, r2 (blocks of BR rows), c1, c2 streamed (tiles
+    // of BC rows). dkdv and the fused kernel: K / V resident, Q / dO streamed; dq: the other way round.
+    using Maps = CUtensorMap[4];
+    auto maps = [&](auto tile, Maps& m, const at::Tensor& r1, const at::Tensor& r2, const at::Tensor& c1,
+                    const at::Tensor& c2) {
       using T = decltype(tile);
-      CUtensorMap m[4];
-      if (!make_tensor_map(&m[0], r1, T::BR) || !make_tensor_map(&m[1], r2, T::BR) || !make_tensor_map(&m[2], c1, T::BC) ||
-          !make_tensor_map(&m[3], c2, T::BC)) {
-        return false;
-      }
+      return make_tensor_map(&m[0], r1, T::BR) && make_tensor_map(&m[1], r2, T::BR) && make_tensor_map(&m[2], c1, T::BC) &&
+             make_tensor_map(&m[3], c2, T::BC);
+    };
+    auto launch = [&](auto tile, auto kernel, int64_t L, const Maps& m, auto... extra) {
+      using T = decltype(tile);
       set_smem(kernel, T::smem_bytes, op);
-      kernel<<<grid_of(B * H * ceil_div(L, T::BR), op), T::threads, T::smem_bytes, stream>>>(a, m[0], m[1], m[2], m[3]);
+      kernel<<<grid_of(B * H * ceil_div(L, T::BR), op), T::threads, T::smem_bytes, stream>>>(a, extra..., m[0], m[1], m[2], m[3]);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    };
+    Maps mq, mk;
+    // head_dim <= 64: the fused kernel (five products, dQ summed by the copy engine's atomic adds),
+    // unless the caller asked for deterministic algorithms or VD_ATTENTION_BACKWARD=pair. Three consumer
+    // warpgroups (192 keys a block), two stages: measured on the H200 against two warpgroups (128 keys)
+    // and three stages (bench/notes/attention.md, version 8).
+    using F = WgFusedTile<64, 3, 2>;
+    if (D <= 64 && !at::globalContext().deterministicAlgorithms() && backward_choice() != "pair" &&
+        maps(F{}, mk, k2, v2, q2, go2)) {
+      at::Tensor dq_acc = at::empty({B * H * a.Lq_pad * 64}, q.options().dtype(at::kFloat));
+      float* acc = dq_acc.mutable_data_ptr<float>();
+      const int64_t rows = B * H * a.Lq_pad;
+      attn_bwd_prep_kernel<scalar_t, 64><<<grid_of(ceil_div(rows * 8, 256), op), 256, 0, stream>>>(a, acc);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      launch(F{}, attn_bwd_fused_wgmma_kernel<scalar_t, 64, F::WG, F::kStages>, Lk, mk, acc);
+      attn_bwd_dq_finish_kernel<scalar_t, 64><<<grid_of(ceil_div(rows * 16, 256), op), 256, 0, stream>>>(a, acc);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       return true;
+    }
+    // The deterministic pair. Measured on the H200 (bench/notes/attention.md, version 7): three consumer
+    // warpgroups where the registers allow it. dq: 64 queries x 64 keys a warpgroup; dkdv at head_dim 64:
+    // 32 queries a tile (dK + dV + S^T + dP^T within 160 registers), 4 stages; at 128 dK + dV alone take
+    // 128 registers: two warpgroups, 32 queries a tile.
+    auto pair = [&](auto dq_tile, auto dq_kernel, auto dkdv_tile, auto dkdv_kernel) {
+      if (!maps(dq_tile, mq, q2, go2, k2, v2) || !maps(dkdv_tile, mk, k2, v2, q2, go2)) return false;
+      launch(dq_tile, dq_kernel, Lq, mq);
+      launch(dkdv_tile, dkdv_kernel, Lk, mk);
+      return true;
     };
-    // head_dim <= 64: the fused kernel (five products, dQ summed by the copy engine's atomic adds),
-    // unless the caller asked for deterministic algorithms or VD_ATTENTION_BACKWARD=pair.
-    if (D <= 64 && !at::globalContext().deterministicAlgorithms() && backward_choice() != "pair") {
-      // Three consumer warpgroups (192 keys a block), two stages: measured on the H200 against two
-      // warpgroups (128 keys) and three stages (bench/notes/attention.md, version 8).
-      using T = WgFusedTile<64, 3, 2>;
-      auto kernel = attn_bwd_fused_wgmma_kernel<scalar_t, 64, T::WG, T::kStages>;
-      CUtensorMap m[4];
-      if (make_tensor_map(&m[0], k2, T::BR) && make_tensor_map(&m[1], v2, T::BR) && make_tensor_map(&m[2], q2, T::BC) &&
-          make_tensor_map(&m[3], go2, T::BC)) {
-        at::Tensor dq_acc = at::empty({B * H * a.Lq_pad * 64}, q.options().dtype(at::kFloat));
-        float* acc = dq_acc.mutable_data_ptr<float>();
-        const int64_t rows = B * H * a.Lq_pad;
-        attn_bwd_prep_kernel<scalar_t, 64><<<grid_of(ceil_div(rows * 8, 256), op), 256, 0, stream>>>(a, acc);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-        set_smem(kernel, T::smem_bytes, op);
-        kernel<<<grid_of(B * H * ceil_div(Lk, T::BR), op), T::threads, T::smem_bytes, stream>>>(a, acc, m[0], m[1], m[2], m[3]);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-        attn_bwd_dq_finish_kernel<scalar_t, 64><<<grid_of(ceil_div(rows * 16, 256), op), 256, 0, stream>>>(a, acc);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-        return true;
-      }
-    }
-    auto launch_dq = [&](auto tile, auto kernel) { return launch(tile, kernel, Lq, q2, go2, k2, v2); };
-    auto launch_dkdv = [&](auto tile, auto kernel) { return launch(tile, kernel, Lk, k2, v2, q2, go2); };
-    // Measured on the H200 (bench/notes/attention.md, version 7): three consumer warpgroups where the
-    // registers allow it. dq: 64 queries x 64 keys a warpgroup; dkdv at head_dim 64: 32 queries a tile
-    // (dK + dV + S^T + dP^T within 160 registers), 4 stages; at 128 dK + dV alone take 128 registers:
-    // two warpgroups, 32 queries a tile.
     if (D <= 64) {
-      return launch_dq(WgBwdTile<64, 64, 3>{}, attn_bwd_dq_wgmma_kernel<scalar_t, 64, 64, 3, 2>) &&
-             launch_dkdv(WgBwdTile<64, 32, 3, 4>{}, attn_bwd_dkdv_wgmma_kernel<scalar_t, 64, 32, 3, 4>);
+      return pair(WgBwdTile<64, 64, 3>{}, attn_bwd_dq_wgmma_kernel<scalar_t, 64, 64, 3, 2>, WgBwdTile<64, 32, 3, 4>{},
+                  attn_bwd_dkdv_wgmma_kernel<scalar_t, 64, 32, 3, 4>);
     }
-    return launch_dq(WgBwdTile<128, 64, 3>{}, attn_bwd_dq_wgmma_kernel<scalar_t, 128, 64, 3, 2>) &&
-           launch_dkdv(WgBwdTile<128, 32>{}, attn_bwd_dkdv_wgmma_kernel<scalar_t, 128, 32, 2, 2>);
+    return pair(WgBwdTile<128, 64, 3>{}, attn_bwd_dq_wgmma_kernel<scalar_t, 128, 64, 3, 2>, WgBwdTile<128, 32>{},
+                attn_bwd_dkdv_wgmma_kernel<scalar_t, 128, 32, 2, 2>);
   }
 #endif
   return false;
