@@ -530,13 +530,15 @@ def test_short_kernel_cuda_matches_reference(dtype, shape, layout, mask_kind):
 
 
 @needs_cuda
-@pytest.mark.parametrize("dtype,gib,tol", [(torch.bfloat16, 24, 2e-2), (torch.float32, 44, 1e-5)])
-def test_short_kernels_cuda_over_2_31_elements(dtype, gib, tol):
-    # 64-bit offsets: q, k, v and out each hold more than 2^31 elements (4.3 GB apiece in bf16).
+@pytest.mark.parametrize("dtype,L,gib,tol", [(torch.bfloat16, 14, 24, 2e-2), (torch.float32, 14, 44, 1e-5),
+                                              (torch.bfloat16, 64, 24, 2e-2), (torch.float32, 64, 44, 1e-5)])
+def test_kernels_cuda_over_2_31_elements(dtype, L, gib, tol):
+    # 64-bit offsets: q, k, v and out each hold more than 2^31 elements (4.3 GB apiece in bf16); 14
+    # rows run the short kernels, 64 the long ones (on Hopper the wgmma kernels).
     free, _ = torch.cuda.mem_get_info()
     if free < gib * 2**30:
         pytest.skip(f"needs {gib} GiB of free GPU memory")
-    L, D = 14, 64
+    D = 64
     P = 2**31 // (L * D) + 1024
     q, k, v = (torch.randn(P, 1, L, D, device="cuda", dtype=dtype) for _ in range(3))
     assert q.numel() > 2**31
@@ -548,11 +550,15 @@ def test_short_kernels_cuda_over_2_31_elements(dtype, gib, tol):
 
 
 # float32 on tensor cores (3xTF32; compute capability 8.0+, head_dim <= 128 and % 4 == 0): the
-# flash kernel and the warp-per-problem short kernel, held to float32's own error bound (PyTorch's
-# float32 matmuls, TF32 off). Lengths off the tiles, padded head dims, every mask kind, views.
+# flash kernels (on Hopper the wgmma one up to head_dim 64; VD_ATTENTION_KERNEL=mma keeps mma.sync)
+# and the warp-per-problem short kernel, held to float32's own error bound (PyTorch's float32
+# matmuls, TF32 off). Lengths off the tiles, padded head dims, every mask kind, views.
 @needs_cuda
+@pytest.mark.parametrize("family", ["default", "mma"])
 @pytest.mark.parametrize("shape,layout,mask_kind", [
     ((2, 3, 300, 517, 64), "contiguous", None),
+    ((1, 2, 1000, 1000, 64), "bnhd", "bool"),      # several key tiles of both stages, a partial last one
+    ((1, 2, 256, 4096, 40), "contiguous", "float32"),  # a long chain of key tiles, padded head_dim
     ((1, 2, 200, 150, 128), "bnhd", "bool"),
     ((2, 2, 64, 33, 36), "packed_kv", "float"),
     ((1, 3, 193, 129, 96), "contiguous", "float32"),
@@ -565,7 +571,9 @@ def test_short_kernels_cuda_over_2_31_elements(dtype, gib, tol):
     ((3, 2, 1, 32, 12), "contiguous", None),
     ((3, 2, 32, 1, 96), "bnhd", None),
 ])
-def test_fp32_tensor_core_kernels_match_reference(shape, layout, mask_kind):
+def test_fp32_tensor_core_kernels_match_reference(family, shape, layout, mask_kind, monkeypatch):
+    if family == "mma":
+        monkeypatch.setenv("VD_ATTENTION_KERNEL", "mma")
     B, H, Lq, Lk, D = shape
     gen = torch.Generator(device="cuda").manual_seed(sum(shape) + 7)
     q, k, v = make_qkv(B, H, Lq, Lk, D, torch.float32, layout, "cuda", gen)
@@ -574,17 +582,27 @@ def test_fp32_tensor_core_kernels_match_reference(shape, layout, mask_kind):
 
 
 @needs_cuda
-def test_fp32_kernel_choice():
-    # Which kernel serves float32: the tensor-core ones on compute capability 8.0+, else (and for
-    # head dims that are not a multiple of 4) the CUDA-core "rows" kernel.
+def test_fp32_kernel_choice(monkeypatch):
+    # Which kernel serves float32: the tensor-core ones on compute capability 8.0+ (on Hopper the wgmma
+    # one up to head_dim 64 unless VD_ATTENTION_KERNEL=mma), else (and for head dims that are not a
+    # multiple of 4) the CUDA-core "rows" kernel.
     tc = torch.cuda.get_device_capability() >= (8, 0)
-    cases = [((1, 2, 256, 256, 64), "attn_fwd_tf32_kernel", tc), ((4, 2, 14, 14, 64), "attn_fwd_tf32_short_kernel", tc),
-             ((1, 2, 256, 256, 30), "attn_fwd_rows_kernel", True)]
-    for (B, H, Lq, Lk, D), kernel, want in cases:
+    hopper = torch.cuda.get_device_capability() == (9, 0)
+    cases = [(None, (1, 2, 256, 256, 64), "attn_fwd_tf32_wgmma_kernel", hopper),
+             (None, (1, 2, 256, 256, 64), "attn_fwd_tf32_kernel", tc and not hopper),
+             ("mma", (1, 2, 256, 256, 64), "attn_fwd_tf32_kernel", tc),
+             (None, (1, 2, 256, 256, 128), "attn_fwd_tf32_kernel", tc),
+             (None, (4, 2, 14, 14, 64), "attn_fwd_tf32_short_kernel", tc),
+             (None, (1, 2, 256, 256, 30), "attn_fwd_rows_kernel", True)]
+    for env, (B, H, Lq, Lk, D), kernel, want in cases:
+        if env is None:
+            monkeypatch.delenv("VD_ATTENTION_KERNEL", raising=False)
+        else:
+            monkeypatch.setenv("VD_ATTENTION_KERNEL", env)
         q = torch.randn(B, H, Lq, D, device="cuda")
         k = torch.randn(B, H, Lk, D, device="cuda")
         names = cuda_kernels_run(lambda: OP(q, k, k))
-        assert any(kernel in n for n in names) == want, (kernel, sorted(set(names)))
+        assert any(kernel in n for n in names) == want, (env, kernel, sorted(set(names)))
 
 
 # The backward kernels for fp16/bf16: the tensor-core kernels (head_dim <= 128 and % 8 == 0; dq and

@@ -17,6 +17,8 @@
 //         cp.async. Serves long sequences off Hopper, and head_dim > 128.
 //   wgmma: the same loop on Hopper (sm_90a builds on compute capability 9.0, head_dim <= 128):
 //         warpgroup MMA, K/V streamed by the bulk tensor copy engine from a producer warp.
+//   tf32: float32 on the tensor cores as three TF32 products (float32-level accuracy): the mma.sync
+//         loop and a short kernel (compute capability 8.0+), and on Hopper a wgmma kernel (head_dim <= 64).
 // Backward, recomputing P from lse:
 //   short: fp16/bf16 with q_len, kv_len <= 32 and head_dim <= 128, % 8 == 0: a warp per (b, h)
 //         problem, tensor cores, one launch;
@@ -28,7 +30,8 @@
 //         64 query rows) and one for dk / dv (a block per 64 key rows);
 //   rows: everything else: one kernel for dq (a warp per query row) and one for dk / dv (a warp per
 //         key row) on the CUDA cores.
-// No atomics: deterministic.
+// Deterministic except the fused Hopper backward, whose dq sums by atomic adds (deterministic mode and
+// VD_ATTENTION_BACKWARD=pair run the pair instead).
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
@@ -603,10 +606,29 @@ struct WgTile {
   static constexpr size_t smem_bytes = bar_off + 64 + 1024;       // + slack to align to 1024
 };
 
+// The Hopper forward kernels' mbarriers at bar (8 bytes each): q_full, then one array of S per entry of
+// counts (its arrival count), in order.
+template <int S, int N>
+__device__ __forceinline__ void init_stage_barriers(uint32_t bar, const int (&counts)[N]) {
+  wgmma::mbar_init(bar, 1);
+  for (int k = 0; k < N; ++k)
+    for (int st = 0; st < S; ++st) wgmma::mbar_init(bar + 8 * (1 + k * S + st), counts[k]);
+  wgmma::mbar_init_fence();
+}
+
+// The producer thread's query tile: DP dims (boxes of EPL elements) x BM rows from row q0 into sQ.
+template <int DP, int BM, int EPL>
+__device__ __forceinline__ void load_q_tile(uint32_t sQ, const CUtensorMap* tq, uint32_t bar, uint32_t bytes, int64_t q0,
+                                            int h, int b) {
+  wgmma::mbar_expect_tx(bar, bytes);
+  for (int c = 0; c < DP / EPL; ++c) wgmma::tma_load_4d(sQ + c * BM * 128, tq, bar, c * EPL, int(q0), h, b);
+}
+
 // The producer thread's streaming loop: n tiles of BC rows of two operands (tensor maps m1, m2) into
 // stages of stage_bytes at s1 and s2, tile t in stage t % S once the consumers have freed it (empty), all
 // completing on full; extra(t, st) issues any further copies of the tile, their bytes in extra_bytes.
-template <int DP, int BC, int S, typename Full, typename Empty, typename Extra>
+// EPL: elements in a 128-byte box row (64 in 16 bits, 32 in fp32).
+template <int DP, int BC, int S, int EPL = 64, typename Full, typename Empty, typename Extra>
 __device__ __forceinline__ void stream_tiles(const CUtensorMap* m1, const CUtensorMap* m2, uint32_t s1, uint32_t s2,
                                              uint32_t stage_bytes, int64_t n, int h, int b, Full full, Empty empty,
                                              uint32_t extra_bytes, Extra&& extra) {
@@ -615,9 +637,9 @@ __device__ __forceinline__ void stream_tiles(const CUtensorMap* m1, const CUtens
     wgmma::mbar_wait(empty(st), static_cast<uint32_t>((t / S) & 1) ^ 1u);
     wgmma::mbar_expect_tx(full(st), 2 * stage_bytes + extra_bytes);
     const int r0 = static_cast<int>(t * BC);
-    for (int c = 0; c < DP / 64; ++c) {
-      wgmma::tma_load_4d(s1 + st * stage_bytes + c * BC * 128, m1, full(st), c * 64, r0, h, b);
-      wgmma::tma_load_4d(s2 + st * stage_bytes + c * BC * 128, m2, full(st), c * 64, r0, h, b);
+    for (int c = 0; c < DP / EPL; ++c) {
+      wgmma::tma_load_4d(s1 + st * stage_bytes + c * BC * 128, m1, full(st), c * EPL, r0, h, b);
+      wgmma::tma_load_4d(s2 + st * stage_bytes + c * BC * 128, m2, full(st), c * EPL, r0, h, b);
     }
     extra(t, st);
   }
@@ -649,21 +671,13 @@ __global__ void __launch_bounds__(WgTile<DP>::threads, 1)
   const int tid = threadIdx.x, wg = tid / 128;
   const int64_t nkt = (a.Lk + BN - 1) / BN;
 
-  if (tid == 0) {
-    wgmma::mbar_init(bar, 1);
-    for (int st = 0; st < S; ++st) {
-      wgmma::mbar_init(full(st), 1);
-      wgmma::mbar_init(empty(st), 4 * T::WG);  // one arrival per consumer warp
-    }
-    wgmma::mbar_init_fence();
-  }
+  if (tid == 0) init_stage_barriers<S>(bar, {1, 4 * T::WG});  // empty: one arrival per consumer warp
   __syncthreads();
 
   if (wg == 0) {
     wgmma::setmaxnreg_dec<T::regs_producer>();
     if (tid == 0) {
-      wgmma::mbar_expect_tx(bar, T::q_bytes);
-      for (int c = 0; c < DP / 64; ++c) wgmma::tma_load_4d(sQ + c * BM * 128, &tq, bar, c * 64, int(q0), h, b);
+      load_q_tile<DP, BM, 64>(sQ, &tq, bar, T::q_bytes, q0, h, b);
       stream_tiles<DP, BN, S>(&tk, &tv, sK, sV, T::kv_bytes, nkt, h, b, full, empty, 0, [](int64_t, int) {});
     }
     return;
@@ -1253,6 +1267,219 @@ __global__ void __launch_bounds__(Tf32ShortTile<LP, DP>::warps * 32)
     }
     sync();  // every owner is done reading before the next problem's loads land
   }
+}
+
+// fp32 on Hopper (sm_90a builds on compute capability 9.0, head_dim <= 64): the 3xTF32 products on
+// warpgroup MMA, which runs TF32 at ~4x the rate mma.sync reaches here (bench/notes/attention.md,
+// version 9). TF32 wgmma reads both shared-memory operands K-major only and takes no rounding, so the
+// operands are split in shared memory before the products: Q once by its warpgroup, each K / V tile by
+// warps 1-3 of the producer warpgroup ("splitters") while the consumers work on the previous tile.
+// K is rounded in place with its tails beside it; V lands as stored and is written transposed
+// ([keys / 32][head_dim][128 B]: K-major for O += P V), its keys within each 8 in the order
+// (0, 2, 4, 6, 1, 3, 5, 7), so that P's A fragment is the S accumulators' registers as they are (the
+// mma.sync kernel's trick). Per tile and warpgroup: S = Ql Kh + Qh Kl + Qh Kh (small terms first),
+// the online softmax in fp32 with exp2f, P split in registers, P V into fresh accumulators added
+// to O with rounded FMAs (the tensor cores' accumulation drifts over long chains: version 5d).
+struct WgTf32Tile {
+  static constexpr int DP = 64;
+  static constexpr int WG = 2;  // consumer warpgroups
+  static constexpr int threads = 128 * (WG + 1);
+  static constexpr int regs_producer = 56, regs_consumer = 224;  // 56 + 2 * 224 <= 512
+  static constexpr int BM = 64 * WG, BN = 64, kStages = 2;
+  static constexpr int kSplitters = 96;  // warps 1-3 of the producer warpgroup
+  static constexpr int q_bytes = BM * DP * 4;
+  static constexpr int kv_bytes = BN * DP * 4;  // one stage of one operand
+  // [Q hi][Q lo][K hi x S][V as landed x S][K lo x S][V^T hi x S][V^T lo x S], then the mbarriers
+  static constexpr int bar_off = 2 * q_bytes + 5 * kStages * kv_bytes;
+  static constexpr size_t smem_bytes = bar_off + 8 * (1 + 3 * kStages) + 1024;  // + slack to align to 1024
+};
+
+__device__ __forceinline__ float4 split4_tf32(float4& x) {  // x becomes its TF32 head; returns the tails
+  unsigned h, l;
+  float4 lo;
+  split_tf32(x.x, h, l), x.x = __uint_as_float(h), lo.x = __uint_as_float(l);
+  split_tf32(x.y, h, l), x.y = __uint_as_float(h), lo.y = __uint_as_float(l);
+  split_tf32(x.z, h, l), x.z = __uint_as_float(h), lo.z = __uint_as_float(l);
+  split_tf32(x.w, h, l), x.w = __uint_as_float(h), lo.w = __uint_as_float(l);
+  return lo;
+}
+
+__global__ void __launch_bounds__(WgTf32Tile::threads, 1)
+    attn_fwd_tf32_wgmma_kernel(const AttnArgs<float, float> a, const __grid_constant__ CUtensorMap tq,
+                               const __grid_constant__ CUtensorMap tk, const __grid_constant__ CUtensorMap tv) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using T = WgTf32Tile;
+  constexpr int DP = T::DP, BM = T::BM, BN = T::BN, S = T::kStages;
+
+  // Tiles are [DP / 32][rows][128 B] in the 128-byte swizzle (16-byte chunk j of row r at j ^ (r % 8)),
+  // each on a 1024-byte boundary.
+  unsigned char* raw = dyn_smem();
+  const uint32_t raw_addr = smem_addr(raw);
+  const uint32_t sQh = (raw_addr + 1023u) & ~1023u, sQl = sQh + T::q_bytes;
+  const uint32_t sK = sQl + T::q_bytes, sV = sK + S * T::kv_bytes, sKl = sV + S * T::kv_bytes;
+  const uint32_t sVh = sKl + S * T::kv_bytes, sVl = sVh + S * T::kv_bytes;
+  unsigned char* base = raw + (sQh - raw_addr);  // generic pointer to sQh
+  auto ptr = [&](uint32_t addr) { return reinterpret_cast<float*>(base + (addr - sQh)); };
+  const uint32_t bar = sQh + T::bar_off;  // q_full, full[S], split[S], empty[S]
+  auto full = [&](int st) { return bar + 8 * (1 + st); };
+  auto split = [&](int st) { return bar + 8 * (1 + S + st); };
+  auto empty = [&](int st) { return bar + 8 * (1 + 2 * S + st); };
+
+  const int64_t nqb = (a.Lq + BM - 1) / BM;
+  const int64_t bh = blockIdx.x / nqb, q0 = (blockIdx.x % nqb) * BM;
+  const int b = static_cast<int>(bh / a.H), h = static_cast<int>(bh % a.H);
+  const int tid = threadIdx.x, wg = tid / 128;
+  const int64_t nkt = (a.Lk + BN - 1) / BN;
+
+  if (tid == 0) init_stage_barriers<S>(bar, {1, T::kSplitters, 4 * T::WG});  // full, split, empty
+  __syncthreads();
+
+  if (wg == 0) {
+    wgmma::setmaxnreg_dec<T::regs_producer>();
+    if (tid == 0) {
+      load_q_tile<DP, BM, 32>(sQh, &tq, bar, T::q_bytes, q0, h, b);
+      stream_tiles<DP, BN, S, 32>(&tk, &tv, sK, sV, T::kv_bytes, nkt, h, b, full, empty, 0, [](int64_t, int) {});
+    } else if (tid >= 32) {
+      const int sid = tid - 32;
+      for (int64_t t = 0; t < nkt; ++t) {
+        const int st = static_cast<int>(t % S);
+        wgmma::mbar_wait(full(st), static_cast<uint32_t>((t / S) & 1));
+        // The tile's previous readers are done: the copy into this stage waited for them (empty).
+        float4* kh = reinterpret_cast<float4*>(ptr(sK + st * T::kv_bytes));
+        float4* kl = reinterpret_cast<float4*>(ptr(sKl + st * T::kv_bytes));
+        for (int i = sid; i < T::kv_bytes / 16; i += T::kSplitters) {
+          float4 x = kh[i];
+          kl[i] = split4_tf32(x);  // elementwise: the swizzle is the same for heads and tails
+          kh[i] = x;
+        }
+        // V: item i is head_dim column d (lanes: consecutive d, one 128-byte row of V per read) and the
+        // chunk ch of 4 permuted keys: key (ch / 2) * 8 + 2 j + ch % 2 at position 4 ch + j.
+        const float* vr = ptr(sV + st * T::kv_bytes);
+        float* vh = ptr(sVh + st * T::kv_bytes);
+        float* vl = ptr(sVl + st * T::kv_bytes);
+        for (int i = sid; i < DP * BN / 4; i += T::kSplitters) {
+          const int d = i % DP, ch = i / DP;
+          float4 x;
+          float* xs = &x.x;
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const int r = (ch / 2) * 8 + 2 * j + ch % 2;
+            xs[j] = vr[(d / 32) * BN * 32 + r * 32 + ((((d % 32) / 4) ^ (r % 8)) * 4) + d % 4];
+          }
+          const float4 lo = split4_tf32(x);
+          const int o = (ch / 8) * DP * 32 + d * 32 + ((ch % 8) ^ (d % 8)) * 4;
+          *reinterpret_cast<float4*>(vh + o) = x;
+          *reinterpret_cast<float4*>(vl + o) = lo;
+        }
+        wgmma::fence_proxy_async();  // the writes above are read by wgmma (the async proxy)
+        wgmma::mbar_arrive(split(st));
+      }
+    }
+    return;
+  }
+  wgmma::setmaxnreg_inc<T::regs_consumer>();
+
+  const int cw = wg - 1, ct = tid % 128, warp = ct / 32, lane = tid % 32;
+  const int g = lane >> 2, tig = lane & 3;
+  const int64_t moff = b * a.mask.sb + a.mask.sh * h;
+
+  // This warpgroup's 64 query rows: rounded in place, tails beside them; then visible to its wgmma.
+  wgmma::mbar_wait(bar, 0);
+#pragma unroll
+  for (int c = 0; c < DP / 32; ++c) {
+    const uint32_t off = c * BM * 128 + cw * 64 * 128;
+    float4* qh = reinterpret_cast<float4*>(ptr(sQh + off));
+    float4* ql = reinterpret_cast<float4*>(ptr(sQl + off));
+    for (int i = ct; i < 64 * 128 / 16; i += 128) {
+      float4 x = qh[i];
+      ql[i] = split4_tf32(x);
+      qh[i] = x;
+    }
+  }
+  wgmma::fence_proxy_async();
+  wgmma::named_sync(1 + cw, 128);
+
+  float o[DP / 2];
+#pragma unroll
+  for (int i = 0; i < DP / 2; ++i) o[i] = 0.f;
+  float m_r[2] = {neg_inf<float>(), neg_inf<float>()}, l_r[2] = {0.f, 0.f};
+  const float sl2 = a.scale * kLog2e;
+  const int64_t row_base = q0 + cw * 64 + warp * 16 + g;
+  const uint64_t dqh = wgmma::desc_sw128(sQh + cw * 64 * 128, 16, 1024);
+  const uint64_t dql = wgmma::desc_sw128(sQl + cw * 64 * 128, 16, 1024);
+  const uint64_t dkh = wgmma::desc_sw128(sK, 16, 1024), dkl = wgmma::desc_sw128(sKl, 16, 1024);
+  const uint64_t dvh = wgmma::desc_sw128(sVh, 16, 1024), dvl = wgmma::desc_sw128(sVl, 16, 1024);
+
+  for (int64_t t = 0; t < nkt; ++t) {
+    const int st = static_cast<int>(t % S);
+    const uint32_t stage = st * T::kv_bytes;
+    wgmma::mbar_wait(split(st), static_cast<uint32_t>((t / S) & 1));
+
+    // S: K-steps of 8 dims, 32 bytes apart inside a 128-byte line, lines of 32 dims apart.
+    float s[BN / 8][4];
+    float(&sf)[BN / 2] = reinterpret_cast<float(&)[BN / 2]>(s);
+    wgmma::fence();
+#pragma unroll
+    for (int ks = 0; ks < DP / 8; ++ks) {
+      const uint32_t qa = ((ks / 4) * BM * 128 + (ks % 4) * 32) >> 4;
+      const uint32_t kb = (stage + (ks / 4) * BN * 128 + (ks % 4) * 32) >> 4;
+      wgmma::mma_m64n64k8_tf32_ss(sf, dql + qa, dkh + kb, ks);
+      wgmma::mma_m64n64k8_tf32_ss(sf, dqh + qa, dkl + kb, 1);
+      wgmma::mma_m64n64k8_tf32_ss(sf, dqh + qa, dkh + kb, 1);
+    }
+    wgmma::commit();
+    wgmma::wait<0>();
+    wgmma::fence_regs(sf);
+
+    const int64_t k0 = t * BN;
+    float mx[2], corr[2], m_use[2];
+    if (a.mask.kind == kNoMask && k0 + BN <= a.Lk) {  // interior tile: no per-element bound or mask
+      mx[0] = mx[1] = neg_inf<float>();
+#pragma unroll
+      for (int j = 0; j < BN / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          s[j][e] *= sl2;
+          mx[e >> 1] = fmaxf(mx[e >> 1], s[j][e]);
+        }
+      }
+    } else {
+      scale_mask_scores(a, s, mx, k0, row_base, moff, sl2, tig);
+    }
+    online_max(mx, m_r, l_r, corr, m_use);
+    // P of key group j as the A fragment (rows g, g + 8; columns tig, tig + 4 = keys 2 tig, 2 tig + 1).
+    unsigned ph[BN / 8][4], pl[BN / 8][4];
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) {
+      const int order[4] = {0, 2, 1, 3};
+#pragma unroll
+      for (int x = 0; x < 4; ++x) {
+        const float p = exp2f(s[j][order[x]] - m_use[x & 1]);
+        l_r[x & 1] += p;
+        split_tf32(p, ph[j][x], pl[j][x]);
+      }
+    }
+
+    // P V: V^T's K-steps of 8 keys are 32 bytes apart, lines of 32 keys DP * 128 bytes apart.
+    float pv[DP / 2];
+    wgmma::fence();
+#pragma unroll
+    for (int kk = 0; kk < BN / 8; ++kk) {
+      const uint32_t vb = (stage + (kk / 4) * DP * 128 + (kk % 4) * 32) >> 4;
+      wgmma::mma_m64n64k8_tf32_rs(pv, pl[kk], dvh + vb, kk);
+      wgmma::mma_m64n64k8_tf32_rs(pv, ph[kk], dvl + vb, 1);
+      wgmma::mma_m64n64k8_tf32_rs(pv, ph[kk], dvh + vb, 1);
+    }
+    wgmma::commit();
+    wgmma::wait<0>();
+    wgmma::fence_regs(pv);
+    if (lane == 0) wgmma::mbar_arrive(empty(st));  // this warp is done reading the stage
+#pragma unroll
+    for (int i = 0; i < DP / 2; ++i) o[i] = fmaf(o[i], corr[(i >> 1) & 1], pv[i]);
+  }
+
+  store_rows(a, o, m_r, l_r, bh, row_base, tig);
+#endif
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -2664,12 +2891,13 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   return fn;
 }
 
-// A (B, H, L, D) fp16 / bf16 operand as a 4-D tensor map (D, L, H, B) with boxes of 64 dims x rows in
-// the 128-byte swizzle; out-of-range rows and dims read as zeros. False where the copy engine cannot
-// take the layout (strides must be positive multiples of 16 bytes).
+// A (B, H, L, D) fp16 / bf16 / fp32 operand as a 4-D tensor map (D, L, H, B) with boxes of 128 bytes of
+// dims (64 or 32) x rows in the 128-byte swizzle; out-of-range rows and dims read as zeros. False where
+// the copy engine cannot take the layout (strides must be positive multiples of 16 bytes).
 bool make_tensor_map(CUtensorMap* m, const at::Tensor& t, int rows) {
   auto encode = tensor_map_encoder();
   if (encode == nullptr) return false;
+  const int64_t es = t.element_size(), per16 = 16 / es;
   const int64_t sizes[3] = {t.size(2), t.size(1), t.size(0)}, strides[3] = {t.stride(2), t.stride(1), t.stride(0)};
   cuuint64_t dims[4] = {static_cast<cuuint64_t>(t.size(3)), static_cast<cuuint64_t>(sizes[0]),
                         static_cast<cuuint64_t>(sizes[1]), static_cast<cuuint64_t>(sizes[2])};
@@ -2677,13 +2905,15 @@ bool make_tensor_map(CUtensorMap* m, const at::Tensor& t, int rows) {
   int64_t natural = t.size(3);  // a size-1 dim's stride is never used: give it the packed one
   for (int i = 0; i < 3; ++i) {
     const int64_t st = sizes[i] == 1 ? natural : strides[i];
-    if (st <= 0 || st % 8 != 0) return false;
-    bytes[i] = static_cast<cuuint64_t>(st) * 2;
+    if (st <= 0 || st % per16 != 0) return false;
+    bytes[i] = static_cast<cuuint64_t>(st * es);
     natural = st * sizes[i];
   }
-  cuuint32_t box[4] = {64, static_cast<cuuint32_t>(rows), 1, 1}, unit[4] = {1, 1, 1, 1};
-  const CUresult r = encode(m, t.scalar_type() == at::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-                            4, const_cast<void*>(t.const_data_ptr()), dims, bytes, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
+  cuuint32_t box[4] = {static_cast<cuuint32_t>(128 / es), static_cast<cuuint32_t>(rows), 1, 1}, unit[4] = {1, 1, 1, 1};
+  const CUtensorMapDataType type = t.scalar_type() == at::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                   : t.scalar_type() == at::kHalf   ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+                                                                    : CU_TENSOR_MAP_DATA_TYPE_FLOAT32;
+  const CUresult r = encode(m, type, 4, const_cast<void*>(t.const_data_ptr()), dims, bytes, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
                             CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return r == CUDA_SUCCESS;
 }
@@ -2826,6 +3056,23 @@ bool tf32_forward(const char* op, const at::Tensor& q, const at::Tensor& k, cons
     });
     return true;
   }
+#if defined(VD_SM90A)
+  // Hopper: the wgmma kernel (head_dim <= 64, a full query tile of a warpgroup, coordinates the copy
+  // engine's 32-bit fields reach); VD_ATTENTION_KERNEL=mma keeps the mma.sync one.
+  constexpr int64_t kMaxInt = std::numeric_limits<int>::max();
+  if (D <= 64 && Lq >= 64 && wgmma_allowed() && device_is_sm90a() && B <= kMaxInt && H <= kMaxInt &&
+      Lk <= kMaxInt - 128 && Lq <= kMaxInt - 256) {
+    using T = WgTf32Tile;
+    CUtensorMap tq, tk, tv;
+    if (make_tensor_map(&tq, q2, T::BM) && make_tensor_map(&tk, k2, T::BN) && make_tensor_map(&tv, v2, T::BN)) {
+      set_smem(attn_fwd_tf32_wgmma_kernel, T::smem_bytes, op);
+      attn_fwd_tf32_wgmma_kernel<<<grid_of(B * H * ceil_div(Lq, T::BM), op), T::threads, T::smem_bytes, stream>>>(
+          a, tq, tk, tv);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      return true;
+    }
+  }
+#endif
   const unsigned blocks = grid_of(B * H * ceil_div(Lq, kMmaRows), op);
   auto launch = [&](auto kernel, size_t smem) {
     set_smem(kernel, smem, op);

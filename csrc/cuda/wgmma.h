@@ -115,6 +115,24 @@ __device__ __forceinline__ void mma_m64n128k16_rs(float (&d)[64], const unsigned
   else VD_RS(128, f16, VD_R64, VD_D64(d), "%64, %65, %66, %67", "%68", "%69");
 }
 
+// TF32 (fp32 registers or shared memory read as TF32: the caller rounds them first). The PTX form takes
+// no transpose flags: both shared-memory operands are K-major.
+// d (64 x 64, f32) = (scale_d ? d : 0) + A (64 x 8, shared) * B (8 x 64, shared).
+__device__ __forceinline__ void mma_m64n64k8_tf32_ss(float (&d)[32], uint64_t da, uint64_t db, int scale_d) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n64k8.f32.tf32.tf32 {" VD_R32 "}, %32, %33, p, 1, 1;\n}\n"
+               : VD_D32(d)
+               : "l"(da), "l"(db), "r"(scale_d));
+}
+// d (64 x 64, f32) = (scale_d ? d : 0) + A (64 x 8, registers: rows g / g + 8 of each warp's 16, columns
+// tig / tig + 4) * B (8 x 64, shared).
+__device__ __forceinline__ void mma_m64n64k8_tf32_rs(float (&d)[32], const unsigned (&a)[4], uint64_t db, int scale_d) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n64k8.f32.tf32.tf32 {" VD_R32 "}, {%32, %33, %34, %35}, %36, p, 1, 1;\n}\n"
+               : VD_D32(d)
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
+}
+
 #undef VD_RS
 #undef VD_SS
 #undef VD_SS_M64N128

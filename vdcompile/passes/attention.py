@@ -17,8 +17,8 @@ backend: temporal attention over frames) or, on a Hopper GPU with the sm_90a ker
 >= 2048 at head_dim <= 64 without a mask and no gradient needed (vd's wgmma kernel beats cuDNN there:
 SVD's spatial self-attention; vd's backward beyond 32 tokens is 0.76-0.82x SDPA's on Hopper, ~0.3x elsewhere). Elsewhere
 PyTorch's cuDNN / flash kernels are faster (bench/attention.py; bench/notes/attention.md). fp32 SDPA
-calls on CUDA are rewritten: vd's 3xTF32 tensor-core kernels beat SDPA's fp32 paths (~1.05x on long
-sequences, 2.8-7x on temporal attention); in training only up to 16 tokens, because vd's fp32 backward
+calls on CUDA are rewritten: vd's 3xTF32 tensor-core kernels beat SDPA's fp32 paths (1.8-2.0x on long
+sequences on Hopper at head_dim <= 64, ~1.05x elsewhere, 2.8-7x on temporal attention); in training only up to 16 tokens, because vd's fp32 backward
 runs on the CUDA cores (forward + backward beat SDPA's there only).
 The textbook and bmm forms are rewritten (vd's kernels beat their unfused matmuls) except in training
 on CUDA in fp32 / fp64, where autograd through the matmuls beats vd's CUDA-core fp32 backward.
