@@ -56,6 +56,39 @@ def time_cuda(fn: Callable[[int], object], n_sets: int = 1, warmup: int = 5, ite
     return statistics.median(s.elapsed_time(e) for s, e in times)
 
 
+def kernel_time_cuda(fn: Callable[[int], object], name: str, n_sets: int = 1, iters: int = 30) -> float:
+    """Median device milliseconds of the CUDA kernels whose name contains ``name``, launched by ``fn(i)``
+    (torch.profiler): the kernel alone, without the host time of a call that is too short to hide it."""
+    from torch.profiler import ProfilerActivity, profile
+    for i in range(3):
+        fn(i % n_sets)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(iters):
+            fn(i % n_sets)
+        torch.cuda.synchronize()
+    times = [e.device_time for e in prof.events() if name in e.name and e.device_time > 0]
+    if not times:
+        raise RuntimeError(f"no CUDA kernel named like {name!r} ran")
+    return statistics.median(times) / 1e3
+
+
+def time_cuda_graph(fns: Sequence[Callable[[], object]], iters: int = 20) -> float:
+    """Milliseconds per call when the calls ``fns`` are captured in one CUDA graph and replayed
+    (median over replays, divided by the number of calls): device time with no host work between them."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up outside the capture (allocations, lazy initialisation)
+        for f in fns:
+            f()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for f in fns:
+            f()
+    return time_cuda(lambda i: graph.replay(), iters=iters) / len(fns)
+
+
 def time_cpu(fn: Callable[[int], object], n_sets: int = 1, warmup: int = 2, iters: int = 10) -> float:
     import time
     for i in range(warmup):

@@ -792,6 +792,8 @@ def test_short_backward_cuda_over_2_31_elements():
 @pytest.mark.parametrize("shape,layout,mask_kind", [
     ((2, 3, 300, 517, 64), "contiguous", None),
     ((1, 2, 1000, 1000, 128), "bnhd", "bool"),
+    ((4, 40, 200, 150, 64), "contiguous", "bool"),  # more query blocks than SMs: a CTA runs several
+    ((2, 40, 300, 200, 128), "bnhd", None),
     ((2, 2, 64, 33, 40), "packed_kv", "float"),
     ((1, 3, 193, 129, 96), "contiguous", "float32"),
     ((2, 1, 577, 77, 64), "bnhd", None),          # cross-attention to 77 text tokens

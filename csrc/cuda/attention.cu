@@ -600,19 +600,18 @@ struct WgTile {
   static constexpr int BM = 64 * WG;
   static constexpr int BN = 128;
   static constexpr int kStages = 2;
-  static constexpr int q_bytes = BM * DP * 2;
+  static constexpr int q_bytes = BM * DP * 2;                     // one of the two query buffers
   static constexpr int kv_bytes = BN * DP * 2;                    // one stage of K (or V)
-  static constexpr int bar_off = q_bytes + 2 * kStages * kv_bytes;  // then the mbarriers
-  static constexpr size_t smem_bytes = bar_off + 64 + 1024;       // + slack to align to 1024
+  static constexpr int bar_off = 2 * q_bytes + 2 * kStages * kv_bytes;  // then the mbarriers
+  static constexpr size_t smem_bytes = bar_off + 8 * (4 + 2 * kStages) + 1024;  // + slack to align to 1024
 };
 
-// The Hopper forward kernels' mbarriers at bar (8 bytes each): q_full, then one array of S per entry of
-// counts (its arrival count), in order.
+// The Hopper forward kernels' mbarriers at bar (8 bytes each): one array of S per entry of counts (its
+// arrival count), in order.
 template <int S, int N>
-__device__ __forceinline__ void init_stage_barriers(uint32_t bar, const int (&counts)[N]) {
-  wgmma::mbar_init(bar, 1);
+__device__ __forceinline__ void init_barriers(uint32_t bar, const int (&counts)[N]) {
   for (int k = 0; k < N; ++k)
-    for (int st = 0; st < S; ++st) wgmma::mbar_init(bar + 8 * (1 + k * S + st), counts[k]);
+    for (int st = 0; st < S; ++st) wgmma::mbar_init(bar + 8 * (k * S + st), counts[k]);
   wgmma::mbar_init_fence();
 }
 
@@ -627,14 +626,15 @@ __device__ __forceinline__ void load_q_tile(uint32_t sQ, const CUtensorMap* tq, 
 // The producer thread's streaming loop: n tiles of BC rows of two operands (tensor maps m1, m2) into
 // stages of stage_bytes at s1 and s2, tile t in stage t % S once the consumers have freed it (empty), all
 // completing on full; extra(t, st) issues any further copies of the tile, their bytes in extra_bytes.
-// EPL: elements in a 128-byte box row (64 in 16 bits, 32 in fp32).
+// EPL: elements in a 128-byte box row (64 in 16 bits, 32 in fp32). u0: tiles this thread streamed
+// before (a persistent kernel's stage counter runs on across its work items).
 template <int DP, int BC, int S, int EPL = 64, typename Full, typename Empty, typename Extra>
 __device__ __forceinline__ void stream_tiles(const CUtensorMap* m1, const CUtensorMap* m2, uint32_t s1, uint32_t s2,
                                              uint32_t stage_bytes, int64_t n, int h, int b, Full full, Empty empty,
-                                             uint32_t extra_bytes, Extra&& extra) {
+                                             uint32_t extra_bytes, Extra&& extra, int64_t u0 = 0) {
   for (int64_t t = 0; t < n; ++t) {
-    const int st = static_cast<int>(t % S);
-    wgmma::mbar_wait(empty(st), static_cast<uint32_t>((t / S) & 1) ^ 1u);
+    const int st = static_cast<int>((u0 + t) % S);
+    wgmma::mbar_wait(empty(st), static_cast<uint32_t>(((u0 + t) / S) & 1) ^ 1u);
     wgmma::mbar_expect_tx(full(st), 2 * stage_bytes + extra_bytes);
     const int r0 = static_cast<int>(t * BC);
     for (int c = 0; c < DP / EPL; ++c) {
@@ -659,26 +659,40 @@ __global__ void __launch_bounds__(WgTile<DP>::threads, 1)
 
   // Tiles are [DP / 64][rows][128 B], swizzled; each starts on a 1024-byte boundary.
   const uint32_t raw_addr = smem_addr(dyn_smem());
-  const uint32_t sQ = (raw_addr + 1023u) & ~1023u;
-  const uint32_t sK = sQ + T::q_bytes, sV = sK + S * T::kv_bytes;
-  const uint32_t bar = sQ + T::bar_off;  // q_full, full[S], empty[S]
-  auto full = [&](int st) { return bar + 8 * (1 + st); };
-  auto empty = [&](int st) { return bar + 8 * (1 + S + st); };
+  const uint32_t sQ = (raw_addr + 1023u) & ~1023u;  // two query buffers
+  const uint32_t sK = sQ + 2 * T::q_bytes, sV = sK + S * T::kv_bytes;
+  const uint32_t bar = sQ + T::bar_off;  // q_full[2], q_empty[2], full[S], empty[S]
+  auto q_full = [&](int qb) { return bar + 8 * qb; };
+  auto q_empty = [&](int qb) { return bar + 8 * (2 + qb); };
+  auto full = [&](int st) { return bar + 8 * (4 + st); };
+  auto empty = [&](int st) { return bar + 8 * (4 + S + st); };
 
-  const int64_t nqb = (a.Lq + BM - 1) / BM;
-  const int64_t bh = blockIdx.x / nqb, q0 = (blockIdx.x % nqb) * BM;
-  const int b = static_cast<int>(bh / a.H), h = static_cast<int>(bh % a.H);
+  // Persistent: a CTA takes work items (bh, query block) blockIdx.x, + gridDim.x, ...; the producer loads
+  // the next item's Q (the other buffer) and first K/V tiles while the consumers finish this one, so the
+  // fixed part of a short item (pipeline fill, epilogue) overlaps (576 tokens: 5 key tiles an item).
+  const int64_t nqb = (a.Lq + BM - 1) / BM, nwork = a.B * a.H * nqb;
   const int tid = threadIdx.x, wg = tid / 128;
   const int64_t nkt = (a.Lk + BN - 1) / BN;
 
-  if (tid == 0) init_stage_barriers<S>(bar, {1, 4 * T::WG});  // empty: one arrival per consumer warp
+  if (tid == 0) {
+    init_barriers<2>(bar, {1, 4 * T::WG});            // q_full, q_empty: one arrival per consumer warp
+    init_barriers<S>(bar + 32, {1, 4 * T::WG});       // full, empty
+  }
   __syncthreads();
 
   if (wg == 0) {
     wgmma::setmaxnreg_dec<T::regs_producer>();
     if (tid == 0) {
-      load_q_tile<DP, BM, 64>(sQ, &tq, bar, T::q_bytes, q0, h, b);
-      stream_tiles<DP, BN, S>(&tk, &tv, sK, sV, T::kv_bytes, nkt, h, b, full, empty, 0, [](int64_t, int) {});
+      int64_t u = 0;  // K/V tiles streamed so far
+      int li = 0;     // work items so far
+      for (int64_t w = blockIdx.x; w < nwork; w += gridDim.x, ++li) {
+        const int64_t bh = w / nqb, q0 = (w % nqb) * BM;
+        const int b = static_cast<int>(bh / a.H), h = static_cast<int>(bh % a.H), qb = li & 1;
+        wgmma::mbar_wait(q_empty(qb), static_cast<uint32_t>(((li >> 1) & 1) ^ 1));
+        load_q_tile<DP, BM, 64>(sQ + qb * T::q_bytes, &tq, q_full(qb), T::q_bytes, q0, h, b);
+        stream_tiles<DP, BN, S>(&tk, &tv, sK, sV, T::kv_bytes, nkt, h, b, full, empty, 0, [](int64_t, int) {}, u);
+        u += nkt;
+      }
     }
     return;
   }
@@ -686,102 +700,110 @@ __global__ void __launch_bounds__(WgTile<DP>::threads, 1)
 
   const int cw = wg - 1, warp = (tid / 32) % 4, lane = tid % 32;
   const int g = lane >> 2, tig = lane & 3;
-  const int64_t moff = b * a.mask.sb + a.mask.sh * h;
-
-  float o[NO];
-#pragma unroll
-  for (int i = 0; i < NO; ++i) o[i] = 0.f;
-  // This thread holds rows g and g + 8 of its warp's 16: running max (log2 units) and partial sum.
-  float m_r[2] = {neg_inf<float>(), neg_inf<float>()}, l_r[2] = {0.f, 0.f};
   const float sl2 = a.scale * kLog2e;
-  const int64_t row_base = q0 + cw * 64 + warp * 16 + g;
   // Descriptors of the tiles' first k-step; a step adds its byte offset >> 4 to the start address.
-  const uint64_t dq0 = wgmma::desc_sw128(sQ + cw * 64 * 128, 16, 1024);
   const uint64_t dk0 = wgmma::desc_sw128(sK, 16, 1024);
   const uint64_t dv0 = wgmma::desc_sw128(sV, BN * 128, 1024);
 
-  wgmma::mbar_wait(bar, 0);
-  for (int64_t t = 0; t < nkt; ++t) {
-    const int st = static_cast<int>(t % S);
-    const uint32_t stage = st * T::kv_bytes;
-    wgmma::mbar_wait(full(st), static_cast<uint32_t>((t / S) & 1));
+  int64_t u = 0;
+  int li = 0;
+  for (int64_t w = blockIdx.x; w < nwork; w += gridDim.x, ++li) {
+    const int64_t bh = w / nqb, q0 = (w % nqb) * BM;
+    const int b = static_cast<int>(bh / a.H), h = static_cast<int>(bh % a.H), qb = li & 1;
+    const int64_t moff = b * a.mask.sb + a.mask.sh * h;
 
-    // S = Q K^T: K-steps of 16 dims, 32 bytes apart inside a 128-byte line, lines of 64 dims apart.
-    float s[NS];
-    wgmma::fence();
+    float o[NO];
 #pragma unroll
-    for (int ks = 0; ks < DP / 16; ++ks) {
-      const uint32_t qa = (ks / 4) * BM * 128 + (ks % 4) * 32;
-      const uint32_t kb = stage + (ks / 4) * BN * 128 + (ks % 4) * 32;
-      wgmma::mma_m64n128k16_ss<kBf16>(s, dq0 + (qa >> 4), dk0 + (kb >> 4), ks);
-    }
-    wgmma::commit();
-    wgmma::wait<0>();
-    wgmma::fence_regs(s);
+    for (int i = 0; i < NO; ++i) o[i] = 0.f;
+    // This thread holds rows g and g + 8 of its warp's 16: running max (log2 units) and partial sum.
+    float m_r[2] = {neg_inf<float>(), neg_inf<float>()}, l_r[2] = {0.f, 0.f};
+    const int64_t row_base = q0 + cw * 64 + warp * 16 + g;
+    const uint64_t dq0 = wgmma::desc_sw128(sQ + qb * T::q_bytes + cw * 64 * 128, 16, 1024);
 
-    // The online softmax per row (4 lanes share a row), in log2 units. Interior tiles without a mask
-    // take the row max of the raw scores and one FMA + ex2 an element; the last tile, masks and a
-    // non-positive scale scale and mask every element first.
-    const int64_t k0 = t * BN;
-    const bool plain = k0 + BN <= a.Lk && a.mask.kind == kNoMask && sl2 > 0.f;
-    float mx[2] = {neg_inf<float>(), neg_inf<float>()};
-    if (plain) {
+    wgmma::mbar_wait(q_full(qb), static_cast<uint32_t>((li >> 1) & 1));
+    for (int64_t t = 0; t < nkt; ++t) {
+      const int st = static_cast<int>((u + t) % S);
+      const uint32_t stage = st * T::kv_bytes;
+      wgmma::mbar_wait(full(st), static_cast<uint32_t>(((u + t) / S) & 1));
+
+      // S = Q K^T: K-steps of 16 dims, 32 bytes apart inside a 128-byte line, lines of 64 dims apart.
+      float s[NS];
+      wgmma::fence();
 #pragma unroll
-      for (int i = 0; i < NS; ++i) mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], s[i]);
-    } else {
-#pragma unroll
-      for (int i = 0; i < NS; ++i) {
-        const int64_t key = k0 + (i / 4) * 8 + 2 * tig + (i & 1);
-        const int rr = (i >> 1) & 1;
-        float x = s[i] * sl2;
-        if (key >= a.Lk) {
-          x = neg_inf<float>();
-        } else if (a.mask.kind != kNoMask && row_base + rr * 8 < a.Lq) {
-          x += mask_add<scalar_t, float>(a.mask, moff + (row_base + rr * 8) * a.mask.sq + key * a.mask.sk) * kLog2e;
-        }
-        s[i] = x;
-        mx[rr] = fmaxf(mx[rr], x);
+      for (int ks = 0; ks < DP / 16; ++ks) {
+        const uint32_t qa = (ks / 4) * BM * 128 + (ks % 4) * 32;
+        const uint32_t kb = stage + (ks / 4) * BN * 128 + (ks % 4) * 32;
+        wgmma::mma_m64n128k16_ss<kBf16>(s, dq0 + (qa >> 4), dk0 + (kb >> 4), ks);
       }
-    }
-    const float f = plain ? sl2 : 1.f;  // what s still has to be multiplied by
-    float corr[2], m_use[2];
-#pragma unroll
-    for (int rr = 0; rr < 2; ++rr) {
-      mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(kFullMask, mx[rr], 1));
-      mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(kFullMask, mx[rr], 2));
-      const float m_new = fmaxf(m_r[rr], mx[rr] * f);
-      m_use[rr] = m_new == neg_inf<float>() ? 0.f : m_new;
-      corr[rr] = ex2_approx(m_r[rr] - m_use[rr]);
-      m_r[rr] = m_new;
-      l_r[rr] *= corr[rr];
-    }
-#pragma unroll
-    for (int i = 0; i < NO; ++i) o[i] *= corr[(i >> 1) & 1];
-    unsigned pa[BN / 16][4];
-#pragma unroll
-    for (int i = 0; i < NS; i += 2) {
-      const int rr = (i >> 1) & 1;
-      const float p0 = ex2_approx(fmaf(s[i], f, -m_use[rr])), p1 = ex2_approx(fmaf(s[i + 1], f, -m_use[rr]));
-      l_r[rr] += p0 + p1;
-      pa[i / 8][(i / 2) % 4] = MT::pack(p0, p1);
-    }
+      wgmma::commit();
+      wgmma::wait<0>();
+      wgmma::fence_regs(s);
 
-    // O += P V: V's tile is the MN-major B operand; K-steps of 16 keys are 2048 bytes apart.
-    wgmma::fence_regs(o);
-    wgmma::fence();
+      // The online softmax per row (4 lanes share a row), in log2 units. Interior tiles without a mask
+      // take the row max of the raw scores and one FMA + ex2 an element; the last tile, masks and a
+      // non-positive scale scale and mask every element first.
+      const int64_t k0 = t * BN;
+      const bool plain = k0 + BN <= a.Lk && a.mask.kind == kNoMask && sl2 > 0.f;
+      float mx[2] = {neg_inf<float>(), neg_inf<float>()};
+      if (plain) {
 #pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk) {
-      const uint64_t dv = dv0 + ((stage + kk * 16 * 128) >> 4);
-      if constexpr (DP == 64) wgmma::mma_m64n64k16_rs<kBf16>(o, pa[kk], dv);
-      else wgmma::mma_m64n128k16_rs<kBf16>(o, pa[kk], dv);
+        for (int i = 0; i < NS; ++i) mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], s[i]);
+      } else {
+#pragma unroll
+        for (int i = 0; i < NS; ++i) {
+          const int64_t key = k0 + (i / 4) * 8 + 2 * tig + (i & 1);
+          const int rr = (i >> 1) & 1;
+          float x = s[i] * sl2;
+          if (key >= a.Lk) {
+            x = neg_inf<float>();
+          } else if (a.mask.kind != kNoMask && row_base + rr * 8 < a.Lq) {
+            x += mask_add<scalar_t, float>(a.mask, moff + (row_base + rr * 8) * a.mask.sq + key * a.mask.sk) * kLog2e;
+          }
+          s[i] = x;
+          mx[rr] = fmaxf(mx[rr], x);
+        }
+      }
+      const float f = plain ? sl2 : 1.f;  // what s still has to be multiplied by
+      float corr[2], m_use[2];
+#pragma unroll
+      for (int rr = 0; rr < 2; ++rr) {
+        mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(kFullMask, mx[rr], 1));
+        mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(kFullMask, mx[rr], 2));
+        const float m_new = fmaxf(m_r[rr], mx[rr] * f);
+        m_use[rr] = m_new == neg_inf<float>() ? 0.f : m_new;
+        corr[rr] = ex2_approx(m_r[rr] - m_use[rr]);
+        m_r[rr] = m_new;
+        l_r[rr] *= corr[rr];
+      }
+#pragma unroll
+      for (int i = 0; i < NO; ++i) o[i] *= corr[(i >> 1) & 1];
+      unsigned pa[BN / 16][4];
+#pragma unroll
+      for (int i = 0; i < NS; i += 2) {
+        const int rr = (i >> 1) & 1;
+        const float p0 = ex2_approx(fmaf(s[i], f, -m_use[rr])), p1 = ex2_approx(fmaf(s[i + 1], f, -m_use[rr]));
+        l_r[rr] += p0 + p1;
+        pa[i / 8][(i / 2) % 4] = MT::pack(p0, p1);
+      }
+
+      // O += P V: V's tile is the MN-major B operand; K-steps of 16 keys are 2048 bytes apart.
+      wgmma::fence_regs(o);
+      wgmma::fence();
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk) {
+        const uint64_t dv = dv0 + ((stage + kk * 16 * 128) >> 4);
+        if constexpr (DP == 64) wgmma::mma_m64n64k16_rs<kBf16>(o, pa[kk], dv);
+        else wgmma::mma_m64n128k16_rs<kBf16>(o, pa[kk], dv);
+      }
+      wgmma::commit();
+      wgmma::wait<0>();
+      wgmma::fence_regs(o);
+      if (lane == 0) wgmma::mbar_arrive(empty(st));  // this warp is done reading the stage
     }
-    wgmma::commit();
-    wgmma::wait<0>();
-    wgmma::fence_regs(o);
-    if (lane == 0) wgmma::mbar_arrive(empty(st));  // this warp is done reading the stage
+    u += nkt;
+    if (lane == 0) wgmma::mbar_arrive(q_empty(qb));  // and with this item's Q
+    store_rows(a, o, m_r, l_r, bh, row_base, tig);
   }
-
-  store_rows(a, o, m_r, l_r, bh, row_base, tig);
 #endif
 }
 
@@ -1331,7 +1353,10 @@ __global__ void __launch_bounds__(WgTf32Tile::threads, 1)
   const int tid = threadIdx.x, wg = tid / 128;
   const int64_t nkt = (a.Lk + BN - 1) / BN;
 
-  if (tid == 0) init_stage_barriers<S>(bar, {1, T::kSplitters, 4 * T::WG});  // full, split, empty
+  if (tid == 0) {
+    init_barriers<1>(bar, {1});
+    init_barriers<S>(bar + 8, {1, T::kSplitters, 4 * T::WG});  // full, split, empty
+  }
   __syncthreads();
 
   if (wg == 0) {
@@ -2919,6 +2944,17 @@ bool make_tensor_map(CUtensorMap* m, const at::Tensor& t, int rows) {
 }
 #endif
 
+// Persistent grid: as many blocks as fit on the device at once (the blocks stride over work).
+template <typename Kernel>
+unsigned persistent_blocks(Kernel kernel, int threads, size_t smem, int64_t work_blocks) {
+  int dev = 0, sms = 0, per_sm = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&dev));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
+  const int64_t resident = static_cast<int64_t>(sms) * std::max(per_sm, 1);
+  return static_cast<unsigned>(std::max<int64_t>(1, std::min(resident, work_blocks)));
+}
+
 // The Hopper kernel: fp16 / bf16, head_dim <= 128 and % 8 == 0, at least one full query tile of a
 // warpgroup and more keys than the short kernel takes. Returns false where another kernel is used.
 template <typename scalar_t>
@@ -2943,7 +2979,8 @@ bool wgmma_forward(const char* op, const at::Tensor& q, const at::Tensor& k, con
       a.out = out.mutable_data_ptr<scalar_t>();
       a.lse_out = lse.mutable_data_ptr<float>();
       set_smem(kernel, T::smem_bytes, op);
-      kernel<<<grid_of(B * H * ceil_div(Lq, T::BM), op), T::threads, T::smem_bytes, stream>>>(a, tq, tk, tv);
+      const int64_t work = B * H * ceil_div(Lq, T::BM);  // items; the grid strides over them
+      kernel<<<persistent_blocks(kernel, T::threads, T::smem_bytes, work), T::threads, T::smem_bytes, stream>>>(a, tq, tk, tv);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       return true;
     };
@@ -2979,17 +3016,6 @@ bool mma_forward(const char* op, const at::Tensor& q, const at::Tensor& k, const
     else launch(attn_fwd_mma_kernel<scalar_t, 256>, MmaTile<256>::smem_bytes);
     return true;
   }
-}
-
-// Persistent grid: as many blocks as fit on the device at once (the warps stride over problems).
-template <typename Kernel>
-unsigned persistent_blocks(Kernel kernel, int threads, size_t smem, int64_t work_blocks) {
-  int dev = 0, sms = 0, per_sm = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&dev));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
-  const int64_t resident = static_cast<int64_t>(sms) * std::max(per_sm, 1);
-  return static_cast<unsigned>(std::max<int64_t>(1, std::min(resident, work_blocks)));
 }
 
 // Launches a persistent short-sequence kernel whose tile T gives warps and problems a block and its
