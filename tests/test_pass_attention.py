@@ -316,6 +316,17 @@ def test_cuda_sdpa_kept_where_vendor_is_faster(length, dim, fires):
 
 
 @pytest.mark.skipif(not _CUDA, reason="vd::fused_attention has no CUDA kernel in this build, or no GPU")
+@pytest.mark.parametrize("length, dim, fires", [(14, 128, True), (256, 64, True), (256, 128, False), (256, 30, False)])
+def test_cuda_fp32_sdpa_goes_to_vd_where_measured_faster(length, dim, fires):
+    # fp32 without gradients: vd's 3xTF32 kernels up to 32 tokens and at head_dim <= 64 (a multiple of 4);
+    # at head_dim 128 beyond 32 tokens SDPA's fp32 kernel is faster and "auto" keeps it, as where vd would
+    # fall back to its CUDA-core kernel.
+    q, k, v = (torch.randn(1, 2, length, dim, device="cuda") for _ in range(3))
+    check_auto_rule(q, k, v, fires, "SDPA kept: in fp32")
+    compare_with_eager(SDPA(), q, k, v, options=AUTO, grad=False, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(not _CUDA, reason="vd::fused_attention has no CUDA kernel in this build, or no GPU")
 @pytest.mark.parametrize("dtype, length, dim, fires", [
     (torch.bfloat16, 14, 64, True), (torch.bfloat16, 25, 40, True), (torch.bfloat16, 2048, 64, False),
     (torch.bfloat16, 256, 64, False), (torch.float32, 14, 64, True), (torch.float32, 25, 64, False),

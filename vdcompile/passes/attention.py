@@ -17,8 +17,9 @@ backend: temporal attention over frames) or, on a Hopper GPU with the sm_90a ker
 >= 2048 at head_dim <= 64 without a mask and no gradient needed (vd's wgmma kernel beats cuDNN there:
 SVD's spatial self-attention; vd's backward beyond 32 tokens is 0.76-0.82x SDPA's on Hopper, ~0.3x elsewhere). Elsewhere
 PyTorch's cuDNN / flash kernels are faster (bench/attention.py; bench/notes/attention.md). fp32 SDPA
-calls on CUDA are rewritten: vd's 3xTF32 tensor-core kernels beat SDPA's fp32 paths (1.8-2.0x on long
-sequences on Hopper at head_dim <= 64, ~1.05x elsewhere, 2.8-7x on temporal attention); in training only up to 16 tokens, because vd's fp32 backward
+calls on CUDA are rewritten up to 32 tokens or at head_dim <= 64: vd's 3xTF32 tensor-core kernels beat
+SDPA's fp32 paths there (1.8-2.0x on long sequences on Hopper, ~1.05x elsewhere, 2.8-7x on temporal
+attention; at head_dim 128 SDPA's wins); in training only up to 16 tokens, because vd's fp32 backward
 runs on the CUDA cores (forward + backward beat SDPA's there only).
 The textbook and bmm forms are rewritten (vd's kernels beat their unfused matmuls) except in training
 on CUDA in fp32 / fp64, where autograd through the matmuls beats vd's CUDA-core fp32 backward.
@@ -123,6 +124,7 @@ def _hopper_kernel(device) -> bool:
 
 
 FP32_TRAINING_MAX = 16  # q_len and kv_len up to which vd's fp32 forward + backward beat SDPA's
+FP32_MAX_DIM = 64  # head_dim up to which vd's fp32 forward beats SDPA's on long sequences
 
 
 def _at_most(lq, lk, n: int) -> bool:
@@ -149,8 +151,17 @@ def _sdpa_faster(m: Match, q, k) -> str | None:
             return None
         return ("SDPA kept: q, k or v requires grad and vd's fp32 / fp64 backward (CUDA cores) is slower than "
                 f"SDPA's beyond {FP32_TRAINING_MAX} tokens (options={{'attention_kernels': 'vd'}} forces vd)")
+    d = static_int(q.shape[-1])
+    if q.device.type == "cuda" and q.dtype == torch.float32:
+        # vd's 3xTF32 kernels beat SDPA's fp32 paths on temporal attention and at head_dim <= 64 (1.8-2.0x on
+        # Hopper, ~1.05x with mma.sync); at head_dim 128 SDPA's fp32 kernel wins (vd 0.60x on (4, 16, 8192,
+        # 128), bench/notes/attention.md, version 9), and head dims off a multiple of 4 run vd's CUDA-core kernel.
+        if _at_most(lq, lk, SHORT_MAX) or (d is not None and d <= FP32_MAX_DIM and d % 4 == 0):
+            return None
+        return (f"SDPA kept: in fp32 beyond {SHORT_MAX} tokens at head_dim > {FP32_MAX_DIM} or not a multiple of 4, "
+                "SDPA's kernel is faster than vd's (options={'attention_kernels': 'vd'} forces vd)")
     if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16):
-        return None  # fp32: vd's 3xTF32 kernels measured faster than SDPA's fp32 paths (fp64: not measured)
+        return None  # fp64: not measured
     if _at_most(lq, lk, SHORT_MAX):
         return None
     if _training(m):
@@ -158,7 +169,6 @@ def _sdpa_faster(m: Match, q, k) -> str | None:
         # with its deterministic pair), ~0.3x elsewhere (mma.sync): bench/notes/attention.md, versions 6-8.
         return (f"SDPA kept: q, k or v requires grad and vd's backward beyond {SHORT_MAX} tokens is slower than "
                 "SDPA's (options={'attention_kernels': 'vd'} forces vd)")
-    d = static_int(q.shape[-1])
     if (lq is not None and lk is not None and d is not None and min(lq, lk) >= HOPPER_MIN and d <= HOPPER_MAX_DIM
             and d % 8 == 0 and m.val("attn_mask") is None and _hopper_kernel(q.device)):
         return None
