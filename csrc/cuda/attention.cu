@@ -606,8 +606,8 @@ struct WgTile {
   static constexpr size_t smem_bytes = bar_off + 8 * (4 + 2 * kStages) + 1024;  // + slack to align to 1024
 };
 
-// The Hopper forward kernels' mbarriers at bar (8 bytes each): one array of S per entry of counts (its
-// arrival count), in order.
+// The Hopper kernels' mbarriers at bar (8 bytes each): one array of S per entry of counts (its arrival
+// count), in order.
 template <int S, int N>
 __device__ __forceinline__ void init_barriers(uint32_t bar, const int (&counts)[N]) {
   for (int k = 0; k < N; ++k)
@@ -1325,6 +1325,15 @@ __device__ __forceinline__ float4 split4_tf32(float4& x) {  // x becomes its TF3
   split_tf32(x.w, h, l), x.w = __uint_as_float(h), lo.w = __uint_as_float(l);
   return lo;
 }
+// Vectors i0, i0 + step, ... < n of hi rounded in place, their tails into lo (elementwise: any swizzle
+// is the same for both).
+__device__ __forceinline__ void split_in_place(float4* hi, float4* lo, int n, int i0, int step) {
+  for (int i = i0; i < n; i += step) {
+    float4 x = hi[i];
+    lo[i] = split4_tf32(x);
+    hi[i] = x;
+  }
+}
 
 __global__ void __launch_bounds__(WgTf32Tile::threads, 1)
     attn_fwd_tf32_wgmma_kernel(const AttnArgs<float, float> a, const __grid_constant__ CUtensorMap tq,
@@ -1370,13 +1379,8 @@ __global__ void __launch_bounds__(WgTf32Tile::threads, 1)
         const int st = static_cast<int>(t % S);
         wgmma::mbar_wait(full(st), static_cast<uint32_t>((t / S) & 1));
         // The tile's previous readers are done: the copy into this stage waited for them (empty).
-        float4* kh = reinterpret_cast<float4*>(ptr(sK + st * T::kv_bytes));
-        float4* kl = reinterpret_cast<float4*>(ptr(sKl + st * T::kv_bytes));
-        for (int i = sid; i < T::kv_bytes / 16; i += T::kSplitters) {
-          float4 x = kh[i];
-          kl[i] = split4_tf32(x);  // elementwise: the swizzle is the same for heads and tails
-          kh[i] = x;
-        }
+        split_in_place(reinterpret_cast<float4*>(ptr(sK + st * T::kv_bytes)),
+                       reinterpret_cast<float4*>(ptr(sKl + st * T::kv_bytes)), T::kv_bytes / 16, sid, T::kSplitters);
         // V: item i is head_dim column d (lanes: consecutive d, one 128-byte row of V per read) and the
         // chunk ch of 4 permuted keys: key (ch / 2) * 8 + 2 j + ch % 2 at position 4 ch + j.
         const float* vr = ptr(sV + st * T::kv_bytes);
@@ -1413,13 +1417,8 @@ __global__ void __launch_bounds__(WgTf32Tile::threads, 1)
 #pragma unroll
   for (int c = 0; c < DP / 32; ++c) {
     const uint32_t off = c * BM * 128 + cw * 64 * 128;
-    float4* qh = reinterpret_cast<float4*>(ptr(sQh + off));
-    float4* ql = reinterpret_cast<float4*>(ptr(sQl + off));
-    for (int i = ct; i < 64 * 128 / 16; i += 128) {
-      float4 x = qh[i];
-      ql[i] = split4_tf32(x);
-      qh[i] = x;
-    }
+    split_in_place(reinterpret_cast<float4*>(ptr(sQh + off)), reinterpret_cast<float4*>(ptr(sQl + off)), 64 * 128 / 16, ct,
+                   128);
   }
   wgmma::fence_proxy_async();
   wgmma::named_sync(1 + cw, 128);
@@ -2227,12 +2226,8 @@ __device__ __forceinline__ void wg_dkdv_block(const AttnArgs<scalar_t, float>& a
   const int64_t nqt = kDq ? a.Lq_pad / BC : (a.Lq + BC - 1) / BC;  // the same count (fused: BC = 64)
 
   if (tid == 0) {
-    wgmma::mbar_init(bar, 1);
-    for (int st = 0; st < S; ++st) {
-      wgmma::mbar_init(full(st), 1);
-      wgmma::mbar_init(empty(st), 128 * WG);  // every consumer thread (each read the stage's pairs)
-    }
-    wgmma::mbar_init_fence();
+    init_barriers<1>(bar, {1});
+    init_barriers<S>(bar + 8, {1, 128 * WG});  // empty: every consumer thread (each read the stage's pairs)
   }
   __syncthreads();
 
@@ -2411,12 +2406,8 @@ __global__ void __launch_bounds__(WgBwdTile<DP, BC, WG, S_>::threads, 1)
   const int64_t nkt = (a.Lk + BC - 1) / BC;
 
   if (tid == 0) {
-    wgmma::mbar_init(bar, 1);
-    for (int st = 0; st < S; ++st) {
-      wgmma::mbar_init(full(st), 1);
-      wgmma::mbar_init(empty(st), 4 * T::WG);
-    }
-    wgmma::mbar_init_fence();
+    init_barriers<1>(bar, {1});
+    init_barriers<S>(bar + 8, {1, 4 * T::WG});
   }
   __syncthreads();
 
