@@ -183,13 +183,20 @@ def bench_temporal_conv(dtype, dev, ceil):
                 ind = _compiled(conv)  # a fresh compile per layout: the strides are baked in
                 e = time_cuda(lambda i: conv(x))
                 n = time_cuda(lambda i: ind(x))
-                o = time_cuda(lambda i: torch.ops.vd.temporal_conv(x, conv.weight, conv.bias, 1))
                 ref = F.conv3d(x.float(), conv.weight.float(), conv.bias.float(), padding=(1, 0, 0))
-                err = (torch.ops.vd.temporal_conv(x, conv.weight, conv.bias, 1).float() - ref).abs().max().item()
+
+                def ours(i):
+                    return torch.ops.vd.temporal_conv(x, conv.weight, conv.bias, 1)
+                o = time_cuda(ours)
+                err = (ours(0).float() - ref).abs().max().item()
+                # The cuBLAS path (what non-Hopper GPUs run), side by side with the default.
+                with env_var("VD_TEMPORAL_CONV_KERNEL", "gemm"):
+                    og = time_cuda(ours)
+                    err_g = (ours(0).float() - ref).abs().max().item()
             flops = 2 * B * C * C * 3 * F_ * H * W
             r = _row(f"{B}x{C}x{F_}x{H}x{W}" + ("-fm" if layout == "frames-major" else ""), e, n, o, flops,
                      "TFLOPs", ceil)
-            r["max_err"] = err
+            r.update(max_err=err, cublas_ms=og, cublas_max_err=err_g, x_cublas=og / o)
             rows.append(r)
     return rows
 
@@ -236,6 +243,9 @@ def main():
         if op == "group_norm_silu" and args.gn_variants:
             print_table(rows, [("shape", "shape", "")] + [(f"{v}_ms", f"{v} ms", ".3f") for v in GN_VARIANTS]
                         + [(f"{v}_max_err", f"{v} err", ".1e") for v in GN_VARIANTS])
+        if op == "temporal_conv":
+            print_table(rows, [("shape", "shape", ""), ("cublas_ms", "vd cuBLAS ms", ".3f"),
+                               ("cublas_max_err", "cuBLAS err", ".1e"), ("x_cublas", "x cuBLAS", ".2f")])
         payload[op] = rows
     print("wrote", write_json(f"ops_{args.dtype}", payload))
 

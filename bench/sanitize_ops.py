@@ -106,6 +106,12 @@ def main():
             x = torch.randn(2, 8, 7, 5, 6, device=dev, dtype=dtype)
             w = torch.randn(12, 8, 3, 1, 1, device=dev, dtype=dtype)
             _grad(lambda x, w: torch.ops.vd.temporal_conv(x, w, None, 1), x, w)
+            if dtype != torch.float32:  # the Hopper kernel: partial channel / pixel tiles, padding-only frames
+                xf = torch.randn(2, 5, 72, 4, 26, device=dev, dtype=dtype).transpose(1, 2)
+                torch.ops.vd.temporal_conv(xf, torch.randn(200, 72, 3, 1, 1, device=dev, dtype=dtype),
+                                           torch.randn(200, device=dev, dtype=dtype), 1)
+                torch.ops.vd.temporal_conv(torch.randn(1, 40, 2, 8, 8, device=dev, dtype=dtype),
+                                           torch.randn(64, 40, 3, 1, 1, device=dev, dtype=dtype), None, 3)
             ran.append("temporal_conv")
         if want("scheduler_step"):
             s = torch.randn(2, 3, 4, 9, 7, device=dev, dtype=dtype)

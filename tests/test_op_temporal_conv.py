@@ -252,3 +252,94 @@ def test_backward_bad_grad_out():
         BACKWARD(torch.randn(2, 4, 4, 4, 4), x, w, 1)
     with pytest.raises(TypeError, match="grad_out has dtype"):
         BACKWARD(torch.randn(2, 4, 5, 4, 4, dtype=torch.float64), x, w, 1)
+
+
+# ---- the Hopper kernel (sm_90a, fp16 / bf16, contiguous or frames-major x, H*W and C_in multiples of 8) ----
+CUDA = [p for p in DEVICES if p.id == "cuda"]
+HOPPER_KERNEL = "temporal_conv_wgmma_kernel"
+
+
+def cuda_kernels_run(fn) -> list[str]:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events()]
+
+
+def on_hopper(device) -> bool:
+    return torch.cuda.get_device_capability(device) == (9, 0)
+
+
+# (B, C_in, C_out, F, H, W, k, padding, layout): partial channel blocks (C_out 200, 64 leaves the second
+# warpgroup idle), input channels that are not whole 64-channel chunks, pixel counts that are not whole
+# 128-pixel tiles, edge frames with fewer taps, frames that see only padding, k = 1 and 5, a channel slice.
+HOPPER_CASES = [
+    ((2, 64, 128, 5, 8, 16, 3, 1), "contiguous"),
+    ((2, 72, 200, 4, 4, 26, 3, 1), "frames_major"),
+    ((1, 40, 64, 3, 8, 8, 5, 2), "contiguous"),
+    ((3, 16, 24, 2, 2, 4, 3, 3), "frames_major"),
+    ((1, 128, 320, 14, 16, 24, 3, 1), "contiguous"),
+    ((1, 128, 320, 14, 16, 24, 3, 1), "frames_major"),
+    ((2, 8, 8, 1, 1, 8, 1, 0), "contiguous"),
+    ((2, 64, 96, 4, 4, 8, 3, 1), "channel_slice"),
+]
+
+
+@pytest.mark.parametrize("device", CUDA)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("case", HOPPER_CASES, ids=lambda c: f"{c[1]}-{'x'.join(map(str, c[0]))}")
+def test_hopper_kernel_matches_reference(device, dtype, case, monkeypatch):
+    (b, c_in, c_out, f, h, w, k, padding), layout = case
+    torch.manual_seed(0)
+    if layout == "channel_slice":  # channels [16, 16 + c_in) of a wider contiguous tensor
+        x = torch.randn(b, c_in + 32, f, h, w, device=device).to(dtype)[:, 16:16 + c_in]
+    else:
+        x = make_input(layout, b, c_in, f, h, w, device, dtype)
+    weight = make_weight(c_in, c_out, k, device, dtype)
+    for bias in (None, torch.randn(c_out, device=device, dtype=dtype)):
+        ref = reference_temporal_conv(x.double(), weight.double(), None if bias is None else bias.double(), padding)
+        monkeypatch.delenv("VD_TEMPORAL_CONV_KERNEL", raising=False)
+        out = OP(x, weight, bias, padding)
+        ran = cuda_kernels_run(lambda: OP(x, weight, bias, padding))
+        assert (HOPPER_KERNEL in " ".join(ran)) == on_hopper(device), ran
+        assert_close_to(out, ref, dtype, what=f"bias={bias is not None}")
+        assert_fake_matches_real(OP, (x, weight, bias, padding))
+        monkeypatch.setenv("VD_TEMPORAL_CONV_KERNEL", "gemm")  # the cuBLAS path, for comparison
+        assert HOPPER_KERNEL not in " ".join(cuda_kernels_run(lambda: OP(x, weight, bias, padding)))
+        assert_close_to(OP(x, weight, bias, padding), ref, dtype, what="cuBLAS path")
+
+
+@pytest.mark.parametrize("device", CUDA)
+def test_hopper_kernel_leaves_other_inputs_to_cublas(device):
+    """fp32, channels_last_3d and H*W not a multiple of 8 take the cuBLAS path (and stay correct)."""
+    torch.manual_seed(0)
+    cases = [
+        (make_input("contiguous", 1, 16, 4, 4, 8, device, torch.float32), torch.float32),
+        (make_input("channels_last", 1, 16, 4, 4, 8, device, torch.bfloat16), torch.bfloat16),
+        (make_input("contiguous", 1, 16, 4, 3, 5, device, torch.bfloat16), torch.bfloat16),
+    ]
+    for x, dtype in cases:
+        weight = make_weight(16, 24, 3, device, dtype)
+        out = OP(x, weight, None, 1)
+        assert HOPPER_KERNEL not in " ".join(cuda_kernels_run(lambda: OP(x, weight, None, 1)))
+        assert_close_to(out, reference_temporal_conv(x.double(), weight.double(), None, 1), dtype)
+
+
+@pytest.mark.parametrize("device", CUDA)
+@pytest.mark.parametrize("layout", ["contiguous", "frames_major"])
+def test_over_2_31_elements(device, layout):
+    """x and the output of 3.2 G elements (bf16): the output offsets of the last rows pass 2^31."""
+    if torch.cuda.get_device_properties(device).total_memory < 24 * 2**30:
+        pytest.skip("needs 24 GiB of GPU memory")
+    torch.manual_seed(0)
+    b, c, f, h, w = 1, 16, 3, 8192, 8192
+    x = torch.empty((b, f, c, h, w) if layout == "frames_major" else (b, c, f, h, w), device=device,
+                    dtype=torch.bfloat16).normal_()
+    if layout == "frames_major":
+        x = x.transpose(1, 2)
+    weight = make_weight(c, c, 3, device, torch.bfloat16)
+    bias = torch.randn(c, device=device, dtype=torch.bfloat16)
+    out = OP(x, weight, bias, 1)
+    for rows in (slice(0, 1), slice(h - 1, h)):
+        ref = reference_temporal_conv(x[..., rows, :].double(), weight.double(), bias.double(), 1)
+        assert_close_to(out[..., rows, :], ref, torch.bfloat16, what=f"rows {rows}")

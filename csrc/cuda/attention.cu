@@ -52,6 +52,7 @@
 #include <type_traits>
 
 #include "../attention.h"
+#include "hopper.h"
 #include "launch.h"
 #include "wgmma.h"
 
@@ -2869,15 +2870,6 @@ AttnArgs<scalar_t, acc_t> base_args(const at::Tensor& q, const at::Tensor& k, co
   return a;
 }
 
-// The current device's compute capability as 10 * major + minor.
-int compute_capability() {
-  int dev = 0, major = 0, minor = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&dev));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
-  return 10 * major + minor;
-}
-
 // Which forward kernel serves long fp16 / bf16 sequences. VD_ATTENTION_KERNEL=mma keeps the mma.sync
 // kernel on Hopper too (benchmarks compare the two in one process); read on every call.
 bool wgmma_allowed() {
@@ -2885,28 +2877,7 @@ bool wgmma_allowed() {
   return e == nullptr || std::string(e) != "mma";
 }
 
-// True on a compute capability 9.0 device when this build carries sm_90a code (VD_SM90A, set by
-// setup.py whenever it targets Hopper): the arch-specific binary runs on 9.0 only.
-bool device_is_sm90a() {
 #if defined(VD_SM90A)
-  return compute_capability() == 90;
-#else
-  return false;
-#endif
-}
-
-#if defined(VD_SM90A)
-// cuTensorMapEncodeTiled from the driver, found through the runtime (no link against libcuda).
-PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
-  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
-    void* p = nullptr;
-    cudaDriverEntryPointQueryResult q{};
-    C10_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q));
-    return q == cudaDriverEntryPointSuccess ? reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p) : nullptr;
-  }();
-  return fn;
-}
-
 // A (B, H, L, D) fp16 / bf16 / fp32 operand as a 4-D tensor map (D, L, H, B) with boxes of 128 bytes of
 // dims (64 or 32) x rows in the 128-byte swizzle; out-of-range rows and dims read as zeros. False where
 // the copy engine cannot take the layout (strides must be positive multiples of 16 bytes).

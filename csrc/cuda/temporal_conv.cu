@@ -1,15 +1,24 @@
-// CUDA kernels for vd::temporal_conv: the per-tap GEMMs of csrc/conv_gemm.h on cuBLAS, reading
-// (B, C, F, H, W) through views (no permute copies), and the weight's reorder to tap-major rows.
+// CUDA kernels for vd::temporal_conv. On Hopper (sm_90a), fp16 / bf16: one implicit-GEMM kernel
+// (wgmma + TMA) that reads x in place, contiguous or frames-major, and skips the taps that fall in the
+// padding. Elsewhere: the per-tap GEMMs of csrc/conv_gemm.h on cuBLAS, reading (B, C, F, H, W) through
+// views. Both use the weight reordered to tap-major rows (a kernel below).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <cstdlib>
 #include <limits>
+#include <string>
 
 #include "../conv_gemm.h"
+#include "hopper.h"
 #include "launch.h"
+#include "wgmma.h"
 
 namespace vd {
 namespace {
@@ -56,9 +65,254 @@ at::Tensor tap_rows_cuda(const at::Tensor& weight) {
 
 namespace {
 
+// ---- Hopper: the whole convolution as one implicit GEMM ----
+// For each sample b and output frame f:  out[b, :, f, p] = sum_t W_t (C_out x C_in) @ x[b, :, f + t - pad, p]
+// (+ bias). A CTA tile is 128 output channels x 128 pixels of one (b, f); its K loop runs over the taps
+// whose input frame exists and 64 input channels at a time. The copy engine loads the weight rows (A,
+// K-major: input channels contiguous) and the frame's pixel rows of x (B, MN-major: pixels contiguous,
+// one 64-pixel box per 128-byte swizzle atom) straight from x's own strides, so contiguous and
+// frames-major x take the same path; boxes past H*W, C_in or C_out read as zeros. Persistent CTAs: one
+// producer warp streams the stages across tiles, two consumer warpgroups (64 channels each) run
+// wgmma m64n128k16 and write their tile from registers with the bias.
+#if defined(VD_SM90A)
+struct TcArgs {
+  void* out;
+  const float* bias;                    // C_out floats, or null
+  int64_t out_sb, out_sc, out_sf;       // output strides (elements) of b, channel, frame; pixels stride 1
+  int64_t tiles;
+  int C_out, HW, F, F_out, k, pad;
+  int n_cb, n_pb, chunks;               // channel blocks of 128, pixel blocks of 128, input chunks of 64
+};
+
+struct TcTile {
+  static constexpr int BM = 128, BN = 128, BK = 64, kStages = 5;
+  static constexpr int a_bytes = BM * BK * 2;   // weight rows of a stage
+  static constexpr int b_bytes = BK * BN * 2;   // two 64-pixel atoms of 64 channel rows
+  static constexpr int bar_off = kStages * (a_bytes + b_bytes);
+  static constexpr size_t smem_bytes = bar_off + 16 * kStages + 1024;  // + slack to align to 1024
+};
+
+template <typename scalar_t>
+__global__ void __launch_bounds__(384, 1)
+    temporal_conv_wgmma_kernel(const TcArgs a, const __grid_constant__ CUtensorMap tw,
+                               const __grid_constant__ CUtensorMap tx) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using T = TcTile;
+  constexpr int S = T::kStages;
+  constexpr bool kBf16 = std::is_same_v<scalar_t, at::BFloat16>;
+  extern __shared__ __align__(16) unsigned char tc_smem[];
+  const uint32_t sA = (static_cast<uint32_t>(__cvta_generic_to_shared(tc_smem)) + 1023u) & ~1023u;
+  const uint32_t sB = sA + S * T::a_bytes, bar = sA + T::bar_off;
+  auto full = [&](int st) { return bar + 8 * st; };
+  auto empty = [&](int st) { return bar + 8 * (S + st); };
+  const int tid = threadIdx.x, wg = tid / 128;
+  if (tid == 0) {
+    for (int st = 0; st < S; ++st) {
+      wgmma::mbar_init(full(st), 1);
+      wgmma::mbar_init(empty(st), 8);  // one arrival per consumer warp
+    }
+    wgmma::mbar_init_fence();
+  }
+  __syncthreads();
+
+  // Tile w: channel block fastest (the CTAs at work share x's rows through L2), then pixel block,
+  // output frame, sample. Taps [t0, t1) read existing frames.
+  struct Tile { int cb, pb, f, b, t0, t1; };
+  auto tile_of = [&](int64_t w) {
+    Tile t;
+    t.cb = static_cast<int>(w % a.n_cb);
+    int64_t r = w / a.n_cb;
+    t.pb = static_cast<int>(r % a.n_pb);
+    r /= a.n_pb;
+    t.f = static_cast<int>(r % a.F_out);
+    t.b = static_cast<int>(r / a.F_out);
+    t.t0 = max(0, a.pad - t.f);
+    t.t1 = min(a.k, a.F + a.pad - t.f);
+    return t;
+  };
+
+  if (wg == 0) {
+    if (tid == 0) {
+      uint32_t u = 0;  // stages filled so far (runs on across tiles)
+      for (int64_t w = blockIdx.x; w < a.tiles; w += gridDim.x) {
+        const Tile t = tile_of(w);
+        for (int tap = t.t0; tap < t.t1; ++tap) {
+          const int fi = t.f + tap - a.pad;
+          for (int c = 0; c < a.chunks; ++c, ++u) {
+            const int st = static_cast<int>(u % S);
+            wgmma::mbar_wait(empty(st), ((u / S) & 1) ^ 1u);
+            wgmma::mbar_expect_tx(full(st), T::a_bytes + T::b_bytes);
+            wgmma::tma_load_4d(sA + st * T::a_bytes, &tw, full(st), c * T::BK, tap, t.cb * T::BM, 0);
+            const uint32_t dst = sB + st * T::b_bytes;
+            wgmma::tma_load_4d(dst, &tx, full(st), t.pb * T::BN, c * T::BK, fi, t.b);
+            wgmma::tma_load_4d(dst + T::b_bytes / 2, &tx, full(st), t.pb * T::BN + 64, c * T::BK, fi, t.b);
+          }
+        }
+      }
+    }
+    return;
+  }
+
+  // The consumer warpgroup's index through a shuffle, so the compiler sees it uniform: a branch on it
+  // around wgmma would otherwise serialize the products (ptxas C7518).
+  const int cw = __shfl_sync(kFullMask, wg - 1, 0), warp = (tid / 32) % 4, lane = tid % 32;
+  const int g = lane >> 2, tig = lane & 3;
+  scalar_t* out = static_cast<scalar_t*>(a.out);
+  uint32_t u = 0;
+  for (int64_t w = blockIdx.x; w < a.tiles; w += gridDim.x) {
+    const Tile t = tile_of(w);
+    const int steps = max(0, t.t1 - t.t0) * a.chunks;
+    const bool active = t.cb * T::BM + cw * 64 < a.C_out;  // this warpgroup's channels exist
+    float acc[64];  // the first product overwrites it (scale-d 0); zeroed below if there is none
+    int prev = -1;  // the stage whose products may still be reading shared memory
+    for (int s = 0; s < steps; ++s, ++u) {
+      const int st = static_cast<int>(u % S);
+      wgmma::mbar_wait(full(st), (u / S) & 1);
+      if (active) {
+        // K steps of 16 channels: +32 bytes in the weight's 128-byte rows, +16 rows (2048 bytes) of x's.
+        const uint64_t da = wgmma::desc_sw128(sA + st * T::a_bytes + cw * 64 * 128, 16, 1024);
+        const uint64_t db = wgmma::desc_sw128(sB + st * T::b_bytes, T::b_bytes / 2, 1024);
+        wgmma::fence();
+#pragma unroll
+        for (int kk = 0; kk < T::BK / 16; ++kk)
+          wgmma::mma_m64n128k16_ss_kmn<kBf16>(acc, da + ((kk * 32) >> 4), db + ((kk * 2048) >> 4), s > 0 || kk > 0);
+        wgmma::commit();
+        wgmma::wait<1>();  // the previous stage's products are done: hand it back
+      }
+      if (prev >= 0 && lane == 0) wgmma::mbar_arrive(empty(prev));
+      prev = st;
+    }
+    wgmma::wait<0>();
+    wgmma::fence_regs(acc);
+    if (steps == 0) {  // every tap in the padding: the bias alone
+#pragma unroll
+      for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+    }
+    if (prev >= 0 && lane == 0) wgmma::mbar_arrive(empty(prev));
+    if (!active) continue;
+
+    // Row g (+ 8) of the warp's 16 channels, columns 8 j + 2 tig (+ 1): pairs of adjacent pixels.
+    const int64_t obase = t.b * a.out_sb + t.f * a.out_sf;
+    const int p0 = t.pb * T::BN + 2 * tig;
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+      const int co = t.cb * T::BM + cw * 64 + warp * 16 + g + 8 * rr;
+      if (co >= a.C_out) continue;
+      const float bv = a.bias != nullptr ? a.bias[co] : 0.f;
+      scalar_t* row = out + obase + co * a.out_sc;
+#pragma unroll
+      for (int j = 0; j < T::BN / 8; ++j) {
+        const int p = p0 + 8 * j;
+        if (p >= a.HW) continue;  // HW is even: the pair is whole
+        const float x0 = acc[4 * j + 2 * rr] + bv, x1 = acc[4 * j + 2 * rr + 1] + bv;
+        if constexpr (kBf16)
+          *reinterpret_cast<__nv_bfloat162*>(row + p) = __floats2bfloat162_rn(x0, x1);
+        else
+          *reinterpret_cast<__half2*>(row + p) = __floats2half2_rn(x0, x1);
+      }
+    }
+  }
+#endif
+}
+
+// A tiled tensor map over `dims` (innermost first) with byte strides `strides` of dims 1.., boxes `box`,
+// 128-byte swizzle, zeros outside the tensor. False where the copy engine cannot take it.
+bool tc_tensor_map(CUtensorMap* m, const at::Tensor& t, const cuuint64_t (&dims)[4], const int64_t (&strides)[3],
+                   const cuuint32_t (&box)[4]) {
+  auto encode = tensor_map_encoder();
+  if (encode == nullptr) return false;
+  cuuint64_t bytes[3];
+  for (int i = 0; i < 3; ++i) {
+    if (strides[i] <= 0 || (strides[i] * 2) % 16 != 0) return false;
+    bytes[i] = static_cast<cuuint64_t>(strides[i] * 2);
+  }
+  const cuuint32_t unit[4] = {1, 1, 1, 1};
+  const CUtensorMapDataType type =
+      t.scalar_type() == at::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  return encode(m, type, 4, const_cast<void*>(t.const_data_ptr()), dims, bytes, box, unit,
+                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+#endif
+
+// VD_TEMPORAL_CONV_KERNEL=gemm keeps the cuBLAS path on Hopper too (benchmarks and tests compare them).
+bool temporal_wgmma_allowed() {
+  const char* e = std::getenv("VD_TEMPORAL_CONV_KERNEL");
+  return e == nullptr || std::string(e) != "gemm";
+}
+
+// The Hopper kernel for fp16 / bf16 x that is contiguous or frames-major with H * W and C_in multiples
+// of 8 (16-byte strides for the copy engine). Returns false where the cuBLAS path is used instead.
+bool temporal_conv_wgmma(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                         at::Tensor& out, const TemporalConvShape& s) {
+#if defined(VD_SM90A)
+  const auto dt = x.scalar_type();
+  if ((dt != at::kHalf && dt != at::kBFloat16) || s.channels_last || !temporal_wgmma_allowed() || !device_is_sm90a())
+    return false;
+  const int64_t HW = s.H * s.W, kMax = std::numeric_limits<int>::max();
+  if (HW % 8 != 0 || s.C_in % 8 != 0 || x.stride(4) != 1 || x.stride(3) != s.W || out.stride(4) != 1 ||
+      out.stride(3) != s.W || !aligned16(x.const_data_ptr()) || !aligned16(out.const_data_ptr()))
+    return false;
+  if (HW > kMax - 256 || s.C_in > kMax - 128 || s.C_out > kMax - 256 || s.F > kMax || s.B > kMax ||
+      s.F_out > kMax || s.k > kMax || s.padding > kMax / 2)
+    return false;  // the copy engine's coordinates and the tile fields are 32-bit
+  // A size-1 dim's stride is never used: give it a packed one the copy engine accepts.
+  auto st = [&](int d, int64_t packed) { return x.size(d) == 1 ? packed : x.stride(d); };
+  const int64_t xs[3] = {st(1, HW), st(2, HW * s.C_in), st(0, HW * s.C_in * s.F)};
+  const at::Tensor w = tap_rows(weight);  // (C_out, k, C_in) contiguous
+  CUtensorMap tw, tx;
+  const cuuint64_t wdims[4] = {static_cast<cuuint64_t>(s.C_in), static_cast<cuuint64_t>(s.k),
+                               static_cast<cuuint64_t>(s.C_out), 1};
+  const int64_t ws[3] = {s.C_in, s.k * s.C_in, s.C_out * s.k * s.C_in};
+  const cuuint64_t xdims[4] = {static_cast<cuuint64_t>(HW), static_cast<cuuint64_t>(s.C_in),
+                               static_cast<cuuint64_t>(s.F), static_cast<cuuint64_t>(s.B)};
+  if (!tc_tensor_map(&tw, w, wdims, ws, {64, 1, TcTile::BM, 1}) || !tc_tensor_map(&tx, x, xdims, xs, {64, 64, 1, 1}))
+    return false;
+
+  TcArgs a{};
+  a.out = out.data_ptr();
+  at::Tensor bias_f;
+  if (bias.has_value()) {  // rounded to x's dtype first, as the cuBLAS path adds it
+    bias_f = bias->to(dt).to(at::kFloat).contiguous();
+    a.bias = bias_f.const_data_ptr<float>();
+  }
+  a.out_sb = out.stride(0);
+  a.out_sc = out.stride(1);
+  a.out_sf = out.stride(2);
+  a.C_out = static_cast<int>(s.C_out);
+  a.HW = static_cast<int>(HW);
+  a.F = static_cast<int>(s.F);
+  a.F_out = static_cast<int>(s.F_out);
+  a.k = static_cast<int>(s.k);
+  a.pad = static_cast<int>(s.padding);
+  a.n_cb = static_cast<int>(ceil_div(s.C_out, TcTile::BM));
+  a.n_pb = static_cast<int>(ceil_div(HW, TcTile::BN));
+  a.chunks = static_cast<int>(ceil_div(s.C_in, TcTile::BK));
+  a.tiles = static_cast<int64_t>(a.n_cb) * a.n_pb * s.F_out * s.B;
+
+  const size_t smem = TcTile::smem_bytes;
+  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(a.tiles, sm_count()));
+  auto launch = [&](auto kernel) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+    kernel<<<grid, 384, smem, c10::cuda::getCurrentCUDAStream()>>>(a, tw, tx);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  };
+  if (dt == at::kBFloat16) launch(temporal_conv_wgmma_kernel<at::BFloat16>);
+  else launch(temporal_conv_wgmma_kernel<at::Half>);
+  return true;
+#else
+  (void)x, (void)weight, (void)bias, (void)out, (void)s;
+  return false;
+#endif
+}
+
 at::Tensor temporal_conv_cuda(const at::Tensor& x, const at::Tensor& weight,
                               const std::optional<at::Tensor>& bias, int64_t padding) {
   c10::cuda::CUDAGuard guard(x.device());
+  const TemporalConvShape s = check_temporal_conv(x, weight, padding);
+  check_vector(bias, s.C_out, x, kTemporalConvOp, "bias");
+  at::Tensor out = temporal_output(x, s);
+  if (out.numel() > 0 && temporal_conv_wgmma(x, weight, bias, out, s)) return out;
   return temporal_conv_forward(x, weight, bias, padding);
 }
 

@@ -1,5 +1,5 @@
 // Hopper (sm_90a) warpgroup matrix multiply: thin wrappers over the PTX of wgmma.mma_async and its
-// shared-memory descriptors, for the kernels that use them (attention.cu). Compiled only for the
+// shared-memory descriptors, for the kernels that use them (attention.cu, temporal_conv.cu). Compiled only for the
 // arch-specific target (__CUDA_ARCH_FEAT_SM90_ALL); callers guard their use the same way.
 //
 // Operand layouts used here: both shared-memory operands in the 128-byte swizzle (a row of 64
@@ -99,6 +99,14 @@ template <bool kBf16>
 __device__ __forceinline__ void mma_m64n64k16_ss_mn(float (&d)[32], uint64_t da, uint64_t db, int scale_d) {
   if constexpr (kBf16) VD_SS(64, bf16, VD_R32, VD_D32(d), "%32", "%33", "%34", "1, 1");
   else VD_SS(64, f16, VD_R32, VD_D32(d), "%32", "%33", "%34", "1, 1");
+}
+
+// d (64 x 128, f32) = (scale_d ? d : 0) + A (64 x 16, shared, K-major) * B (16 x 128, shared, MN-major):
+// temporal_conv's weight rows times frame rows of x (pixels contiguous).
+template <bool kBf16>
+__device__ __forceinline__ void mma_m64n128k16_ss_kmn(float (&d)[64], uint64_t da, uint64_t db, int scale_d) {
+  if constexpr (kBf16) VD_SS(128, bf16, VD_R64, VD_D64(d), "%64", "%65", "%66", "0, 1");
+  else VD_SS(128, f16, VD_R64, VD_D64(d), "%64", "%65", "%66", "0, 1");
 }
 
 // d (64 x 64, f32) += A (64 x 16, registers) * B (16 x 64, shared, MN-major).
