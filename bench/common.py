@@ -73,6 +73,24 @@ def kernel_time_cuda(fn: Callable[[int], object], name: str, n_sets: int = 1, it
     return statistics.median(times) / 1e3
 
 
+def device_time_per_call(fn: Callable[[], object], iters: int = 20) -> float:
+    """Device milliseconds per call of ``fn()``: the summed time of every CUDA kernel and memset it launches
+    (torch.profiler), without the host time between them. For ops too short to keep the GPU busy from
+    Python, where per-call CUDA events measure the host's dispatch rate instead."""
+    from torch.profiler import ProfilerActivity, profile
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    total = sum(e.device_time for e in prof.events() if e.device_time > 0)
+    if total <= 0:
+        raise RuntimeError("no CUDA kernel ran")
+    return total / iters / 1e3
+
+
 def time_cuda_graph(fns: Sequence[Callable[[], object]], iters: int = 20) -> float:
     """Milliseconds per call when the calls ``fns`` are captured in one CUDA graph and replayed
     (median over replays, divided by the number of calls): device time with no host work between them."""

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (env_var, environment, kernel_time_cuda, measure_ceilings, print_table, rotation_sets,  # noqa: E402
-                    time_cuda, time_cuda_graph, write_json)
+from common import (device_time_per_call, env_var, environment, kernel_time_cuda, measure_ceilings,  # noqa: E402
+                    print_table, rotation_sets, time_cuda, time_cuda_graph, write_json)
 
 import vdcompile  # noqa: E402,F401
 
@@ -163,8 +163,14 @@ def bench_conv_bn_silu(dtype, dev, mm_ceil):
             args = (conv.weight, conv.bias, bn.weight, bn.bias, bn.running_mean, bn.running_var, bn.eps,
                     [1, 1], [1, 1], [1, 1], 1, True)
             o = time_cuda(lambda i: torch.ops.vd.conv_bn_silu(x, *args))
+            # Per call, eager's three modules and the op are host-bound at these sizes: also the device time
+            # of each call's kernels (the convolution plus eager's BN and SiLU passes, or the op's epilogue).
+            e_dev = device_time_per_call(lambda: eager(x))
+            o_dev = device_time_per_call(lambda: torch.ops.vd.conv_bn_silu(x, *args))
         flops = 2 * N * C * C * 9 * H * W
-        rows.append(_row(f"{N}x{C}x{H}x{W}", e, n, o, flops, "TFLOPs", mm_ceil))
+        r = _row(f"{N}x{C}x{H}x{W}", e, n, o, flops, "TFLOPs", mm_ceil)
+        r.update(eager_device_ms=e_dev, ours_device_ms=o_dev, x_eager_device=e_dev / o_dev)
+        rows.append(r)
     return rows
 
 
@@ -243,6 +249,10 @@ def main():
         if op == "group_norm_silu" and args.gn_variants:
             print_table(rows, [("shape", "shape", "")] + [(f"{v}_ms", f"{v} ms", ".3f") for v in GN_VARIANTS]
                         + [(f"{v}_max_err", f"{v} err", ".1e") for v in GN_VARIANTS])
+        if op == "conv_bn_silu":
+            print_table(rows, [("shape", "shape", ""), ("eager_device_ms", "eager device ms", ".4f"),
+                               ("ours_device_ms", "ours device ms", ".4f"),
+                               ("x_eager_device", "x eager (device)", ".2f")])
         if op == "temporal_conv":
             print_table(rows, [("shape", "shape", ""), ("cublas_ms", "vd cuBLAS ms", ".3f"),
                                ("cublas_max_err", "cuBLAS err", ".1e"), ("x_cublas", "x cuBLAS", ".2f")])

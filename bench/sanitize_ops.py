@@ -101,6 +101,10 @@ def main():
             w = torch.randn(24, 16, 3, 3, device=dev, dtype=dtype)
             bn = [torch.rand(24, device=dev, dtype=dtype) + 0.5 for _ in range(4)]
             _grad(lambda x, w: torch.ops.vd.conv_bn_silu(x, w, None, *bn, 1e-5, [1, 1], [1, 1], [1, 1], 1, True), x, w)
+            with torch.no_grad():  # the vector epilogue: 8 x 16 NCHW planes, then channels_last rows of 24
+                for fmt in (torch.contiguous_format, torch.channels_last):
+                    xv = torch.randn(2, 16, 8, 16, device=dev, dtype=dtype).to(memory_format=fmt)
+                    torch.ops.vd.conv_bn_silu(xv, w, None, *bn, 1e-5, [1, 1], [1, 1], [1, 1], 1, True)
             ran.append("conv_bn_silu")
         if want("temporal_conv"):
             x = torch.randn(2, 8, 7, 5, 6, device=dev, dtype=dtype)

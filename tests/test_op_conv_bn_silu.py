@@ -435,3 +435,22 @@ def test_fold_cache_threads(empty_cache):
     assert not errors, errors
     hits, misses, entries = cache_stats()
     assert misses == 4 * 5 and hits == 4 * 15 and entries == 4  # 4 in-place updates per thread
+
+
+@pytest.mark.parametrize("device", [p for p in DEVICES if p.id == "cuda"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("cl", [False, True])
+@pytest.mark.parametrize("silu", [False, True])
+def test_cuda_bias_silu_vector_pass(device, dtype, cl, silu):
+    """The epilogue pass on 16-byte vectors: channels_last with C_out % 8 == 0, NCHW with H*W % 8 == 0
+    (x 8 x 16), next to a shape that keeps the scalar pass (C_out 12, 5 x 7 output)."""
+    torch.manual_seed(0)
+    for c_out, (h, w) in ((24, (8, 16)), (12, (5, 7))):
+        x = torch.randn(2, 16, h, w, device=device).to(dtype)
+        if cl:
+            x = x.to(memory_format=torch.channels_last)
+        params = make_params(16, c_out, 3, device=device, dtype=dtype)
+        args = (*params, 1e-5, [1, 1], [1, 1], [1, 1], 1, silu)
+        out = OP(x, *args)
+        ref = reference_conv_bn_silu(x.double(), *(t.double() for t in params), *args[6:])
+        assert_close_to(out, ref, dtype, what=f"C_out {c_out}, {h}x{w}")

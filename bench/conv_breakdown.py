@@ -1,0 +1,57 @@
+"""Where conv_bn_silu's time goes: device time per kernel of eager conv + BatchNorm + SiLU and of
+vd::conv_bn_silu (torch.profiler over 20 calls), with the per-call and CUDA-graph times beside them.
+
+    python bench/conv_breakdown.py
+"""
+import os
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import time_cuda, time_cuda_graph  # noqa: E402
+
+import vdcompile  # noqa: E402,F401
+
+CALLS = 20
+
+
+def kernels_per_call(fn):
+    """{kernel name: median device ms} and the summed device ms per call."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(CALLS):
+            fn()
+        torch.cuda.synchronize()
+    per = {}
+    for e in prof.events():
+        if e.device_time > 0:
+            per.setdefault(e.name[:60], []).append(e.device_time)
+    total = sum(sum(v) for v in per.values()) / CALLS / 1e3
+    return {k: statistics.median(v) / 1e3 for k, v in per.items()}, total
+
+
+def main():
+    dev, dtype = "cuda", torch.bfloat16
+    for N, C, H, W in [(2, 320, 72, 128), (2, 640, 36, 64), (2, 1280, 18, 32), (2, 1280, 9, 16)]:
+        x = torch.randn(N, C, H, W, device=dev, dtype=dtype).to(memory_format=torch.channels_last)
+        conv = torch.nn.Conv2d(C, C, 3, padding=1).to(dev, dtype).to(memory_format=torch.channels_last)
+        bn = torch.nn.BatchNorm2d(C).to(dev, dtype).eval()
+        args = (conv.weight, conv.bias, bn.weight, bn.bias, bn.running_mean, bn.running_var, bn.eps,
+                [1, 1], [1, 1], [1, 1], 1, True)
+        with torch.no_grad():
+            runs = (("eager", lambda: F.silu(bn(conv(x)))), ("vd", lambda: torch.ops.vd.conv_bn_silu(x, *args)))
+            for name, fn in runs:
+                kernels, total = kernels_per_call(fn)
+                graph = time_cuda_graph([fn] * 4)
+                call = time_cuda(lambda i: fn())
+                print(f"{N}x{C}x{H}x{W} {name}: device {total:.4f} ms/call, graph {graph:.4f}, call {call:.4f}; "
+                      + "; ".join(f"{k} {v:.4f}" for k, v in kernels.items()))
+
+
+if __name__ == "__main__":
+    main()
