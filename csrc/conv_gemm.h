@@ -294,12 +294,9 @@ inline void temporal_conv_taps(const at::Tensor& x, const at::Tensor& out, const
   }
 }
 
-inline at::Tensor temporal_conv_forward(const at::Tensor& x_in, const at::Tensor& weight,
-                             const std::optional<at::Tensor>& bias, int64_t padding) {
-  TemporalConvShape s = check_temporal_conv(x_in, weight, padding);
-  check_vector(bias, s.C_out, x_in, kTemporalConvOp, "bias");
-  at::Tensor out = temporal_output(x_in, s);
-  if (out.numel() == 0) return out;
+// out: temporal_output(x_in, s), checked by the caller (the CUDA op tries its Hopper kernel first).
+inline void temporal_conv_gemms(const at::Tensor& x_in, const at::Tensor& weight,
+                                const std::optional<at::Tensor>& bias, const TemporalConvShape& s, at::Tensor& out) {
   if (s.frames_major) {
     temporal_conv_fused(x_in.transpose(1, 2), out.transpose(1, 2), weight, bias, s);
   } else if (!s.channels_last && fused_pays_off(s)) {
@@ -309,6 +306,14 @@ inline at::Tensor temporal_conv_forward(const at::Tensor& x_in, const at::Tensor
   } else {
     temporal_conv_taps(x_in.contiguous(temporal_format(s)), out, weight, bias, s);
   }
+}
+
+inline at::Tensor temporal_conv_forward(const at::Tensor& x_in, const at::Tensor& weight,
+                                        const std::optional<at::Tensor>& bias, int64_t padding) {
+  TemporalConvShape s = check_temporal_conv(x_in, weight, padding);
+  check_vector(bias, s.C_out, x_in, kTemporalConvOp, "bias");
+  at::Tensor out = temporal_output(x_in, s);
+  if (out.numel() > 0) temporal_conv_gemms(x_in, weight, bias, s, out);
   return out;
 }
 

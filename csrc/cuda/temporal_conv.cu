@@ -312,8 +312,8 @@ at::Tensor temporal_conv_cuda(const at::Tensor& x, const at::Tensor& weight,
   const TemporalConvShape s = check_temporal_conv(x, weight, padding);
   check_vector(bias, s.C_out, x, kTemporalConvOp, "bias");
   at::Tensor out = temporal_output(x, s);
-  if (out.numel() > 0 && temporal_conv_wgmma(x, weight, bias, out, s)) return out;
-  return temporal_conv_forward(x, weight, bias, padding);
+  if (out.numel() > 0 && !temporal_conv_wgmma(x, weight, bias, out, s)) temporal_conv_gemms(x, weight, bias, s, out);
+  return out;
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> temporal_conv_backward_cuda(const at::Tensor& grad_out,
