@@ -56,36 +56,38 @@ def time_cuda(fn: Callable[[int], object], n_sets: int = 1, warmup: int = 5, ite
     return statistics.median(s.elapsed_time(e) for s, e in times)
 
 
-def kernel_time_cuda(fn: Callable[[int], object], name: str, n_sets: int = 1, iters: int = 30) -> float:
-    """Median device milliseconds of the CUDA kernels whose name contains ``name``, launched by ``fn(i)``
-    (torch.profiler): the kernel alone, without the host time of a call that is too short to hide it."""
+def cuda_kernel_times(fn: Callable[[int], object], iters: int = 20, warmup: int = 3) -> dict[str, list[float]]:
+    """Device microseconds of every CUDA kernel (and memset) that ``fn(i)`` launches over ``iters`` calls,
+    by name (torch.profiler): device time without the host's time between launches."""
     from torch.profiler import ProfilerActivity, profile
-    for i in range(3):
-        fn(i % n_sets)
+    for i in range(warmup):
+        fn(i)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for i in range(iters):
-            fn(i % n_sets)
+            fn(i)
         torch.cuda.synchronize()
-    times = [e.device_time for e in prof.events() if name in e.name and e.device_time > 0]
+    times: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_time > 0:
+            times.setdefault(e.name, []).append(e.device_time)
+    return times
+
+
+def kernel_time_cuda(fn: Callable[[int], object], name: str, n_sets: int = 1, iters: int = 30) -> float:
+    """Median device milliseconds of the CUDA kernels whose name contains ``name``, launched by ``fn(i)``
+    (torch.profiler): the kernel alone, without the host time of a call that is too short to hide it."""
+    times = [t for k, ts in cuda_kernel_times(lambda i: fn(i % n_sets), iters).items() if name in k for t in ts]
     if not times:
         raise RuntimeError(f"no CUDA kernel named like {name!r} ran")
     return statistics.median(times) / 1e3
 
 
 def device_time_per_call(fn: Callable[[], object], iters: int = 20) -> float:
-    """Device milliseconds per call of ``fn()``: the summed time of every CUDA kernel and memset it launches
-    (torch.profiler), without the host time between them. For ops too short to keep the GPU busy from
-    Python, where per-call CUDA events measure the host's dispatch rate instead."""
-    from torch.profiler import ProfilerActivity, profile
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            fn()
-        torch.cuda.synchronize()
-    total = sum(e.device_time for e in prof.events() if e.device_time > 0)
+    """Device milliseconds per call of ``fn()``: the summed time of every CUDA kernel and memset it launches,
+    without the host time between them. For ops too short to keep the GPU busy from Python, where
+    per-call CUDA events measure the host's dispatch rate instead."""
+    total = sum(sum(ts) for ts in cuda_kernel_times(lambda i: fn(), iters).values())
     if total <= 0:
         raise RuntimeError("no CUDA kernel ran")
     return total / iters / 1e3

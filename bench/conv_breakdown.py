@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import time_cuda, time_cuda_graph  # noqa: E402
+from common import cuda_kernel_times, time_cuda, time_cuda_graph  # noqa: E402
 
 import vdcompile  # noqa: E402,F401
 
@@ -20,19 +20,9 @@ CALLS = 20
 
 def kernels_per_call(fn):
     """{kernel name: median device ms} and the summed device ms per call."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(CALLS):
-            fn()
-        torch.cuda.synchronize()
-    per = {}
-    for e in prof.events():
-        if e.device_time > 0:
-            per.setdefault(e.name[:60], []).append(e.device_time)
-    total = sum(sum(v) for v in per.values()) / CALLS / 1e3
-    return {k: statistics.median(v) / 1e3 for k, v in per.items()}, total
+    times = cuda_kernel_times(lambda i: fn(), CALLS)
+    total = sum(sum(ts) for ts in times.values()) / CALLS / 1e3
+    return {k[:60]: statistics.median(ts) / 1e3 for k, ts in times.items()}, total
 
 
 def main():

@@ -86,3 +86,11 @@ def assert_fake_matches_real(op, args):
         assert (r.shape, r.dtype, r.device) == (f.shape, f.dtype, f.device), f"output {i}"
         dims = [d for d in range(r.dim()) if r.shape[d] > 1]
         assert [r.stride(d) for d in dims] == [f.stride(d) for d in dims], f"output {i}: {r.stride()} vs {f.stride()}"
+
+
+def cuda_kernels_run(fn) -> list[str]:
+    """Names of the CUDA kernels ``fn()`` launches (tests pin which kernel serves a case)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events()]

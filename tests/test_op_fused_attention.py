@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from tests.common import DTYPES, device_params, opcheck_test
+from tests.common import DTYPES, cuda_kernels_run, device_params, opcheck_test
 from vdcompile.ops import fused_attention, reference_fused_attention
 
 OP = torch.ops.vd.fused_attention.default
@@ -497,14 +497,6 @@ def check_cuda_against_reference(q, k, v, mask, dtype):
 
 
 needs_cuda = pytest.mark.skipif(not _CUDA, reason="vd::fused_attention has no CUDA kernel in this build, or no GPU")
-
-
-def cuda_kernels_run(fn) -> list[str]:
-    """Names of the CUDA kernels ``fn()`` launches (the tests below pin which kernel serves a case)."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return [e.name for e in prof.events()]
 
 
 # The short-sequence CUDA kernel (fp16/bf16, q_len and kv_len <= 32, head_dim <= 128, multiple of 8):

@@ -6,7 +6,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from tests.common import DTYPES, assert_close_to, device_params, opcheck_test, sample_tensor
+from tests.common import DTYPES, assert_close_to, cuda_kernels_run, device_params, opcheck_test, sample_tensor
 from vdcompile.ops import group_norm_silu, reference_group_norm_silu
 
 OP = torch.ops.vd.group_norm_silu.default
@@ -264,10 +264,7 @@ def test_channels_last_runs_version_5(device, monkeypatch):
     monkeypatch.setenv("VD_GROUP_NORM_KERNEL", "l2")
     for shape, groups, want in [((14, 320, 32, 32), 32, True), ((1, 64, 256, 256), 8, False)]:
         x = channels_last(torch.randn(shape, device=device, dtype=torch.bfloat16))
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            group_norm_silu(x, groups)
-            torch.cuda.synchronize()
-        names = [e.name for e in prof.events()]
+        names = cuda_kernels_run(lambda: group_norm_silu(x, groups))
         assert any("l2_cols_kernel" in n for n in names) == want, (shape, sorted(set(names)))
 
 

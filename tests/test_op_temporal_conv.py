@@ -6,7 +6,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from tests.common import assert_close_to, assert_fake_matches_real, device_params, opcheck_test, run_opcheck
+from tests.common import (assert_close_to, assert_fake_matches_real, cuda_kernels_run, device_params, opcheck_test,
+                          run_opcheck)
 from vdcompile.ops import reference_temporal_conv, temporal_conv
 
 OP = torch.ops.vd.temporal_conv.default
@@ -257,13 +258,6 @@ def test_backward_bad_grad_out():
 # ---- the Hopper kernel (sm_90a, fp16 / bf16, contiguous or frames-major x, H*W and C_in multiples of 8) ----
 CUDA = [p for p in DEVICES if p.id == "cuda"]
 HOPPER_KERNEL = "temporal_conv_wgmma_kernel"
-
-
-def cuda_kernels_run(fn) -> list[str]:
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return [e.name for e in prof.events()]
 
 
 def on_hopper(device) -> bool:

@@ -1067,6 +1067,39 @@ __device__ __forceinline__ void mma_3xtf32(float (&c)[4], const unsigned (&ah)[4
 // m16n8k8 A fragments hold columns tig and tig + 4 where S's accumulators hold 2 tig and 2 tig + 1:
 // P V runs over the keys of a tile in the order (0, 2, 4, 6, 1, 3, 5, 7) — P needs no shuffle, and
 // V is read in the same order.
+// Scores of a tile of 8 NT keys (m16n8 accumulator layout) in log2 units with this thread's row maxima:
+// interior tiles without a mask skip the per-element bound and mask code of scale_mask_scores.
+template <int NT>
+__device__ __forceinline__ void scale_scores(const AttnArgs<float, float>& a, float (&s)[NT][4], float (&mx)[2],
+                                             int64_t key0, int64_t row0, int64_t moff, float sl2, int tig) {
+  if (a.mask.kind == kNoMask && key0 + 8 * NT <= a.Lk) {
+    mx[0] = mx[1] = neg_inf<float>();
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        s[j][e] *= sl2;
+        mx[e >> 1] = fmaxf(mx[e >> 1], s[j][e]);
+      }
+    }
+  } else {
+    scale_mask_scores(a, s, mx, key0, row0, moff, sl2, tig);
+  }
+}
+
+// P of one 8-key group as a 3xTF32 A fragment (head ph, tail pl) for P V, its exponentials added to l_r:
+// logical column tig is key 2 tig, tig + 4 is key 2 tig + 1 (the accumulators of S, unshuffled).
+__device__ __forceinline__ void p_fragment_tf32(const float (&s)[4], const float (&m_use)[2], float (&l_r)[2],
+                                                unsigned (&ph)[4], unsigned (&pl)[4]) {
+  const int order[4] = {0, 2, 1, 3};
+#pragma unroll
+  for (int x = 0; x < 4; ++x) {
+    const float p = exp2f(s[order[x]] - m_use[x & 1]);
+    l_r[x & 1] += p;
+    split_tf32(p, ph[x], pl[x]);
+  }
+}
+
 template <int NT, int DP, int LDS>
 __device__ __forceinline__ void tf32_tile(const AttnArgs<float, float>& a, const float* Qw, const float* Kt,
                                           const float* Vt, float (&o)[DP / 8][4], float (&m_r)[2], float (&l_r)[2],
@@ -1106,34 +1139,15 @@ __device__ __forceinline__ void tf32_tile(const AttnArgs<float, float>& a, const
   }
 
   float mx[2], corr[2], m_use[2];
-  if (a.mask.kind == kNoMask && key0 + 8 * NT <= a.Lk) {  // interior tile: no per-element bound or mask
-    mx[0] = mx[1] = neg_inf<float>();
-#pragma unroll
-    for (int j = 0; j < NT; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        s[j][e] *= sl2;
-        mx[e >> 1] = fmaxf(mx[e >> 1], s[j][e]);
-      }
-    }
-  } else {
-    scale_mask_scores(a, s, mx, key0, row0, moff, sl2, tig);
-  }
+  scale_scores(a, s, mx, key0, row0, moff, sl2, tig);
   online_max(mx, m_r, l_r, corr, m_use);
   float pv[DP / 8][4];
 #pragma unroll
   for (int n = 0; n < DP / 8; ++n) pv[n][0] = pv[n][1] = pv[n][2] = pv[n][3] = 0.f;
 #pragma unroll
   for (int j = 0; j < NT; ++j) {
-    // P of key tile j as the A fragment: logical column tig is key 2 tig, tig + 4 is key 2 tig + 1.
-    const int order[4] = {0, 2, 1, 3};
     unsigned ph[4], pl[4];
-#pragma unroll
-    for (int x = 0; x < 4; ++x) {
-      const float p = exp2f(s[j][order[x]] - m_use[x & 1]);
-      l_r[x & 1] += p;
-      split_tf32(p, ph[x], pl[x]);
-    }
+    p_fragment_tf32(s[j], m_use, l_r, ph, pl);
     const float* vr = Vt + (j * 8 + 2 * tig) * LDS + g;
 #pragma unroll
     for (int n = 0; n < DP / 8; ++n) {
@@ -1458,32 +1472,12 @@ __global__ void __launch_bounds__(WgTf32Tile::threads, 1)
 
     const int64_t k0 = t * BN;
     float mx[2], corr[2], m_use[2];
-    if (a.mask.kind == kNoMask && k0 + BN <= a.Lk) {  // interior tile: no per-element bound or mask
-      mx[0] = mx[1] = neg_inf<float>();
-#pragma unroll
-      for (int j = 0; j < BN / 8; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          s[j][e] *= sl2;
-          mx[e >> 1] = fmaxf(mx[e >> 1], s[j][e]);
-        }
-      }
-    } else {
-      scale_mask_scores(a, s, mx, k0, row_base, moff, sl2, tig);
-    }
+    scale_scores(a, s, mx, k0, row_base, moff, sl2, tig);
     online_max(mx, m_r, l_r, corr, m_use);
-    // P of key group j as the A fragment (rows g, g + 8; columns tig, tig + 4 = keys 2 tig, 2 tig + 1).
+    // P of key group j as the A fragment (rows g, g + 8 of the warp's 16).
     unsigned ph[BN / 8][4], pl[BN / 8][4];
 #pragma unroll
-    for (int j = 0; j < BN / 8; ++j) {
-      const int order[4] = {0, 2, 1, 3};
-#pragma unroll
-      for (int x = 0; x < 4; ++x) {
-        const float p = exp2f(s[j][order[x]] - m_use[x & 1]);
-        l_r[x & 1] += p;
-        split_tf32(p, ph[j][x], pl[j][x]);
-      }
-    }
+    for (int j = 0; j < BN / 8; ++j) p_fragment_tf32(s[j], m_use, l_r, ph[j], pl[j]);
 
     // P V: V^T's K-steps of 8 keys are 32 bytes apart, lines of 32 keys DP * 128 bytes apart.
     float pv[DP / 2];
@@ -2882,40 +2876,10 @@ bool wgmma_allowed() {
 // dims (64 or 32) x rows in the 128-byte swizzle; out-of-range rows and dims read as zeros. False where
 // the copy engine cannot take the layout (strides must be positive multiples of 16 bytes).
 bool make_tensor_map(CUtensorMap* m, const at::Tensor& t, int rows) {
-  auto encode = tensor_map_encoder();
-  if (encode == nullptr) return false;
-  const int64_t es = t.element_size(), per16 = 16 / es;
-  const int64_t sizes[3] = {t.size(2), t.size(1), t.size(0)}, strides[3] = {t.stride(2), t.stride(1), t.stride(0)};
-  cuuint64_t dims[4] = {static_cast<cuuint64_t>(t.size(3)), static_cast<cuuint64_t>(sizes[0]),
-                        static_cast<cuuint64_t>(sizes[1]), static_cast<cuuint64_t>(sizes[2])};
-  cuuint64_t bytes[3];
-  int64_t natural = t.size(3);  // a size-1 dim's stride is never used: give it the packed one
-  for (int i = 0; i < 3; ++i) {
-    const int64_t st = sizes[i] == 1 ? natural : strides[i];
-    if (st <= 0 || st % per16 != 0) return false;
-    bytes[i] = static_cast<cuuint64_t>(st * es);
-    natural = st * sizes[i];
-  }
-  cuuint32_t box[4] = {static_cast<cuuint32_t>(128 / es), static_cast<cuuint32_t>(rows), 1, 1}, unit[4] = {1, 1, 1, 1};
-  const CUtensorMapDataType type = t.scalar_type() == at::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
-                                   : t.scalar_type() == at::kHalf   ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
-                                                                    : CU_TENSOR_MAP_DATA_TYPE_FLOAT32;
-  const CUresult r = encode(m, type, 4, const_cast<void*>(t.const_data_ptr()), dims, bytes, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                            CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  return r == CUDA_SUCCESS;
+  return tensor_map_4d(m, t, {t.size(3), t.size(2), t.size(1), t.size(0)}, {t.stride(2), t.stride(1), t.stride(0)},
+                       {static_cast<uint32_t>(128 / t.element_size()), static_cast<uint32_t>(rows), 1, 1});
 }
 #endif
-
-// Persistent grid: as many blocks as fit on the device at once (the blocks stride over work).
-template <typename Kernel>
-unsigned persistent_blocks(Kernel kernel, int threads, size_t smem, int64_t work_blocks) {
-  int dev = 0, sms = 0, per_sm = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&dev));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
-  const int64_t resident = static_cast<int64_t>(sms) * std::max(per_sm, 1);
-  return static_cast<unsigned>(std::max<int64_t>(1, std::min(resident, work_blocks)));
-}
 
 // The Hopper kernel: fp16 / bf16, head_dim <= 128 and % 8 == 0, at least one full query tile of a
 // warpgroup and more keys than the short kernel takes. Returns false where another kernel is used.

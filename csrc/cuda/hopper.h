@@ -1,10 +1,14 @@
-// Host-side pieces shared by the Hopper (sm_90a: wgmma + TMA) kernels of attention.cu and
-// temporal_conv.cu: which device runs them, and the driver's tensor-map encoder.
+// Host-side pieces shared by the kernels of attention.cu and temporal_conv.cu: which device runs the
+// Hopper (sm_90a: wgmma + TMA) kernels, persistent grids, and the driver's tensor-map encoder.
 #pragma once
+#include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
 
 namespace vd {
 
@@ -34,6 +38,15 @@ inline int sm_count() {
   return sms;
 }
 
+// Persistent grid: as many blocks as fit on the device at once (the blocks stride over work).
+template <typename Kernel>
+unsigned persistent_blocks(Kernel kernel, int threads, size_t smem, int64_t work_blocks) {
+  int per_sm = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
+  const int64_t resident = static_cast<int64_t>(sm_count()) * std::max(per_sm, 1);
+  return static_cast<unsigned>(std::max<int64_t>(1, std::min(resident, work_blocks)));
+}
+
 #if defined(VD_SM90A)
 // cuTensorMapEncodeTiled from the driver, found through the runtime (no link against libcuda).
 inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
@@ -44,6 +57,33 @@ inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
     return q == cudaDriverEntryPointSuccess ? reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p) : nullptr;
   }();
   return fn;
+}
+
+// A 4-D tiled tensor map over t's data (fp16, bf16 or fp32): `dims` innermost first, element strides of
+// dims 1-3 (a size-1 dim's stride is never used: it gets the packed one), boxes `box`, the 128-byte
+// swizzle, zeros outside the tensor. False where the copy engine cannot take it (strides must be positive
+// multiples of 16 bytes) or the driver has no encoder.
+inline bool tensor_map_4d(CUtensorMap* m, const at::Tensor& t, const int64_t (&dims)[4], const int64_t (&strides)[3],
+                          const uint32_t (&box)[4]) {
+  auto encode = tensor_map_encoder();
+  if (encode == nullptr) return false;
+  const int64_t es = t.element_size();
+  cuuint64_t gdims[4], bytes[3];
+  for (int i = 0; i < 4; ++i) gdims[i] = static_cast<cuuint64_t>(dims[i]);
+  int64_t packed = dims[0];
+  for (int i = 0; i < 3; ++i) {
+    const int64_t st = dims[i + 1] == 1 ? packed : strides[i];
+    if (st <= 0 || (st * es) % 16 != 0) return false;
+    bytes[i] = static_cast<cuuint64_t>(st * es);
+    packed = st * dims[i + 1];
+  }
+  const cuuint32_t gbox[4] = {box[0], box[1], box[2], box[3]}, unit[4] = {1, 1, 1, 1};
+  const CUtensorMapDataType type = t.scalar_type() == at::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                   : t.scalar_type() == at::kHalf   ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+                                                                    : CU_TENSOR_MAP_DATA_TYPE_FLOAT32;
+  return encode(m, type, 4, const_cast<void*>(t.const_data_ptr()), gdims, bytes, gbox, unit,
+                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 #endif
 

@@ -77,7 +77,7 @@ namespace {
 #if defined(VD_SM90A)
 struct TcArgs {
   void* out;
-  const float* bias;                    // C_out floats, or null
+  const void* bias;                     // C_out elements in x's dtype, or null
   int64_t out_sb, out_sc, out_sf;       // output strides (elements) of b, channel, frame; pixels stride 1
   int64_t tiles;
   int C_out, HW, F, F_out, k, pad;
@@ -198,7 +198,7 @@ __global__ void __launch_bounds__(384, 1)
     for (int rr = 0; rr < 2; ++rr) {
       const int co = t.cb * T::BM + cw * 64 + warp * 16 + g + 8 * rr;
       if (co >= a.C_out) continue;
-      const float bv = a.bias != nullptr ? a.bias[co] : 0.f;
+      const float bv = a.bias != nullptr ? static_cast<float>(static_cast<const scalar_t*>(a.bias)[co]) : 0.f;
       scalar_t* row = out + obase + co * a.out_sc;
 #pragma unroll
       for (int j = 0; j < T::BN / 8; ++j) {
@@ -215,24 +215,6 @@ __global__ void __launch_bounds__(384, 1)
 #endif
 }
 
-// A tiled tensor map over `dims` (innermost first) with byte strides `strides` of dims 1.., boxes `box`,
-// 128-byte swizzle, zeros outside the tensor. False where the copy engine cannot take it.
-bool tc_tensor_map(CUtensorMap* m, const at::Tensor& t, const cuuint64_t (&dims)[4], const int64_t (&strides)[3],
-                   const cuuint32_t (&box)[4]) {
-  auto encode = tensor_map_encoder();
-  if (encode == nullptr) return false;
-  cuuint64_t bytes[3];
-  for (int i = 0; i < 3; ++i) {
-    if (strides[i] <= 0 || (strides[i] * 2) % 16 != 0) return false;
-    bytes[i] = static_cast<cuuint64_t>(strides[i] * 2);
-  }
-  const cuuint32_t unit[4] = {1, 1, 1, 1};
-  const CUtensorMapDataType type =
-      t.scalar_type() == at::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
-  return encode(m, type, 4, const_cast<void*>(t.const_data_ptr()), dims, bytes, box, unit,
-                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
-}
 #endif
 
 // VD_TEMPORAL_CONV_KERNEL=gemm keeps the cuBLAS path on Hopper too (benchmarks and tests compare them).
@@ -256,25 +238,19 @@ bool temporal_conv_wgmma(const at::Tensor& x, const at::Tensor& weight, const st
   if (HW > kMax - 256 || s.C_in > kMax - 128 || s.C_out > kMax - 256 || s.F > kMax || s.B > kMax ||
       s.F_out > kMax || s.k > kMax || s.padding > kMax / 2)
     return false;  // the copy engine's coordinates and the tile fields are 32-bit
-  // A size-1 dim's stride is never used: give it a packed one the copy engine accepts.
-  auto st = [&](int d, int64_t packed) { return x.size(d) == 1 ? packed : x.stride(d); };
-  const int64_t xs[3] = {st(1, HW), st(2, HW * s.C_in), st(0, HW * s.C_in * s.F)};
   const at::Tensor w = tap_rows(weight);  // (C_out, k, C_in) contiguous
   CUtensorMap tw, tx;
-  const cuuint64_t wdims[4] = {static_cast<cuuint64_t>(s.C_in), static_cast<cuuint64_t>(s.k),
-                               static_cast<cuuint64_t>(s.C_out), 1};
-  const int64_t ws[3] = {s.C_in, s.k * s.C_in, s.C_out * s.k * s.C_in};
-  const cuuint64_t xdims[4] = {static_cast<cuuint64_t>(HW), static_cast<cuuint64_t>(s.C_in),
-                               static_cast<cuuint64_t>(s.F), static_cast<cuuint64_t>(s.B)};
-  if (!tc_tensor_map(&tw, w, wdims, ws, {64, 1, TcTile::BM, 1}) || !tc_tensor_map(&tx, x, xdims, xs, {64, 64, 1, 1}))
+  if (!tensor_map_4d(&tw, w, {s.C_in, s.k, s.C_out, 1}, {s.C_in, s.k * s.C_in, s.C_out * s.k * s.C_in},
+                     {64, 1, TcTile::BM, 1}) ||
+      !tensor_map_4d(&tx, x, {HW, s.C_in, s.F, s.B}, {x.stride(1), x.stride(2), x.stride(0)}, {64, 64, 1, 1}))
     return false;
 
   TcArgs a{};
   a.out = out.data_ptr();
-  at::Tensor bias_f;
-  if (bias.has_value()) {  // rounded to x's dtype first, as the cuBLAS path adds it
-    bias_f = bias->to(dt).to(at::kFloat).contiguous();
-    a.bias = bias_f.const_data_ptr<float>();
+  at::Tensor bias_x;
+  if (bias.has_value()) {  // in x's dtype, as the cuBLAS path adds it (no copy when it already is)
+    bias_x = bias->to(dt).contiguous();
+    a.bias = bias_x.const_data_ptr();
   }
   a.out_sb = out.stride(0);
   a.out_sc = out.stride(1);
@@ -291,10 +267,9 @@ bool temporal_conv_wgmma(const at::Tensor& x, const at::Tensor& weight, const st
   a.tiles = static_cast<int64_t>(a.n_cb) * a.n_pb * s.F_out * s.B;
 
   const size_t smem = TcTile::smem_bytes;
-  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(a.tiles, sm_count()));
   auto launch = [&](auto kernel) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-    kernel<<<grid, 384, smem, c10::cuda::getCurrentCUDAStream()>>>(a, tw, tx);
+    kernel<<<persistent_blocks(kernel, 384, smem, a.tiles), 384, smem, c10::cuda::getCurrentCUDAStream()>>>(a, tw, tx);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
   if (dt == at::kBFloat16) launch(temporal_conv_wgmma_kernel<at::BFloat16>);

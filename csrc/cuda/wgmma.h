@@ -51,13 +51,8 @@ __device__ __forceinline__ void fence_regs(float (&d)[N]) {
 #define VD_D32(d) VD_D16(d), VD_ACC8(d, 16), VD_ACC8(d, 24)
 #define VD_D64(d) VD_D32(d), VD_ACC8(d, 32), VD_ACC8(d, 40), VD_ACC8(d, 48), VD_ACC8(d, 56)
 // TY: bf16 or f16 (the A and B element type).
-#define VD_SS_M64N128(TY)                                                                             \
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                          \
-               "wgmma.mma_async.sync.aligned.m64n128k16.f32." #TY "." #TY " {" VD_R64 "}, %64, %65, p, 1, 1, 0, 0;\n}\n" \
-               : VD_D64(d)                                                                             \
-               : "l"(da), "l"(db), "r"(scale_d))
-// Both operands from shared memory (operands DA, DB), K-major (TR "0, 0") or both MN-major (TR "1, 1");
-// scale-d from SC (0: d is overwritten).
+// Both operands from shared memory (operands DA, DB): the transpose flags TR are "0, 0" for both K-major,
+// "1, 1" for both MN-major, "0, 1" for a K-major A and an MN-major B; scale-d from SC (0: d is overwritten).
 #define VD_SS(N, TY, RLIST, DLIST, DA, DB, SC, TR)                                                    \
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " SC ", 0;\n"                                       \
                "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." #TY "." #TY " {" RLIST "}, " DA ", " DB \
@@ -76,8 +71,8 @@ __device__ __forceinline__ void fence_regs(float (&d)[N]) {
 // d (64 x 128, f32) = (scale_d ? d : 0) + A (64 x 16, shared, K-major) * B (16 x 128, shared, K-major).
 template <bool kBf16>
 __device__ __forceinline__ void mma_m64n128k16_ss(float (&d)[64], uint64_t da, uint64_t db, int scale_d) {
-  if constexpr (kBf16) VD_SS_M64N128(bf16);
-  else VD_SS_M64N128(f16);
+  if constexpr (kBf16) VD_SS(128, bf16, VD_R64, VD_D64(d), "%64", "%65", "%66", "0, 0");
+  else VD_SS(128, f16, VD_R64, VD_D64(d), "%64", "%65", "%66", "0, 0");
 }
 
 // d (64 x N, f32) = (scale_d ? d : 0) + A (64 x 16, shared, K-major) * B (16 x N, shared, K-major),
@@ -143,7 +138,6 @@ __device__ __forceinline__ void mma_m64n64k8_tf32_rs(float (&d)[32], const unsig
 
 #undef VD_RS
 #undef VD_SS
-#undef VD_SS_M64N128
 #undef VD_D64
 #undef VD_D32
 #undef VD_D16
