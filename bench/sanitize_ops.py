@@ -47,6 +47,9 @@ def main():
                 v = torch.randn(B, H, Lk, D, device=dev, dtype=dtype)
                 mask = torch.rand(1, 1, Lq, Lk, device=dev) > 0.3
                 torch.ops.vd.fused_attention(q, k, v, mask, None)
+                if dtype == torch.float32 and Lq <= 32 and Lk <= 32 and max(Lq, Lk) > 16:
+                    with env_var("VD_ATTENTION_FP32_SHORT", "tf32"):  # the 3xTF32 kernel the FMA one replaced here
+                        torch.ops.vd.fused_attention(q, k, v, mask, None)
                 _grad(lambda q, k, v: torch.ops.vd.fused_attention(q, k, v, None, None), q, k, v)
                 _grad(lambda q, k, v: torch.ops.vd.fused_attention(q, k, v, mask, None), q, k, v)
                 with env_var("VD_ATTENTION_BACKWARD", "mma"):  # the mma.sync pair where Hopper has its own
@@ -54,6 +57,9 @@ def main():
                 _grad(lambda q, k, v: torch.ops.vd.strided_attention(q, k, v, 3, None), q, k, v)
                 qt = torch.randn(B, Lq, H, D, device=dev, dtype=dtype).transpose(1, 2)
                 torch.ops.vd.fused_attention(qt, k, v, None, None)
+            if dtype == torch.float32:  # the fp32 FMA short kernel: head_dim % 8 == 4, a last key group of one key
+                q, k, v = (torch.randn(300, 3, n, 36, device=dev, dtype=dtype) for n in (29, 17, 17))
+                torch.ops.vd.fused_attention(q, k, v, torch.rand(29, 17, device=dev) > 0.3, None)
             ran.append("attention")
         if "attention_backward" in only and dtype == torch.bfloat16 and has_cuda_kernels("fused_attention"):
             for B, H, Lq, Lk, D in [(1, 1, 130, 200, 64), (1, 1, 100, 70, 128)]:
@@ -79,7 +85,7 @@ def main():
                 torch.ops.vd.group_norm_silu(x, groups, None, None, 1e-5, True)
             # Each forward kernel family on its own: one block, a cluster of 4, a cluster of 16 (bf16;
             # two-pass in fp32), frames-major over a cluster of 8 / 16.
-            for family in ("l2", "onchip"):
+            for family in ("smem", "l2", "onchip"):
                 with env_var("VD_GROUP_NORM_KERNEL", family):
                     for shape, groups in [((2, 64, 9, 11), 8), ((2, 640, 36, 64), 32), ((1, 64, 256, 256), 8)]:
                         x = torch.randn(shape, device=dev, dtype=dtype)

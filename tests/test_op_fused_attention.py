@@ -523,10 +523,12 @@ def test_short_kernel_cuda_matches_reference(dtype, shape, layout, mask_kind):
 
 @needs_cuda
 @pytest.mark.parametrize("dtype,L,gib,tol", [(torch.bfloat16, 14, 24, 2e-2), (torch.float32, 14, 44, 1e-5),
+                                              (torch.float32, 25, 44, 1e-5),
                                               (torch.bfloat16, 64, 24, 2e-2), (torch.float32, 64, 44, 1e-5)])
 def test_kernels_cuda_over_2_31_elements(dtype, L, gib, tol):
     # 64-bit offsets: q, k, v and out each hold more than 2^31 elements (4.3 GB apiece in bf16); 14
-    # rows run the short kernels, 64 the long ones (on Hopper the wgmma kernels).
+    # rows run the short kernels (25 rows in fp32 the CUDA-core one), 64 the long ones (on Hopper the
+    # wgmma kernels).
     free, _ = torch.cuda.mem_get_info()
     if free < gib * 2**30:
         pytest.skip(f"needs {gib} GiB of free GPU memory")
@@ -595,6 +597,77 @@ def test_fp32_kernel_choice(monkeypatch):
         k = torch.randn(B, H, Lk, D, device="cuda")
         names = cuda_kernels_run(lambda: OP(q, k, k))
         assert any(kernel in n for n in names) == want, (env, kernel, sorted(set(names)))
+
+
+# float32 short problems of 17-32 rows (q_len, kv_len <= 32, head_dim <= 128 and % 4 == 0, compute
+# capability 8.0+): the CUDA-core FMA kernel by default, the 3xTF32 short kernel with
+# VD_ATTENTION_FP32_SHORT=tf32; each pinned by name and held to float32's own error bound. Both head_dim
+# buckets (64, 128), head dims off the 8-dim steps (36, 100, 12), a single key, keys in a partial group
+# of 4, masks broadcast over heads (with a fully masked row), the projections' views, and more problems
+# than the persistent grid has warps (each warp then prefetches the next one's loads).
+@needs_cuda
+@pytest.mark.parametrize("kernel", ["fma", "tf32"])
+@pytest.mark.parametrize("shape,layout,mask_kind", [
+    ((3, 5, 25, 25, 64), "contiguous", None),
+    ((3, 5, 25, 25, 64), "bnhd", "bool"),
+    ((2, 3, 17, 32, 64), "packed_kv", "float"),
+    ((2, 3, 32, 20, 128), "bnhd", "bool"),
+    ((4, 2, 25, 1, 64), "contiguous", None),      # one key
+    ((4, 2, 25, 1, 64), "bnhd", "bool"),          # one key: a fifth of the rows fully masked
+    ((2, 2, 31, 29, 40), "bnhd", "float"),        # head_dim 40 in the 64 bucket
+    ((2, 2, 31, 29, 36), "contiguous", "bool"),   # head_dim % 8 == 4: the upper half's last chunk is padding
+    ((2, 2, 20, 18, 100), "packed_kv", None),     # the same in the 128 bucket
+    ((3, 2, 1, 32, 12), "contiguous", "float"),   # one query row
+    ((3, 2, 32, 5, 64), "d_strided", None),       # a copy first
+    ((1152, 5, 25, 25, 64), "bnhd", None),        # SVD-XT temporal attention: 5760 problems
+    ((256, 4, 32, 32, 128), "contiguous", "float"),
+])
+def test_fp32_short_kernels_match_reference(kernel, shape, layout, mask_kind, monkeypatch):
+    if torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("the short fp32 kernels need compute capability 8.0+")
+    if kernel == "tf32":
+        monkeypatch.setenv("VD_ATTENTION_FP32_SHORT", "tf32")
+    else:
+        monkeypatch.delenv("VD_ATTENTION_FP32_SHORT", raising=False)
+    B, H, Lq, Lk, D = shape
+    gen = torch.Generator(device="cuda").manual_seed(sum(shape) + 11)
+    q, k, v = make_qkv(B, H, Lq, Lk, D, torch.float32, layout, "cuda", gen)
+    mask = make_mask(mask_kind, (B, H, Lq, Lk), [True, False, True, True], 0, torch.float32, "cuda", gen)
+    if mask is not None and Lq > 3:  # a fully masked row: out 0, lse -inf
+        mask[:, :, 3] = False if mask.dtype == torch.bool else float("-inf")
+    names = cuda_kernels_run(lambda: OP(q, k, v, mask))
+    fma, tf32 = "attn_fwd_fp32_short_kernel", "attn_fwd_tf32_short_kernel"
+    want, other = (fma, tf32) if kernel == "fma" else (tf32, fma)
+    assert any(want in n for n in names) and not any(other in n for n in names), sorted(set(names))
+    check_cuda_against_reference(q, k, v, mask, torch.float32)
+
+
+@needs_cuda
+def test_fp32_short_kernel_choice(monkeypatch):
+    # Which kernel serves float32 with q_len, kv_len <= 32 (compute capability 8.0+, head_dim <= 128 and
+    # % 4 == 0): up to 16 rows the 3xTF32 short kernel; 17-32 rows (either length) the CUDA-core FMA
+    # kernel, or the 3xTF32 one with VD_ATTENTION_FP32_SHORT=tf32. Other head dims: the "rows" kernel.
+    tc = torch.cuda.get_device_capability() >= (8, 0)
+    fma, tf32, rows = "attn_fwd_fp32_short_kernel", "attn_fwd_tf32_short_kernel", "attn_fwd_rows_kernel"
+    cases = [(None, (4, 2, 25, 25, 64), fma if tc else rows),
+             ("tf32", (4, 2, 25, 25, 64), tf32 if tc else rows),
+             (None, (4, 2, 32, 32, 128), fma if tc else rows),
+             (None, (4, 2, 1, 17, 8), fma if tc else rows),
+             (None, (4, 2, 17, 1, 8), fma if tc else rows),
+             (None, (4, 2, 14, 14, 64), tf32 if tc else rows),
+             (None, (4, 2, 16, 16, 128), tf32 if tc else rows),
+             (None, (4, 2, 25, 25, 30), rows),
+             (None, (4, 2, 25, 25, 132), rows)]
+    for env, (B, H, Lq, Lk, D), want in cases:
+        if env is None:
+            monkeypatch.delenv("VD_ATTENTION_FP32_SHORT", raising=False)
+        else:
+            monkeypatch.setenv("VD_ATTENTION_FP32_SHORT", env)
+        q = torch.randn(B, H, Lq, D, device="cuda")
+        k = torch.randn(B, H, Lk, D, device="cuda")
+        names = cuda_kernels_run(lambda: OP(q, k, k))
+        ran = {n for n in (fma, tf32, rows) if any(n + "<" in e for e in names)}
+        assert ran == {want}, (env, (B, H, Lq, Lk, D), sorted(set(names)))
 
 
 # The backward kernels for fp16/bf16: the tensor-core kernels (head_dim <= 128 and % 8 == 0; dq and

@@ -19,6 +19,7 @@
 //         warpgroup MMA, K/V streamed by the bulk tensor copy engine from a producer warp.
 //   tf32: float32 on the tensor cores as three TF32 products (float32-level accuracy): the mma.sync
 //         loop and a short kernel (compute capability 8.0+), and on Hopper a wgmma kernel (head_dim <= 64).
+//         Short float32 problems of 17-32 rows run plain FMA on the CUDA cores instead (a warp a problem).
 // Backward, recomputing P from lse:
 //   short: fp16/bf16 with q_len, kv_len <= 32 and head_dim <= 128, % 8 == 0: a warp per (b, h)
 //         problem, tensor cores, one launch;
@@ -1304,6 +1305,238 @@ __global__ void __launch_bounds__(Tf32ShortTile<LP, DP>::warps * 32)
     }
     sync();  // every owner is done reading before the next problem's loads land
   }
+}
+
+// fp32 short problems of 17-32 rows on the CUDA cores. Padded to 32 rows, the 3xTF32 kernel above runs
+// three products of 32 x 32 (61 % of them useful at 25 rows) and is bound by them rather than by its
+// copies; plain FMA runs each product once (the 18432 x 5 x 25 x 64 temporal call: ~0.5 ms of issue
+// against ~0.55 ms of copies, bench/notes/attention.md, version 11). A warp per (b, h) problem: lanes r
+// and r + 16 own query rows r and r + 16, the lower half-warp the even 4-dim chunks, the upper the odd
+// ones, so each K / V float4 read from shared memory (two addresses a warp, in distinct banks:
+// broadcasts) feeds 8 FMAs; one shuffle a score adds the halves, and both halves then run the softmax of
+// both rows (no further exchange). Keys go in groups of 4 up to kv_len; V rows past it stay zero, so a
+// group's padded keys add 0 x 0. Loads: one stage of Q, K and V a warp (26 KB at head_dim 64: 8 warps an
+// SM, 50 KB at 128: 4; two stages would halve that), the next problem's Q and K issued once the scores
+// are done and its V once P V is, so each copy lands under half a problem's math. The output goes from
+// registers to global memory (at head_dim % 8 == 0 a store instruction writes whole 32-byte sectors of
+// 16 rows).
+template <int DP>
+struct Fp32ShortTile {
+  static constexpr int LP = 32;       // rows of Q, K and V a problem, padded
+  static constexpr int LDS = DP + 4;  // padded row: 8 lanes reading a float4 of their own rows hit distinct banks
+  static constexpr int warp_elems = 3 * LP * LDS;
+  static constexpr int warps = DP <= 64 ? 2 : 1;  // blocks of ~52 KB: 4 an SM (3 on 164 KB devices)
+  static constexpr int problems = warps;           // a warp a problem
+  static constexpr size_t smem_bytes = static_cast<size_t>(warps) * warp_elems * sizeof(float);
+};
+
+__device__ __forceinline__ float4 lds4(const float* p) { return *reinterpret_cast<const float4*>(p); }
+__device__ __forceinline__ float dot4(const float4& q, const float4& k, float s) {
+  return fmaf(q.w, k.w, fmaf(q.z, k.z, fmaf(q.y, k.y, fmaf(q.x, k.x, s))));
+}
+__device__ __forceinline__ void fma4(float4& o, float p, const float4& v) {
+  o.x = fmaf(p, v.x, o.x);
+  o.y = fmaf(p, v.y, o.y);
+  o.z = fmaf(p, v.z, o.z);
+  o.w = fmaf(p, v.w, o.w);
+}
+
+template <int DP>
+__global__ void __launch_bounds__(Fp32ShortTile<DP>::warps * 32)
+    attn_fwd_fp32_short_kernel(const AttnArgs<float, float> a) {
+  using T = Fp32ShortTile<DP>;
+  constexpr int LP = T::LP, LDS = T::LDS, DCH = DP / 4, KG = LP / 4;  // KG: groups of 4 keys
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int hf = lane >> 4, ra = lane & 15, rb = ra + 16;  // this lane's half and its two query rows
+  float* Qs = reinterpret_cast<float*>(dyn_smem()) + static_cast<size_t>(warp) * T::warp_elems;
+  float* Ks = Qs + LP * LDS;
+  float* Vs = Ks + LP * LDS;
+  // Rows past the lengths and dims past head_dim stay zero for the whole kernel (loads only write the
+  // valid part): a half's chunk past head_dim and the padded keys of a group multiply zeros.
+  for (int e = lane; e < T::warp_elems / 4; e += 32) reinterpret_cast<float4*>(Qs)[e] = make_float4(0.f, 0.f, 0.f, 0.f);
+  __syncwarp();
+
+  const int D = a.D, CH = D / 4, ND8 = (D + 7) / 8;  // 8-dim steps t: chunk 2 t + hf of each half
+  const int Lq = static_cast<int>(a.Lq), Lk = static_cast<int>(a.Lk);
+  const int64_t P = a.B * a.H;
+  const int64_t step = static_cast<int64_t>(gridDim.x) * T::warps;
+  const int64_t step_b = step / a.H, step_h = step - step_b * a.H;  // the stride in (b, h)
+  const float sl2 = a.scale * kLog2e;
+
+  // Rows [0, n) of a (b, h) slice into this warp's tile: lane l copies 16-byte chunk l % DCH of rows
+  // l / DCH, + 32 / DCH, ...; chunks past head_dim are skipped.
+  auto copy_rows = [&](float* dst, const float* src, int64_t sl, int n) {
+    constexpr int RS = 32 / DCH;
+    const int c = lane % DCH, r0 = lane / DCH;
+    if (c >= CH) return;
+    dst += r0 * LDS + 4 * c;
+    src += r0 * sl + 4 * c;
+#pragma unroll 4
+    for (int r = r0; r < n; r += RS, dst += RS * LDS, src += RS * sl) cp_async16(dst, src, true);
+  };
+
+  int64_t p = static_cast<int64_t>(blockIdx.x) * T::warps + warp;
+  int64_t b = p / a.H, h = p - b * a.H;
+  if (p < P) {
+    copy_rows(Qs, a.q.head(b, h), a.q.sl, Lq);
+    copy_rows(Ks, a.k.head(b, h), a.k.sl, Lk);
+  }
+  cp_async_commit();
+  if (p < P) copy_rows(Vs, a.v.head(b, h), a.v.sl, Lk);
+  cp_async_commit();
+  for (; p < P; p += step) {
+    const int64_t pn = p + step;
+    int64_t bn = b + step_b, hn = h + step_h;
+    if (hn >= a.H) {
+      hn -= a.H;
+      ++bn;
+    }
+    cp_async_wait_one();  // this problem's Q and K have landed (its V may still be in flight)
+    __syncwarp();
+
+    // This half's partial scores of rows ra (sa) and rb (sb).
+    float sa[LP], sb[LP];
+#pragma unroll
+    for (int j = 0; j < LP; ++j) sa[j] = sb[j] = 0.f;
+    for (int t = 0; t < ND8; ++t) {
+      const int c = 2 * t + hf;
+      const float4 qa = lds4(Qs + ra * LDS + 4 * c), qb = lds4(Qs + rb * LDS + 4 * c);
+      const float* kc = Ks + 4 * c;
+      float4 kv[2][4];  // groups alternate between two sets of registers: the next loads under this one's math
+#pragma unroll
+      for (int x = 0; x < 4; ++x) kv[0][x] = lds4(kc + x * LDS);
+#pragma unroll
+      for (int g = 0; g < KG; ++g) {
+        const bool more = g + 1 < KG && 4 * (g + 1) < Lk;
+        if (more) {
+#pragma unroll
+          for (int x = 0; x < 4; ++x) kv[(g + 1) & 1][x] = lds4(kc + (4 * (g + 1) + x) * LDS);
+        }
+#pragma unroll
+        for (int x = 0; x < 4; ++x) {
+          sa[4 * g + x] = dot4(qa, kv[g & 1][x], sa[4 * g + x]);
+          sb[4 * g + x] = dot4(qb, kv[g & 1][x], sb[4 * g + x]);
+        }
+        if (!more) break;
+      }
+    }
+#pragma unroll
+    for (int g = 0; g < KG; ++g) {
+      if (4 * g >= Lk) break;
+#pragma unroll
+      for (int x = 0; x < 4; ++x) {
+        sa[4 * g + x] += __shfl_xor_sync(kFullMask, sa[4 * g + x], 16);
+        sb[4 * g + x] += __shfl_xor_sync(kFullMask, sb[4 * g + x], 16);
+      }
+    }
+    __syncwarp();  // Q and K are read: the next problem's may land
+    if (pn < P) {
+      copy_rows(Qs, a.q.head(bn, hn), a.q.sl, Lq);
+      copy_rows(Ks, a.k.head(bn, hn), a.k.sl, Lk);
+    }
+    cp_async_commit();
+
+    // Scale, mask and bounds in log2 units as the tensor-core kernels do; every key is here, so a plain
+    // softmax. A row with no finite score exponentiates against 0: p = 0, l = 0 (out 0, lse -inf).
+    if (a.mask.kind == kNoMask) {
+#pragma unroll
+      for (int g = 0; g < KG; ++g) {
+        if (4 * g >= Lk) break;
+#pragma unroll
+        for (int x = 0; x < 4; ++x) {
+          const int j = 4 * g + x;
+          sa[j] = j < Lk ? sa[j] * sl2 : neg_inf<float>();
+          sb[j] = j < Lk ? sb[j] * sl2 : neg_inf<float>();
+        }
+      }
+    } else {
+      const int64_t moff = b * a.mask.sb + h * a.mask.sh;
+#pragma unroll
+      for (int g = 0; g < KG; ++g) {
+        if (4 * g >= Lk) break;
+#pragma unroll
+        for (int x = 0; x < 4; ++x) {
+          const int j = 4 * g + x;
+          float xa = neg_inf<float>(), xb = neg_inf<float>();
+          if (j < Lk) {  // rows past q_len are never stored: no mask read
+            xa = sa[j] * sl2;
+            xb = sb[j] * sl2;
+            if (ra < Lq) xa += mask_add<float, float>(a.mask, moff + ra * a.mask.sq + j * a.mask.sk) * kLog2e;
+            if (rb < Lq) xb += mask_add<float, float>(a.mask, moff + rb * a.mask.sq + j * a.mask.sk) * kLog2e;
+          }
+          sa[j] = xa;
+          sb[j] = xb;
+        }
+      }
+    }
+    float ma = neg_inf<float>(), mb = neg_inf<float>();
+#pragma unroll
+    for (int g = 0; g < KG; ++g) {
+      if (4 * g >= Lk) break;
+#pragma unroll
+      for (int x = 0; x < 4; ++x) {
+        ma = fmaxf(ma, sa[4 * g + x]);
+        mb = fmaxf(mb, sb[4 * g + x]);
+      }
+    }
+    const float ua = ma == neg_inf<float>() ? 0.f : ma, ub = mb == neg_inf<float>() ? 0.f : mb;
+    float la = 0.f, lb = 0.f;
+#pragma unroll
+    for (int g = 0; g < KG; ++g) {
+      if (4 * g >= Lk) break;
+#pragma unroll
+      for (int x = 0; x < 4; ++x) {
+        const int j = 4 * g + x;
+        sa[j] = exp2f(sa[j] - ua);
+        sb[j] = exp2f(sb[j] - ub);
+        la += sa[j];
+        lb += sb[j];
+      }
+    }
+
+    cp_async_wait_one();  // this problem's V has landed (the next Q and K may still be in flight)
+    __syncwarp();
+    const float ia = la > 0.f ? 1.f / la : 0.f, ib = lb > 0.f ? 1.f / lb : 0.f;
+    float* oa = a.out + (p * Lq + ra) * D;
+    float* ob = a.out + (p * Lq + rb) * D;
+    for (int t = 0; t < ND8; ++t) {
+      const int c = 2 * t + hf;
+      const float* vc = Vs + 4 * c;
+      float4 acc_a = make_float4(0.f, 0.f, 0.f, 0.f), acc_b = acc_a, vv[2][4];
+#pragma unroll
+      for (int x = 0; x < 4; ++x) vv[0][x] = lds4(vc + x * LDS);
+#pragma unroll
+      for (int g = 0; g < KG; ++g) {
+        const bool more = g + 1 < KG && 4 * (g + 1) < Lk;
+        if (more) {
+#pragma unroll
+          for (int x = 0; x < 4; ++x) vv[(g + 1) & 1][x] = lds4(vc + (4 * (g + 1) + x) * LDS);
+        }
+#pragma unroll
+        for (int x = 0; x < 4; ++x) {
+          fma4(acc_a, sa[4 * g + x], vv[g & 1][x]);
+          fma4(acc_b, sb[4 * g + x], vv[g & 1][x]);
+        }
+        if (!more) break;
+      }
+      if (c < CH) {
+        if (ra < Lq)
+          *reinterpret_cast<float4*>(oa + 4 * c) = make_float4(acc_a.x * ia, acc_a.y * ia, acc_a.z * ia, acc_a.w * ia);
+        if (rb < Lq)
+          *reinterpret_cast<float4*>(ob + 4 * c) = make_float4(acc_b.x * ib, acc_b.y * ib, acc_b.z * ib, acc_b.w * ib);
+      }
+    }
+    // lse: the lower half writes row ra, the upper row rb (both hold both).
+    const int row = hf ? rb : ra;
+    const float l = hf ? lb : la, m = hf ? mb : ma;
+    if (row < Lq) a.lse_out[p * Lq + row] = l > 0.f ? (m + log2f(l)) * kLn2 : neg_inf<float>();
+    __syncwarp();  // V is read: the next problem's may land
+    if (pn < P) copy_rows(Vs, a.v.head(bn, hn), a.v.sl, Lk);
+    cp_async_commit();
+    b = bn;
+    h = hn;
+  }
+  cp_async_wait_all();
 }
 
 // fp32 on Hopper (sm_90a builds on compute capability 9.0, head_dim <= 64): the 3xTF32 products on
@@ -2989,7 +3222,15 @@ bool short_forward(const char* op, const at::Tensor& q, const at::Tensor& k, con
   }
 }
 
-// fp32 on tensor cores (3xTF32): head_dim <= 128 and % 4 == 0, compute capability 8.0+. Returns false
+// Which kernel serves fp32 short problems of 17-32 rows: the CUDA-core FMA one, or with
+// VD_ATTENTION_FP32_SHORT=tf32 the 3xTF32 one (benchmarks compare the two in one process); read on every call.
+bool fp32_short_fma_allowed() {
+  const char* e = std::getenv("VD_ATTENTION_FP32_SHORT");
+  return e == nullptr || std::string(e) != "tf32";
+}
+
+// fp32 with head_dim <= 128 and % 4 == 0, compute capability 8.0+: on tensor cores (3xTF32), except
+// short problems of 17-32 rows (the CUDA-core FMA kernel; see fp32_short_fma_allowed). Returns false
 // where the "rows" kernel is used instead (fp64, other head dims, older devices).
 bool tf32_forward(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
                   double scale, at::Tensor& out, at::Tensor& lse, cudaStream_t stream) {
@@ -3002,6 +3243,13 @@ bool tf32_forward(const char* op, const at::Tensor& q, const at::Tensor& k, cons
   a.lse_out = lse.mutable_data_ptr<float>();
   if (Lq <= 32 && Lk <= 32) {
     const int64_t P = B * H;
+    // Up to 16 rows the 3xTF32 kernel is bound by its copies; past 16 its padded products bind it
+    // (bench/notes/attention.md, version 11) and the FMA kernel serves, unless VD_ATTENTION_FP32_SHORT=tf32.
+    if (std::max(Lq, Lk) > 16 && fp32_short_fma_allowed()) {
+      if (D <= 64) launch_persistent<Fp32ShortTile<64>>(attn_fwd_fp32_short_kernel<64>, a, P, op, stream);
+      else launch_persistent<Fp32ShortTile<128>>(attn_fwd_fp32_short_kernel<128>, a, P, op, stream);
+      return true;
+    }
     dispatch_short(Lq, Lk, D, [&](auto lp, auto dp) {
       constexpr int LP = decltype(lp)::value, DP = decltype(dp)::value;
       launch_persistent<Tf32ShortTile<LP, DP>>(attn_fwd_tf32_short_kernel<LP, DP>, a, P, op, stream);
