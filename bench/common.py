@@ -83,11 +83,11 @@ def kernel_time_cuda(fn: Callable[[int], object], name: str, n_sets: int = 1, it
     return statistics.median(times) / 1e3
 
 
-def device_time_per_call(fn: Callable[[], object], iters: int = 20) -> float:
-    """Device milliseconds per call of ``fn()``: the summed time of every CUDA kernel and memset it launches,
-    without the host time between them. For ops too short to keep the GPU busy from Python, where
-    per-call CUDA events measure the host's dispatch rate instead."""
-    total = sum(sum(ts) for ts in cuda_kernel_times(lambda i: fn(), iters).values())
+def device_time_per_call(fn: Callable[[int], object], n_sets: int = 1, iters: int = 20) -> float:
+    """Device milliseconds per call of ``fn(i)`` (i cycles over ``n_sets`` input sets): the summed time of
+    every CUDA kernel and memset it launches, without the host time between them. For ops too short to
+    keep the GPU busy from Python, where per-call CUDA events measure the host's dispatch rate instead."""
+    total = sum(sum(ts) for ts in cuda_kernel_times(lambda i: fn(i % n_sets), iters).values())
     if total <= 0:
         raise RuntimeError("no CUDA kernel ran")
     return total / iters / 1e3

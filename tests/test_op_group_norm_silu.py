@@ -223,7 +223,7 @@ def test_forward_paths(device, shape, groups, cl, dtype):
 
 # Each forward kernel family on its own (VD_GROUP_NORM_KERNEL; a family that does not apply to a
 # shape leaves it to the two-pass path), on the cases above.
-FAMILIES = ["l2", "onchip", "twopass"]
+FAMILIES = ["smem", "l2", "onchip", "twopass"]
 
 
 @pytest.fixture(params=FAMILIES)
@@ -266,6 +266,36 @@ def test_channels_last_runs_version_5(device, monkeypatch):
         x = channels_last(torch.randn(shape, device=device, dtype=torch.bfloat16))
         names = cuda_kernels_run(lambda: group_norm_silu(x, groups))
         assert any("l2_cols_kernel" in n for n in names) == want, (shape, sorted(set(names)))
+
+
+@pytest.mark.parametrize("device", CUDA)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_version_6_persistent_loop(device, dtype, monkeypatch):
+    # Version 6's clusters stay resident and walk many groups each, through a ring of shared-memory stages:
+    # more groups than resident clusters times stages, so stages are reused and barrier phases flip; parts
+    # that cross frames (several bulk copies a part). Pins that it is the kernel that runs, and where it
+    # does not (groups over 8 parts of 96 KB).
+    if torch.cuda.get_device_capability(device)[0] < 9:
+        pytest.skip("version 6 needs the bulk copy engine and clusters (sm_90+)")
+    monkeypatch.setenv("VD_GROUP_NORM_KERNEL", "smem")
+    torch.manual_seed(0)
+    for shape, groups, frames, want in [((40, 256, 9, 16), 32, 0, True),       # M 1152: K 1, 1280 groups
+                                        ((20, 640, 36, 64), 32, 0, True),      # K 2 (16-bit), 4 (fp32)
+                                        ((6, 640, 14, 9, 16), 32, 14, True),   # frames-major: K 2 / 4, 192 groups
+                                        ((1, 64, 512, 512), 16, 0, False),     # 2 MB groups: two-pass
+                                        ((2, 1280, 14, 18, 32), 32, 14, False)]:  # 645 KB (bf16) groups
+        C = shape[1]
+        if frames:
+            B, _, F, H, W = shape
+            x = frames_major((torch.randn(B, F, C, H, W, device=device) * 3 + 1).to(dtype))
+        else:
+            x = (torch.randn(shape, device=device) * 3 + 1).to(dtype)
+        w, b = torch.randn(C, device=device, dtype=dtype), torch.randn(C, device=device, dtype=dtype)
+        names = cuda_kernels_run(lambda: group_norm_silu(x, groups, w, b))
+        assert any("smem_rows_kernel" in n for n in names) == want, (shape, sorted(set(names)))
+        out = group_norm_silu(x, groups, w, b)
+        assert_close_to(out, reference_group_norm_silu(x.double(), groups, w.double(), b.double()), dtype,
+                        what=f"{shape}")
 
 
 @pytest.mark.parametrize("device", CUDA)
@@ -315,7 +345,7 @@ def test_large_mean_small_spread_on_chip(device, family, shape, groups, cl):
 
 @pytest.mark.parametrize("device", CUDA)
 @pytest.mark.parametrize("shape,cl", [
-    ((1025, 32, 256, 256), False),  # the last groups start past 2^31 (version 1: groups over 1.5 MB)
+    ((1025, 32, 256, 256), False),  # the last groups start past 2^31 (version 6: 128 KB groups, K 2)
     ((6600, 320, 32, 32), True),    # channels_last on version 5 (clusters of 2): the last samples past 2^31
 ])
 def test_over_2_31_elements(device, shape, cl):

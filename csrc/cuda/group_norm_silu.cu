@@ -36,6 +36,7 @@
 #include "../activation.h"
 #include "../norm.h"
 #include "launch.h"
+#include "wgmma.h"
 
 namespace vd {
 namespace {
@@ -1062,6 +1063,297 @@ __global__ void __launch_bounds__(kL2Threads, 2) l2_rows_kernel(FusedArgs<scalar
 }
 
 // ---------------------------------------------------------------------------------------------
+// Version 6 forward ("smem"), NC* and frames-major with 16-byte vectors, sm_90: x read once from DRAM
+// into shared memory by the copy engine, y written once. Version 4 spends ~27 instructions an element
+// (two passes of loads with their addresses, per-batch sums) and runs at 60-63 % of the copy rate,
+// issue-bound. Here persistent clusters of K CTAs walk groups; each CTA's part of a group (<= 48 KB)
+// lands in one of 2-4 shared-memory stages through bulk copies (no load instructions, no registers
+// held), so while the CTA reduces and stores one group the next ones are already in flight. Two CTAs an
+// SM: a CTA's barriers and reductions (serial latency: with one CTA of 512 threads an SM this design ran
+// at 46 % of the copy rate) overlap the other's element work.
+// Statistics from shared memory on d = x - pivot (the CTA's first element): 16-bit inputs take one pass
+// of shifted sums (cluster_sums_pivoted); fp32 each thread's mean, then its squared deviations (two
+// reads), merged with Chan's formula (cluster_combine_pivoted). Either way over the warp, the CTA and the
+// cluster's CTAs in rank order (the pivots reconciled to rank 0's), so every CTA gets the same bits. Then
+// z = x * a_c + b_c (16-bit inputs fold the pivot into b_c, as version 4) with SiLU, stored with 16-byte
+// stores; the stage goes back to the copy engine after a block barrier.
+
+// Two CTAs an SM of 256 threads (512 threads, or four CTAs with half the parts: measured no faster).
+constexpr int kSmemThreads = 256;
+constexpr int kSmemMaxStages = 4;
+constexpr int64_t kSmemPartBytes = 48 * 1024;  // the part size K (up to 8) grows to stay under
+constexpr int64_t kSmemDataBytes = 96 * 1024;  // stages * stage stride
+constexpr int64_t kSmemMaxCpg = kSmemThreads;  // a thread a channel: gamma and beta held in registers
+
+template <typename scalar_t>
+struct SmemArgs {
+  FusedArgs<scalar_t> f;  // shape and pointers; f.part: vectors a CTA (the last rank's may be fewer)
+  int64_t groups;         // N * G
+  int stages;
+  int stage_bytes;        // the stride between stages (a multiple of 128)
+};
+
+// The cluster exchange of version 6, without cluster barriers: a barrier's release is a GPU-scope memory
+// fence (MEMBAR.ALL.GPU) that waits for the CTA's outstanding stores of y, every group (ncu: 0.7 stall
+// cycles an instruction on it). Instead thread 0 writes the CTA's value into slot `rank` of every CTA's
+// buffer with st.async, which completes bytes on that CTA's mbarrier; each CTA waits on its own. Buffers
+// and barriers alternate by iteration parity: a CTA can only send group it + 2's value after every CTA
+// sent it + 1's, i.e. after they all finished reading group it's slots.
+struct ClusterExchange {
+  float4 (*slots)[8];  // [parity][source rank]
+  uint64_t* bars;      // [parity], arrival count 1, K * 16 bytes a phase
+  int K, rank;
+};
+
+__device__ __forceinline__ uint32_t cluster_map(uint32_t local, int rank) {
+  uint32_t r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(local), "r"(rank));
+  return r;
+}
+
+// Returns, in lane l < K of every warp, rank l's value of iteration it (zeros in the other lanes).
+__device__ __forceinline__ float4 cluster_exchange(const ClusterExchange& x, float4 v, int64_t it) {
+  const int b = static_cast<int>(it & 1);
+  const int lane = threadIdx.x & 31;
+  if (x.K == 1) {  // no cluster (st.async needs a cluster of two or more): a shared slot and a block barrier
+    if (threadIdx.x == 0) x.slots[b][0] = v;
+    __syncthreads();
+    return lane == 0 ? x.slots[b][0] : make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+  const uint32_t bar = static_cast<uint32_t>(__cvta_generic_to_shared(&x.bars[b]));
+  if (threadIdx.x == 0) {
+    wgmma::mbar_expect_tx(bar, static_cast<uint32_t>(x.K) * 16u);
+    const uint32_t slot = static_cast<uint32_t>(__cvta_generic_to_shared(&x.slots[b][x.rank]));
+    for (int r = 0; r < x.K; ++r)
+      asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];\n"
+                   :
+                   : "r"(cluster_map(slot, r)), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w), "r"(cluster_map(bar, r))
+                   : "memory");
+  }
+  wgmma::mbar_wait(bar, static_cast<uint32_t>(it >> 1) & 1u);
+  return lane < x.K ? x.slots[b][lane] : make_float4(0.f, 0.f, 0.f, 0.f);
+}
+
+// This CTA's statistics as (mean of x - pivot, m2, n, pivot): what the cluster's CTAs exchange.
+template <int THREADS>
+__device__ __forceinline__ Welford<float> cluster_combine_pivoted(const float4 mine, const ClusterExchange& x,
+                                                                  int64_t it, Welford<float>* sh_warp, float& pivot0) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
+  Welford<float> s = warp_combine_f({mine.x, mine.y, mine.z});
+  if (lane == 0) sh_warp[warp] = s;
+  __syncthreads();
+  float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+  if (threadIdx.x == 0) {
+    Welford<float> t = sh_warp[0];
+#pragma unroll
+    for (int i = 1; i < THREADS / 32; ++i) t = combine_f(t, sh_warp[i]);
+    v = make_float4(t.mean, t.m2, t.n, mine.w);
+  }
+  const float4 r = cluster_exchange(x, v, it);  // thread 0's value is sent
+  pivot0 = __shfl_sync(kFullMask, r.w, 0);
+  // Rank r's mean is of x - pivot_r: relative to rank 0's pivot it is mean + (pivot_r - pivot_0). A rank
+  // with no elements (n = 0) carries weight 0 in the merge.
+  Welford<float> t{r.z > 0.f ? r.x + (r.w - pivot0) : 0.f, r.y, r.z};
+  t = warp_combine_f(t);
+  return {__shfl_sync(kFullMask, t.mean, 0), __shfl_sync(kFullMask, t.m2, 0), __shfl_sync(kFullMask, t.n, 0)};
+}
+
+// 16-bit inputs: the CTA's shifted sums s1 = sum(x - pivot), s2 = sum((x - pivot)^2) over n elements, summed
+// over the CTA and then the cluster's CTAs (each rank's sums moved to rank 0's pivot first), all in a
+// fixed order (xor butterflies give every lane the same bits): the group's (mean of x - pivot_0, m2, n).
+// Plain sums cost ~4x fewer instructions a thread than Chan's merges; the price is cancellation in
+// m2 = S2 - S1^2 / n when the pivot lies far out in the group's spread (a relative error of about
+// 6e-8 * (1 + ((pivot - mean) / std)^2): 6e-6 for a pivot 10 spreads out, below 16-bit rounding).
+template <int THREADS>
+__device__ __forceinline__ Welford<float> cluster_sums_pivoted(float s1, float s2, float n, float pivot,
+                                                               const ClusterExchange& x, int64_t it, float2* sh_warp,
+                                                               float& pivot0) {
+  constexpr int WARPS = THREADS / 32;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) {
+    s1 += __shfl_xor_sync(kFullMask, s1, o);
+    s2 += __shfl_xor_sync(kFullMask, s2, o);
+  }
+  if (lane == 0) sh_warp[warp] = make_float2(s1, s2);
+  __syncthreads();
+  float2 t = make_float2(0.f, 0.f);
+  if (warp == 0) {
+    t = lane < WARPS ? sh_warp[lane] : t;
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) {
+      t.x += __shfl_xor_sync(kFullMask, t.x, o);
+      t.y += __shfl_xor_sync(kFullMask, t.y, o);
+    }
+  }
+  const float4 r = cluster_exchange(x, make_float4(t.x, t.y, n, pivot), it);  // thread 0's value is sent
+  const int K = x.K;
+  pivot0 = __shfl_sync(kFullMask, r.w, 0);
+  const float dl = lane < K ? r.w - pivot0 : 0.f;
+  float S1 = fmaf(r.z, dl, r.x), S2 = fmaf(dl, fmaf(r.z, dl, 2.f * r.x), r.y), N = r.z;
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) {
+    S1 += __shfl_xor_sync(kFullMask, S1, o);
+    S2 += __shfl_xor_sync(kFullMask, S2, o);
+    N += __shfl_xor_sync(kFullMask, N, o);
+  }
+  const float mean = __fdividef(S1, N);
+  return {mean, fmaxf(fmaf(-S1, mean, S2), 0.f), N};
+}
+
+template <typename scalar_t, bool SILU>
+__global__ void __launch_bounds__(kSmemThreads, 2) smem_rows_kernel(const SmemArgs<scalar_t> sa) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr int THREADS = kSmemThreads;
+  constexpr int VEC = max_vec<scalar_t>();
+  constexpr bool kShift = sizeof(scalar_t) > 2;
+  const FusedArgs<scalar_t>& a = sa.f;
+  extern __shared__ __align__(128) unsigned char smem[];  // [stages][stage_bytes], channel table, barriers
+  float* sh_chan = reinterpret_cast<float*>(smem + static_cast<size_t>(sa.stages) * sa.stage_bytes);
+  uint64_t* full = reinterpret_cast<uint64_t*>(sh_chan + 2 * ((a.cpg + 1) / 2 * 2));
+  __shared__ Welford<float> sh_warp[THREADS / 32];
+  __shared__ float2 sh_sums[THREADS / 32];
+  __shared__ float4 sh_slots[2][8];  // cluster_exchange's buffers and barriers
+  __shared__ uint64_t sh_xbars[2];
+
+  const int tid = threadIdx.x, K = a.K;
+  const int rank = static_cast<int>(blockIdx.x % K);
+  const int64_t cluster = blockIdx.x / K, nclusters = gridDim.x / K;
+  const int Mv = a.M / VEC;
+  const int v0 = rank * a.part;
+  const int nv = max(0, min(v0 + a.part, Mv) - v0);  // this CTA's vectors of every group
+  const int stages = sa.stages;
+  const uint32_t smem0 = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  const uint32_t bar0 = static_cast<uint32_t>(__cvta_generic_to_shared(full));
+
+  // Thread 0 hands the copy engine iteration it's part: one bulk copy per segment it touches.
+  auto issue = [&](int64_t it, int stage) {
+    const int64_t ng = cluster + it * nclusters;
+    if (ng >= sa.groups || nv == 0) return;
+    const int64_t base = (ng / a.G) * a.nstride + (ng % a.G) * a.seg;
+    const uint32_t bar = bar0 + 8 * stage;
+    wgmma::mbar_expect_tx(bar, static_cast<uint32_t>(nv) * 16u);
+    uint32_t dst = smem0 + static_cast<uint32_t>(stage) * sa.stage_bytes;
+    int e = v0 * VEC;
+    const int e1 = (v0 + nv) * VEC;
+    while (e < e1) {
+      const int f = e / a.seg, within = e - f * a.seg;
+      const int len = min(a.seg - within, e1 - e);
+      const uint32_t bytes = static_cast<uint32_t>(len) * sizeof(scalar_t);
+      wgmma::bulk_load(dst, a.x + base + f * a.fstride + within, bytes, bar);
+      dst += bytes;
+      e += len;
+    }
+  };
+
+  const ClusterExchange xch{sh_slots, sh_xbars, K, rank};
+  if (tid == 0) {
+    for (int s = 0; s < stages; ++s) wgmma::mbar_init(bar0 + 8 * s, 1);
+    for (int b = 0; b < 2; ++b) wgmma::mbar_init(static_cast<uint32_t>(__cvta_generic_to_shared(&sh_xbars[b])), 1);
+    wgmma::mbar_init_fence();
+    for (int s = 0; s < stages; ++s) issue(s, s);
+  }
+  // Every CTA's exchange barriers are initialized before any CTA of the cluster sends to them.
+  cluster_arrive();
+  cluster_wait();
+
+  int stage = 0;
+  uint32_t parity = 0;
+  for (int64_t it = 0;; ++it) {
+    const int64_t ng = cluster + it * nclusters;
+    if (ng >= sa.groups) break;
+    const int64_t g = ng % a.G, base = (ng / a.G) * a.nstride + g * a.seg;
+    const uint4* buf = reinterpret_cast<const uint4*>(smem + static_cast<size_t>(stage) * sa.stage_bytes);
+    // This group's gamma and beta, in flight while the statistics are taken.
+    float gw = 1.f, gb = 0.f;
+    if (tid < a.cpg) {
+      if (a.w) gw = static_cast<float>(a.w[g * a.cpg + tid]);
+      if (a.b) gb = static_cast<float>(a.b[g * a.cpg + tid]);
+    }
+    if (nv > 0) wgmma::mbar_wait(bar0 + 8 * stage, parity);
+
+    // Statistics of d = x - pivot, pivot the CTA's first element (two accumulators each for latency).
+    const float pivot = nv > 0 ? elt_to_float<scalar_t>(buf[0], 0) : 0.f;
+    float pivot0;
+    Welford<float> st;
+    if constexpr (sizeof(scalar_t) == 2) {  // one pass of shifted sums
+      float s1a = 0.f, s1b = 0.f, s2a = 0.f, s2b = 0.f;
+#pragma unroll 2
+      for (int k = tid; k < nv; k += THREADS) {
+        const uint4 r = buf[k];
+#pragma unroll
+        for (int j = 0; j < VEC; j += 2) {
+          const float d0 = elt_to_float<scalar_t>(r, j) - pivot, d1 = elt_to_float<scalar_t>(r, j + 1) - pivot;
+          s1a += d0;
+          s1b += d1;
+          s2a = fmaf(d0, d0, s2a);
+          s2b = fmaf(d1, d1, s2b);
+        }
+      }
+      st = cluster_sums_pivoted<THREADS>(s1a + s1b, s2a + s2b, static_cast<float>(nv * VEC), pivot, xch, it, sh_sums,
+                                         pivot0);
+    } else {  // fp32: each thread's mean, then its squared deviations; Chan's merges (robust to any pivot)
+      const int mine = nv > tid ? (nv - tid + THREADS - 1) / THREADS : 0;
+      float s0 = 0.f, s1 = 0.f;
+#pragma unroll 2
+      for (int k = tid; k < nv; k += THREADS) {
+        const uint4 r = buf[k];
+#pragma unroll
+        for (int j = 0; j < VEC; j += 2) {
+          s0 += elt_to_float<scalar_t>(r, j) - pivot;
+          s1 += elt_to_float<scalar_t>(r, j + 1) - pivot;
+        }
+      }
+      const float n = static_cast<float>(mine * VEC);
+      const float m = mine ? (s0 + s1) / n : 0.f;
+      const float c = pivot + m;  // x - c: the deviation about this thread's mean, to float rounding of c
+      float q0 = 0.f, q1 = 0.f;
+#pragma unroll 2
+      for (int k = tid; k < nv; k += THREADS) {
+        const uint4 r = buf[k];
+#pragma unroll
+        for (int j = 0; j < VEC; j += 2) {
+          const float d0 = elt_to_float<scalar_t>(r, j) - c, d1 = elt_to_float<scalar_t>(r, j + 1) - c;
+          q0 = fmaf(d0, d0, q0);
+          q1 = fmaf(d1, d1, q1);
+        }
+      }
+      st = cluster_combine_pivoted<THREADS>(make_float4(m, q0 + q1, n, pivot), xch, it, sh_warp, pivot0);
+    }
+    {
+      const float rstd = rsqrtf(__fdividef(st.m2, st.n) + static_cast<float>(a.eps));
+      const float shift = kShift ? st.mean : st.mean + pivot0;
+      if (tid < a.cpg) {
+        sh_chan[tid] = rstd * gw;
+        sh_chan[a.cpg + tid] = fmaf(-shift, rstd * gw, gb);
+      }
+      __syncthreads();
+    }
+
+    // Normalize, SiLU and store this CTA's vectors.
+    {
+      GroupPos p(static_cast<unsigned>((v0 + tid) * VEC), a);
+#pragma unroll 4
+      for (int k = tid; k < nv; k += THREADS) {
+        *reinterpret_cast<uint4*>(a.out + base + p.offset(a.fstride, a.S)) =
+            norm_vec<scalar_t, SILU, kShift>(buf[k], p, a, pivot0, sh_chan);
+        p.advance(a);
+      }
+    }
+    __syncthreads();  // every thread is done with the stage: it goes back to the copy engine
+    if (tid == 0) issue(it + stages, stage);
+    if (++stage == stages) {
+      stage = 0;
+      parity ^= 1;
+    }
+  }
+  // No CTA leaves while another's sends to it may be in flight.
+  cluster_arrive();
+  cluster_wait();
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------
 // Version 5 forward ("l2", N*C): channels_last x streamed twice through L2, as version 4 does for NC*.
 // In channels_last memory a group is cpg channels at each of S positions: cpg * elt bytes (20-160 on
 // the UNet shapes) of every C-channel row, too narrow to read alone. A cluster of K CTAs takes a block
@@ -1424,10 +1716,10 @@ bool cluster_ok(Kernel kernel, int K, int device, int threads, size_t smem) {
   return ok;
 }
 
-// Which forward kernels may run. VD_GROUP_NORM_KERNEL=l2|onchip|twopass restricts the choice to one
+// Which forward kernels may run. VD_GROUP_NORM_KERNEL=smem|l2|onchip|twopass restricts the choice to one
 // family (benchmarks compare them in one process); unset: as measured (bench/notes/norm_and_elementwise.md),
-// version 4 first, version 3 first for inputs under kSmallBytes, then version 1.
-enum class GNKernels { kAny, kL2, kOnChip, kTwoPass };
+// version 6 first, then version 4, version 3 first for inputs under kSmallBytes, then version 1.
+enum class GNKernels { kAny, kSmem, kL2, kOnChip, kTwoPass };
 // Under this many bytes of x, version 3's shorter CTAs beat version 4 by 1-2 us (H200).
 constexpr int64_t kSmallBytes = 16 << 20;
 
@@ -1435,6 +1727,7 @@ GNKernels gn_kernels() {
   const char* e = std::getenv("VD_GROUP_NORM_KERNEL");
   if (e == nullptr) return GNKernels::kAny;
   const std::string v(e);
+  if (v == "smem") return GNKernels::kSmem;
   if (v == "l2") return GNKernels::kL2;
   if (v == "onchip") return GNKernels::kOnChip;
   if (v == "twopass") return GNKernels::kTwoPass;
@@ -1512,6 +1805,81 @@ bool forward_l2(const GNShape& s, int64_t F, const scalar_t* x, scalar_t* out, c
     if (!cluster_ok(kernel, K, device, kL2Threads, smem)) return false;
     const auto a = fused_args(s, F, x, out, w, b, eps, silu, kL2Threads, K, ceil_div(M / kVec, K));
     launch_clusters(kernel, a, s.N * s.G, K, kL2Threads, smem, stream);
+    return true;
+  }
+}
+
+// Clusters of K CTAs (`threads` threads, `smem` bytes) resident on `device` at once: the persistent grid of
+// version 6. 0 where the kernel has no sm_90 code or the device cannot place one. Cached.
+template <typename Kernel>
+int resident_clusters(Kernel kernel, int K, int device, int threads, size_t smem) {
+  static std::mutex mu;
+  static std::map<std::tuple<const void*, int, int, int, size_t>, int> cache;
+  const auto key = std::make_tuple(reinterpret_cast<const void*>(kernel), K, device, threads, smem);
+  const std::lock_guard<std::mutex> lock(mu);
+  const auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+  cudaFuncAttributes fa{};
+  C10_CUDA_CHECK(cudaFuncGetAttributes(&fa, kernel));
+  // The kernel may take up to all of the opt-in shared memory (set once to the maximum, so that launches
+  // with different sizes never see a smaller limit set by another).
+  int optin = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  const int max_dyn = optin - static_cast<int>(fa.sharedSizeBytes);
+  int n = 0;
+  if (fa.binaryVersion >= 90 && smem <= static_cast<size_t>(max_dyn) &&
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, max_dyn) == cudaSuccess) {
+    if (K == 1) {
+      int per_sm = 0, sms = 0;
+      C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
+      C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+      n = per_sm * sms;
+    } else {
+      cudaLaunchConfig_t cfg{};
+      cfg.gridDim = dim3(K);
+      cfg.blockDim = dim3(threads);
+      cfg.dynamicSmemBytes = smem;
+      cudaLaunchAttribute at = cluster_attr(K);
+      cfg.attrs = &at;
+      cfg.numAttrs = 1;
+      if (cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) != cudaSuccess) n = 0;
+    }
+  }
+  (void)cudaGetLastError();  // a refusal above is an answer (none), not an error to carry on
+  cache.emplace(key, n);
+  return n;
+}
+
+// Runs version 6 when the shape, dtype, alignment and device allow it; false leaves the work to the others.
+template <typename scalar_t>
+bool forward_smem(const GNShape& s, int64_t F, const scalar_t* x, scalar_t* out, const scalar_t* w, const scalar_t* b,
+                  double eps, bool silu, bool vec, int device, cudaStream_t stream) {
+  if constexpr (std::is_same_v<scalar_t, double>) {
+    return false;
+  } else {
+    constexpr int kVec = max_vec<scalar_t>();
+    if (s.channels_last || !vec) return false;
+    const int64_t cpg = s.C / s.G, seg = cpg * (s.S / F), M = F * seg, Mv = M / kVec;
+    if (seg % kVec != 0 || cpg > kFusedMaxCpg) return false;
+    // The smallest cluster (up to 8: portable, easy to place) whose parts fit kSmemPartBytes; a part of
+    // >= 1536 vectors once K > 1, so every rank holds some of the group.
+    int K = 1;
+    while (K < 8 && ceil_div(Mv, K) * 16 > kSmemPartBytes) K *= 2;
+    const int64_t part = ceil_div(Mv, K);
+    if (part * 16 > kSmemPartBytes || cpg > kSmemMaxCpg) return false;
+    const int64_t stage_bytes = ceil_div(part * 16, 128) * 128;
+    const int stages = static_cast<int>(std::min<int64_t>(kSmemMaxStages, kSmemDataBytes / stage_bytes));
+    const size_t smem = stages * stage_bytes + 2 * ceil_div(cpg, 2) * 2 * sizeof(float) + stages * sizeof(uint64_t);
+    const int threads = kSmemThreads;
+    auto kernel = silu ? smem_rows_kernel<scalar_t, true> : smem_rows_kernel<scalar_t, false>;
+    const int clusters = resident_clusters(kernel, K, device, threads, smem);
+    if (clusters == 0) return false;
+    SmemArgs<scalar_t> a{};
+    a.f = fused_args(s, F, x, out, w, b, eps, silu, threads, K, part);
+    a.groups = s.N * s.G;
+    a.stages = stages;
+    a.stage_bytes = static_cast<int>(stage_bytes);
+    launch_clusters(kernel, a, std::min<int64_t>(a.groups, clusters), K, threads, smem, stream);
     return true;
   }
 }
@@ -1643,6 +2011,10 @@ at::Tensor group_norm_silu_cuda(const at::Tensor& x_in, int64_t num_groups, cons
     auto onchip = [&] {
       return forward_fused<scalar_t>(s, a.F, a.x, a.out, a.w, a.b, eps, silu, vec, x.get_device(), stream);
     };
+    auto smem = [&] {
+      return forward_smem<scalar_t>(s, a.F, a.x, a.out, a.w, a.b, eps, silu, vec, x.get_device(), stream);
+    };
+    if ((any || use == GNKernels::kSmem) && smem()) return;
     const bool small = x.numel() * static_cast<int64_t>(sizeof(scalar_t)) < kSmallBytes;
     if (any && small && onchip()) return;
     if ((any || use == GNKernels::kL2) && l2()) return;
