@@ -1677,43 +1677,54 @@ inline cudaLaunchAttribute cluster_attr(int K) {
   return at;
 }
 
-// Whether `kernel` can run in clusters of K CTAs of `threads` threads and `smem` bytes of dynamic
-// shared memory on `device`: its binary holds the cluster code (built for sm_90 or later) and the
-// device can place at least one such cluster. Allows clusters of 16 (over the portable 8) on the
-// kernel first. Cached: the answer depends only on these.
+
+// Clusters of K CTAs (`threads` threads, `smem` bytes of dynamic shared memory) resident on `device` at once:
+// the persistent grid of version 6. 0 where the kernel has no sm_90 code or the device cannot place one.
+// Allows clusters of 16 (over the portable 8) on the kernel first. Cached: the answer depends only on these.
 template <typename Kernel>
-bool cluster_ok(Kernel kernel, int K, int device, int threads, size_t smem) {
-  if (K == 1) return true;  // no cluster: any device runs it
+int resident_clusters(Kernel kernel, int K, int device, int threads, size_t smem) {
   static std::mutex mu;
-  static std::map<std::tuple<const void*, int, int, int, size_t>, bool> cache;
+  static std::map<std::tuple<const void*, int, int, int, size_t>, int> cache;
   const auto key = std::make_tuple(reinterpret_cast<const void*>(kernel), K, device, threads, smem);
   const std::lock_guard<std::mutex> lock(mu);
   const auto it = cache.find(key);
   if (it != cache.end()) return it->second;
   cudaFuncAttributes fa{};
   C10_CUDA_CHECK(cudaFuncGetAttributes(&fa, kernel));
-  bool ok = fa.binaryVersion >= 90;
-  if (ok && K > 8 && cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess) {
-    (void)cudaGetLastError();  // a refusal is an answer (no), not an error to carry on
-    ok = false;
-  }
-  if (ok) {
-    cudaLaunchConfig_t cfg{};
-    cfg.gridDim = dim3(K);
-    cfg.blockDim = dim3(threads);
-    cfg.dynamicSmemBytes = smem;
-    cudaLaunchAttribute at = cluster_attr(K);
-    cfg.attrs = &at;
-    cfg.numAttrs = 1;
-    int clusters = 0;
-    if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) != cudaSuccess) {
-      (void)cudaGetLastError();
-      clusters = 0;
+  // The kernel may take up to all of the opt-in shared memory (set once to the maximum, so that launches
+  // with different sizes never see a smaller limit set by another).
+  int optin = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  const int max_dyn = optin - static_cast<int>(fa.sharedSizeBytes);
+  int n = 0;
+  if (fa.binaryVersion >= 90 && smem <= static_cast<size_t>(max_dyn) &&
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, max_dyn) == cudaSuccess &&
+      (K <= 8 || cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess)) {
+    if (K == 1) {
+      int per_sm = 0, sms = 0;
+      C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
+      C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+      n = per_sm * sms;
+    } else {
+      cudaLaunchConfig_t cfg{};
+      cfg.gridDim = dim3(K);
+      cfg.blockDim = dim3(threads);
+      cfg.dynamicSmemBytes = smem;
+      cudaLaunchAttribute at = cluster_attr(K);
+      cfg.attrs = &at;
+      cfg.numAttrs = 1;
+      if (cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) != cudaSuccess) n = 0;
     }
-    ok = clusters > 0;
   }
-  cache.emplace(key, ok);
-  return ok;
+  (void)cudaGetLastError();  // a refusal above is an answer (none), not an error to carry on
+  cache.emplace(key, n);
+  return n;
+}
+
+// Whether `kernel` can run in clusters of K CTAs on `device` (K = 1: no cluster, any device runs it).
+template <typename Kernel>
+bool cluster_ok(Kernel kernel, int K, int device, int threads, size_t smem) {
+  return K == 1 || resident_clusters(kernel, K, device, threads, smem) > 0;
 }
 
 // Which forward kernels may run. VD_GROUP_NORM_KERNEL=smem|l2|onchip|twopass restricts the choice to one
@@ -1809,47 +1820,6 @@ bool forward_l2(const GNShape& s, int64_t F, const scalar_t* x, scalar_t* out, c
   }
 }
 
-// Clusters of K CTAs (`threads` threads, `smem` bytes) resident on `device` at once: the persistent grid of
-// version 6. 0 where the kernel has no sm_90 code or the device cannot place one. Cached.
-template <typename Kernel>
-int resident_clusters(Kernel kernel, int K, int device, int threads, size_t smem) {
-  static std::mutex mu;
-  static std::map<std::tuple<const void*, int, int, int, size_t>, int> cache;
-  const auto key = std::make_tuple(reinterpret_cast<const void*>(kernel), K, device, threads, smem);
-  const std::lock_guard<std::mutex> lock(mu);
-  const auto it = cache.find(key);
-  if (it != cache.end()) return it->second;
-  cudaFuncAttributes fa{};
-  C10_CUDA_CHECK(cudaFuncGetAttributes(&fa, kernel));
-  // The kernel may take up to all of the opt-in shared memory (set once to the maximum, so that launches
-  // with different sizes never see a smaller limit set by another).
-  int optin = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  const int max_dyn = optin - static_cast<int>(fa.sharedSizeBytes);
-  int n = 0;
-  if (fa.binaryVersion >= 90 && smem <= static_cast<size_t>(max_dyn) &&
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, max_dyn) == cudaSuccess) {
-    if (K == 1) {
-      int per_sm = 0, sms = 0;
-      C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
-      C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-      n = per_sm * sms;
-    } else {
-      cudaLaunchConfig_t cfg{};
-      cfg.gridDim = dim3(K);
-      cfg.blockDim = dim3(threads);
-      cfg.dynamicSmemBytes = smem;
-      cudaLaunchAttribute at = cluster_attr(K);
-      cfg.attrs = &at;
-      cfg.numAttrs = 1;
-      if (cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) != cudaSuccess) n = 0;
-    }
-  }
-  (void)cudaGetLastError();  // a refusal above is an answer (none), not an error to carry on
-  cache.emplace(key, n);
-  return n;
-}
-
 // Runs version 6 when the shape, dtype, alignment and device allow it; false leaves the work to the others.
 template <typename scalar_t>
 bool forward_smem(const GNShape& s, int64_t F, const scalar_t* x, scalar_t* out, const scalar_t* w, const scalar_t* b,
@@ -1860,7 +1830,7 @@ bool forward_smem(const GNShape& s, int64_t F, const scalar_t* x, scalar_t* out,
     constexpr int kVec = max_vec<scalar_t>();
     if (s.channels_last || !vec) return false;
     const int64_t cpg = s.C / s.G, seg = cpg * (s.S / F), M = F * seg, Mv = M / kVec;
-    if (seg % kVec != 0 || cpg > kFusedMaxCpg) return false;
+    if (seg % kVec != 0) return false;
     // The smallest cluster (up to 8: portable, easy to place) whose parts fit kSmemPartBytes; a part of
     // >= 1536 vectors once K > 1, so every rank holds some of the group.
     int K = 1;
