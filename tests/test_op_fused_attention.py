@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 
 import pytest
 import torch
@@ -849,10 +850,12 @@ def test_short_backward_cuda_over_2_31_elements():
 
 # The long-sequence tensor-core kernels (fp16/bf16, head_dim % 8 == 0): on Hopper the wgmma kernel
 # (sm_90a) takes them by default, and VD_ATTENTION_KERNEL=mma keeps the mma.sync kernel; both are
-# checked here. Lengths off the tiles (64/192 query rows, 64/128 keys), padded head dims, masks of
-# every kind, the projections' strided views and lengths where one key tile is all there is.
+# checked here, and at head_dim > 64 the wgmma kernel both with its P V / softmax overlap (the default)
+# and without (VD_ATTENTION_OVERLAP=0). Lengths off the tiles (64/192
+# query rows, 64/128 keys), padded head dims, masks of every kind, the projections' strided views and
+# lengths where one key tile is all there is.
 @needs_cuda
-@pytest.mark.parametrize("family", ["default", "mma"])
+@pytest.mark.parametrize("family", ["default", "mma", "serial"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("shape,layout,mask_kind", [
     ((2, 3, 300, 517, 64), "contiguous", None),
@@ -868,6 +871,8 @@ def test_short_backward_cuda_over_2_31_elements():
 def test_long_kernels_cuda_match_reference(family, dtype, shape, layout, mask_kind, monkeypatch):
     if family == "mma":
         monkeypatch.setenv("VD_ATTENTION_KERNEL", "mma")
+    elif family == "serial":
+        monkeypatch.setenv("VD_ATTENTION_OVERLAP", "0")
     B, H, Lq, Lk, D = shape
     gen = torch.Generator(device="cuda").manual_seed(sum(shape) + D)
     q, k, v = make_qkv(B, H, Lq, Lk, D, dtype, layout, "cuda", gen)
@@ -888,3 +893,23 @@ def test_hopper_runs_wgmma_kernel(monkeypatch):
         names = cuda_kernels_run(lambda: OP(q, q, q))
         assert any("attn_fwd_wgmma_kernel" in n for n in names) == want, (env, sorted(set(names)))
         assert any("attn_fwd_mma_kernel" in n for n in names) == (not want), (env, sorted(set(names)))
+
+
+@needs_cuda
+def test_hopper_wgmma_overlap_choice(monkeypatch):
+    # Which wgmma variant runs (pinned by the kernel's template arguments): overlapped at head_dim > 64
+    # unless VD_ATTENTION_OVERLAP=0, serial at 64 whatever the variable says.
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the wgmma kernel runs on compute capability 9.0 only")
+    pattern = re.compile(r"attn_fwd_wgmma_kernel<[^,<>]+, (\d+), (true|false)>")
+    cases = [(None, 64, "false"), (None, 128, "true"), (None, 96, "true"),
+             ("0", 128, "false"), ("0", 96, "false"), ("1", 64, "false"), ("1", 128, "true")]
+    for env, D, want in cases:
+        if env is None:
+            monkeypatch.delenv("VD_ATTENTION_OVERLAP", raising=False)
+        else:
+            monkeypatch.setenv("VD_ATTENTION_OVERLAP", env)
+        q = torch.randn(1, 2, 256, D, device="cuda", dtype=torch.bfloat16)
+        names = cuda_kernels_run(lambda: OP(q, q, q))
+        ran = {m.groups() for n in names for m in [pattern.search(n)] if m}
+        assert ran == {(str(64 if D <= 64 else 128), want)}, (env, D, sorted(set(names)))

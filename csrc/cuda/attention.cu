@@ -605,7 +605,7 @@ struct WgTile {
   static constexpr int q_bytes = BM * DP * 2;                     // one of the two query buffers
   static constexpr int kv_bytes = BN * DP * 2;                    // one stage of K (or V)
   static constexpr int bar_off = 2 * q_bytes + 2 * kStages * kv_bytes;  // then the mbarriers
-  static constexpr size_t smem_bytes = bar_off + 8 * (4 + 2 * kStages) + 1024;  // + slack to align to 1024
+  static constexpr size_t smem_bytes = bar_off + 8 * (4 + 4 * kStages) + 1024;  // + slack to align to 1024
 };
 
 // The Hopper kernels' mbarriers at bar (8 bytes each): one array of S per entry of counts (its arrival
@@ -647,7 +647,10 @@ __device__ __forceinline__ void stream_tiles(const CUtensorMap* m1, const CUtens
   }
 }
 
-template <typename scalar_t, int DP>
+// kOverlap (head_dim 96-128): each warpgroup issues S = Q K^T of tile t + 1 and O += P V of tile t back to
+// back and runs tile t + 1's softmax while P V is on the tensor cores (FlashAttention-3's intra-warpgroup
+// overlap); K and V then have barriers of their own, as K is done with a tile before V is.
+template <typename scalar_t, int DP, bool kOverlap = false>
 __global__ void __launch_bounds__(WgTile<DP>::threads, 1)
     attn_fwd_wgmma_kernel(const AttnArgs<scalar_t, float> a, const __grid_constant__ CUtensorMap tq,
                           const __grid_constant__ CUtensorMap tk, const __grid_constant__ CUtensorMap tv) {
@@ -663,11 +666,15 @@ __global__ void __launch_bounds__(WgTile<DP>::threads, 1)
   const uint32_t raw_addr = smem_addr(dyn_smem());
   const uint32_t sQ = (raw_addr + 1023u) & ~1023u;  // two query buffers
   const uint32_t sK = sQ + 2 * T::q_bytes, sV = sK + S * T::kv_bytes;
-  const uint32_t bar = sQ + T::bar_off;  // q_full[2], q_empty[2], full[S], empty[S]
+  // q_full[2], q_empty[2], then full[S], empty[S] (K and V together) or, overlapped, K's full[S],
+  // empty[S] and V's full[S], empty[S].
+  const uint32_t bar = sQ + T::bar_off;
   auto q_full = [&](int qb) { return bar + 8 * qb; };
   auto q_empty = [&](int qb) { return bar + 8 * (2 + qb); };
   auto full = [&](int st) { return bar + 8 * (4 + st); };
   auto empty = [&](int st) { return bar + 8 * (4 + S + st); };
+  auto full_v = [&](int st) { return bar + 8 * (4 + 2 * S + st); };
+  auto empty_v = [&](int st) { return bar + 8 * (4 + 3 * S + st); };
 
   // Persistent: a CTA takes work items (bh, query block) blockIdx.x, + gridDim.x, ...; the producer loads
   // the next item's Q (the other buffer) and first K/V tiles while the consumers finish this one, so the
@@ -679,6 +686,7 @@ __global__ void __launch_bounds__(WgTile<DP>::threads, 1)
   if (tid == 0) {
     init_barriers<2>(bar, {1, 4 * T::WG});            // q_full, q_empty: one arrival per consumer warp
     init_barriers<S>(bar + 32, {1, 4 * T::WG});       // full, empty
+    if constexpr (kOverlap) init_barriers<S>(bar + 32 + 16 * S, {1, 4 * T::WG});  // V's full, empty
   }
   __syncthreads();
 
@@ -692,7 +700,19 @@ __global__ void __launch_bounds__(WgTile<DP>::threads, 1)
         const int b = static_cast<int>(bh / a.H), h = static_cast<int>(bh % a.H), qb = li & 1;
         wgmma::mbar_wait(q_empty(qb), static_cast<uint32_t>(((li >> 1) & 1) ^ 1));
         load_q_tile<DP, BM, 64>(sQ + qb * T::q_bytes, &tq, q_full(qb), T::q_bytes, q0, h, b);
-        stream_tiles<DP, BN, S>(&tk, &tv, sK, sV, T::kv_bytes, nkt, h, b, full, empty, 0, [](int64_t, int) {}, u);
+        if constexpr (kOverlap) {
+          for (int64_t t = 0; t < nkt; ++t) {
+            const int st = static_cast<int>((u + t) % S);
+            const uint32_t par = static_cast<uint32_t>(((u + t) / S) & 1) ^ 1u;
+            const int64_t r0 = t * BN;
+            wgmma::mbar_wait(empty(st), par);
+            load_q_tile<DP, BN, 64>(sK + st * T::kv_bytes, &tk, full(st), T::kv_bytes, r0, h, b);
+            wgmma::mbar_wait(empty_v(st), par);
+            load_q_tile<DP, BN, 64>(sV + st * T::kv_bytes, &tv, full_v(st), T::kv_bytes, r0, h, b);
+          }
+        } else {
+          stream_tiles<DP, BN, S>(&tk, &tv, sK, sV, T::kv_bytes, nkt, h, b, full, empty, 0, [](int64_t, int) {}, u);
+        }
         u += nkt;
       }
     }
@@ -722,28 +742,32 @@ __global__ void __launch_bounds__(WgTile<DP>::threads, 1)
     const int64_t row_base = q0 + cw * 64 + warp * 16 + g;
     const uint64_t dq0 = wgmma::desc_sw128(sQ + qb * T::q_bytes + cw * 64 * 128, 16, 1024);
 
-    wgmma::mbar_wait(q_full(qb), static_cast<uint32_t>((li >> 1) & 1));
-    for (int64_t t = 0; t < nkt; ++t) {
-      const int st = static_cast<int>((u + t) % S);
-      const uint32_t stage = st * T::kv_bytes;
-      wgmma::mbar_wait(full(st), static_cast<uint32_t>(((u + t) / S) & 1));
-
-      // S = Q K^T: K-steps of 16 dims, 32 bytes apart inside a 128-byte line, lines of 64 dims apart.
-      float s[NS];
-      wgmma::fence();
+    // S = Q K^T of the tile in stage st (issued, not waited for): K-steps of 16 dims, 32 bytes apart
+    // inside a 128-byte line, lines of 64 dims apart.
+    auto issue_qk = [&](float (&s)[NS], int st) {
 #pragma unroll
       for (int ks = 0; ks < DP / 16; ++ks) {
         const uint32_t qa = (ks / 4) * BM * 128 + (ks % 4) * 32;
-        const uint32_t kb = stage + (ks / 4) * BN * 128 + (ks % 4) * 32;
+        const uint32_t kb = st * T::kv_bytes + (ks / 4) * BN * 128 + (ks % 4) * 32;
         wgmma::mma_m64n128k16_ss<kBf16>(s, dq0 + (qa >> 4), dk0 + (kb >> 4), ks);
       }
       wgmma::commit();
-      wgmma::wait<0>();
-      wgmma::fence_regs(s);
-
-      // The online softmax per row (4 lanes share a row), in log2 units. Interior tiles without a mask
-      // take the row max of the raw scores and one FMA + ex2 an element; the last tile, masks and a
-      // non-positive scale scale and mask every element first.
+    };
+    // O += P V: V's tile is the MN-major B operand; K-steps of 16 keys are 2048 bytes apart.
+    auto issue_pv = [&](const unsigned (&pa)[BN / 16][4], int st) {
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk) {
+        const uint64_t dv = dv0 + ((st * T::kv_bytes + kk * 16 * 128) >> 4);
+        if constexpr (DP == 64) wgmma::mma_m64n64k16_rs<kBf16>(o, pa[kk], dv);
+        else wgmma::mma_m64n128k16_rs<kBf16>(o, pa[kk], dv);
+      }
+      wgmma::commit();
+    };
+    // The online softmax of tile t's scores per row (4 lanes share a row), in log2 units: s becomes the
+    // unnormalised probabilities, l_r gains their sums, corr is what O must be multiplied by. Interior
+    // tiles without a mask take the row max of the raw scores and one FMA + ex2 an element; the last
+    // tile, masks and a non-positive scale scale and mask every element first.
+    auto softmax = [&](float (&s)[NS], int64_t t, float (&corr)[2]) {
       const int64_t k0 = t * BN;
       const bool plain = k0 + BN <= a.Lk && a.mask.kind == kNoMask && sl2 > 0.f;
       float mx[2] = {neg_inf<float>(), neg_inf<float>()};
@@ -766,7 +790,7 @@ __global__ void __launch_bounds__(WgTile<DP>::threads, 1)
         }
       }
       const float f = plain ? sl2 : 1.f;  // what s still has to be multiplied by
-      float corr[2], m_use[2];
+      float m_use[2];
 #pragma unroll
       for (int rr = 0; rr < 2; ++rr) {
         mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(kFullMask, mx[rr], 1));
@@ -778,29 +802,86 @@ __global__ void __launch_bounds__(WgTile<DP>::threads, 1)
         l_r[rr] *= corr[rr];
       }
 #pragma unroll
-      for (int i = 0; i < NO; ++i) o[i] *= corr[(i >> 1) & 1];
-      unsigned pa[BN / 16][4];
-#pragma unroll
       for (int i = 0; i < NS; i += 2) {
         const int rr = (i >> 1) & 1;
-        const float p0 = ex2_approx(fmaf(s[i], f, -m_use[rr])), p1 = ex2_approx(fmaf(s[i + 1], f, -m_use[rr]));
-        l_r[rr] += p0 + p1;
-        pa[i / 8][(i / 2) % 4] = MT::pack(p0, p1);
+        s[i] = ex2_approx(fmaf(s[i], f, -m_use[rr]));
+        s[i + 1] = ex2_approx(fmaf(s[i + 1], f, -m_use[rr]));
+        l_r[rr] += s[i] + s[i + 1];
       }
+    };
+    auto pack = [&](const float (&s)[NS], unsigned (&pa)[BN / 16][4]) {
+#pragma unroll
+      for (int i = 0; i < NS; i += 2) pa[i / 8][(i / 2) % 4] = MT::pack(s[i], s[i + 1]);
+    };
+    auto rescale = [&](const float (&corr)[2]) {
+#pragma unroll
+      for (int i = 0; i < NO; ++i) o[i] *= corr[(i >> 1) & 1];
+    };
+    auto phase = [&](int64_t t) { return static_cast<uint32_t>(((u + t) / S) & 1); };
+    auto stage = [&](int64_t t) { return static_cast<int>((u + t) % S); };
 
-      // O += P V: V's tile is the MN-major B operand; K-steps of 16 keys are 2048 bytes apart.
+    wgmma::mbar_wait(q_full(qb), static_cast<uint32_t>((li >> 1) & 1));
+    if constexpr (!kOverlap) {
+      for (int64_t t = 0; t < nkt; ++t) {
+        const int st = stage(t);
+        wgmma::mbar_wait(full(st), phase(t));
+        float s[NS], corr[2];
+        unsigned pa[BN / 16][4];
+        wgmma::fence();
+        issue_qk(s, st);
+        wgmma::wait<0>();
+        wgmma::fence_regs(s);
+        softmax(s, t, corr);
+        rescale(corr);
+        pack(s, pa);
+        wgmma::fence_regs(o);
+        wgmma::fence();
+        issue_pv(pa, st);
+        wgmma::wait<0>();
+        wgmma::fence_regs(o);
+        if (lane == 0) wgmma::mbar_arrive(empty(st));  // this warp is done reading the stage
+      }
+    } else {
+      // Tile t's P V runs while tile t + 1's softmax does: P (pa) and O stay untouched until the
+      // wait for it; then O is rescaled by the new tile's correction and the new P packed.
+      float s[NS], corr[2];
+      unsigned pa[BN / 16][4];
+      wgmma::mbar_wait(full(stage(0)), phase(0));
+      wgmma::fence();
+      issue_qk(s, stage(0));
+      wgmma::wait<0>();
+      wgmma::fence_regs(s);
+      if (lane == 0) wgmma::mbar_arrive(empty(stage(0)));  // K's stage is free again
+      softmax(s, 0, corr);
+      pack(s, pa);
+      for (int64_t t = 1; t < nkt; ++t) {
+        const int st = stage(t), sp = stage(t - 1);
+        wgmma::mbar_wait(full(st), phase(t));
+        wgmma::mbar_wait(full_v(sp), phase(t - 1));
+        wgmma::fence_regs(o);
+        wgmma::fence();
+        issue_qk(s, st);
+        issue_pv(pa, sp);
+        wgmma::wait<1>();  // groups complete in order: S of tile t is done, P V may not be
+        wgmma::fence_regs(s);
+        if (lane == 0) wgmma::mbar_arrive(empty(st));
+        softmax(s, t, corr);
+        wgmma::wait<0>();
+        wgmma::fence_regs(o);
+        wgmma::fence_regs(pa);
+        wgmma::fence_regs(s);
+        if (lane == 0) wgmma::mbar_arrive(empty_v(sp));
+        rescale(corr);
+        pack(s, pa);
+      }
+      const int sl = stage(nkt - 1);
+      wgmma::mbar_wait(full_v(sl), phase(nkt - 1));
       wgmma::fence_regs(o);
       wgmma::fence();
-#pragma unroll
-      for (int kk = 0; kk < BN / 16; ++kk) {
-        const uint64_t dv = dv0 + ((stage + kk * 16 * 128) >> 4);
-        if constexpr (DP == 64) wgmma::mma_m64n64k16_rs<kBf16>(o, pa[kk], dv);
-        else wgmma::mma_m64n128k16_rs<kBf16>(o, pa[kk], dv);
-      }
-      wgmma::commit();
+      issue_pv(pa, sl);
       wgmma::wait<0>();
       wgmma::fence_regs(o);
-      if (lane == 0) wgmma::mbar_arrive(empty(st));  // this warp is done reading the stage
+      if (lane == 0) wgmma::mbar_arrive(empty_v(sl));
     }
     u += nkt;
     if (lane == 0) wgmma::mbar_arrive(q_empty(qb));  // and with this item's Q
@@ -3104,6 +3185,15 @@ bool wgmma_allowed() {
   return e == nullptr || std::string(e) != "mma";
 }
 
+// Whether the Hopper forward at head_dim > 64 overlaps P V with the next tile's softmax (see
+// attn_fwd_wgmma_kernel); VD_ATTENTION_OVERLAP=0 keeps the serial loop (benchmarks compare the two in one
+// process); read on every call. At head_dim 64 the loop stays serial: three consumer warpgroups leave
+// 160 registers a thread, and the overlapped loop's second score tile spilled and ran 2-6 % slower.
+bool wgmma_overlap() {
+  const char* e = std::getenv("VD_ATTENTION_OVERLAP");
+  return e == nullptr || std::string(e) != "0";
+}
+
 #if defined(VD_SM90A)
 // A (B, H, L, D) fp16 / bf16 / fp32 operand as a 4-D tensor map (D, L, H, B) with boxes of 128 bytes of
 // dims (64 or 32) x rows in the 128-byte swizzle; out-of-range rows and dims read as zeros. False where
@@ -3143,8 +3233,9 @@ bool wgmma_forward(const char* op, const at::Tensor& q, const at::Tensor& k, con
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       return true;
     };
-    if (D <= 64) return run(WgTile<64>{}, attn_fwd_wgmma_kernel<scalar_t, 64>);
-    return run(WgTile<128>{}, attn_fwd_wgmma_kernel<scalar_t, 128>);
+    if (D <= 64) return run(WgTile<64>{}, attn_fwd_wgmma_kernel<scalar_t, 64, false>);
+    if (!wgmma_overlap()) return run(WgTile<128>{}, attn_fwd_wgmma_kernel<scalar_t, 128, false>);
+    return run(WgTile<128>{}, attn_fwd_wgmma_kernel<scalar_t, 128, true>);
   }
 #endif
   return false;
