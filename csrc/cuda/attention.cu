@@ -1390,24 +1390,33 @@ __global__ void __launch_bounds__(Tf32ShortTile<LP, DP>::warps * 32)
 
 // fp32 short problems of 17-32 rows on the CUDA cores. Padded to 32 rows, the 3xTF32 kernel above runs
 // three products of 32 x 32 (61 % of them useful at 25 rows) and is bound by them rather than by its
-// copies; plain FMA runs each product once (the 18432 x 5 x 25 x 64 temporal call: ~0.5 ms of issue
-// against ~0.55 ms of copies, bench/notes/attention.md, version 11). A warp per (b, h) problem: lanes r
-// and r + 16 own query rows r and r + 16, the lower half-warp the even 4-dim chunks, the upper the odd
-// ones, so each K / V float4 read from shared memory (two addresses a warp, in distinct banks:
-// broadcasts) feeds 8 FMAs; one shuffle a score adds the halves, and both halves then run the softmax of
-// both rows (no further exchange). Keys go in groups of 4 up to kv_len; V rows past it stay zero, so a
-// group's padded keys add 0 x 0. Loads: one stage of Q, K and V a warp (26 KB at head_dim 64: 8 warps an
-// SM, 50 KB at 128: 4; two stages would halve that), the next problem's Q and K issued once the scores
-// are done and its V once P V is, so each copy lands under half a problem's math. The output goes from
-// registers to global memory (at head_dim % 8 == 0 a store instruction writes whole 32-byte sectors of
-// 16 rows).
-template <int DP>
+// copies; plain FMA runs each product once (bench/notes/attention.md, version 11). A warp per (b, h)
+// problem: lanes r and r + 16 own query rows r and r + 16, the lower half-warp the even 4-dim chunks, the
+// upper the odd ones, so each K / V float4 read from shared memory (two addresses a warp: broadcasts)
+// feeds 8 FMAs; one shuffle a score adds the halves, and both halves then run the softmax of both rows
+// (no further exchange). The kernel is bound by issue (FMA ~65 % of it) and latency, so:
+// - NL, the rows of Q, K and V held, is a compile-time count: max(q_len, kv_len) rounded up to 4, or 25
+//   exact (SVD-XT's frames); the key loops are unrolled with no per-group branch, and keys below KMIN
+//   are known present (no bound check);
+// - the key loops are software-pipelined by hand (over_keys): each shared-memory load lands under the
+//   previous group's FMAs;
+// - rows are unpadded (Q's 16-byte chunks XOR-swizzled by row instead, so that 8 lanes reading their own
+//   rows hit distinct banks): 19 KB a warp at 25 rows and head_dim 64, 12 warps an SM (blocks of 4).
+// One stage of Q, K and V a warp; the next problem's Q and K are issued once the scores are done and its
+// V once P V is, so each copy lands under half a problem's math. Rows past the lengths and dims past
+// head_dim stay zero (loads only write the valid part): padded keys and dims multiply zeros. The output
+// goes from registers to global memory (at head_dim % 8 == 0 a store instruction writes whole 32-byte
+// sectors of 16 rows).
+template <int DP, int NL, int KMIN>
 struct Fp32ShortTile {
-  static constexpr int LP = 32;       // rows of Q, K and V a problem, padded
-  static constexpr int LDS = DP + 4;  // padded row: 8 lanes reading a float4 of their own rows hit distinct banks
-  static constexpr int warp_elems = 3 * LP * LDS;
-  static constexpr int warps = DP <= 64 ? 2 : 1;  // blocks of ~52 KB: 4 an SM (3 on 164 KB devices)
-  static constexpr int problems = warps;           // a warp a problem
+  static constexpr int LDS = DP;  // row stride of Q, K and V
+  static constexpr int tile_elems = NL * LDS;
+  static constexpr int warp_elems = 3 * tile_elems;
+  // 4-warp blocks where three fit an SM's 228 KB (12 warps at head_dim 64 and <= 25 rows; 10 warps an SM
+  // ran 15 % slower), their registers then held to 168; else 2.
+  static constexpr int warps = DP <= 64 && NL <= 25 ? 4 : 2;
+  static constexpr int min_blocks = warps == 4 ? 3 : 1;
+  static constexpr int problems = warps;  // a warp a problem
   static constexpr size_t smem_bytes = static_cast<size_t>(warps) * warp_elems * sizeof(float);
 };
 
@@ -1421,19 +1430,40 @@ __device__ __forceinline__ void fma4(float4& o, float p, const float4& v) {
   o.z = fmaf(p, v.z, o.z);
   o.w = fmaf(p, v.w, o.w);
 }
+// Keys j < NL in groups of 4, software-pipelined by hand: the next group's shared-memory loads are issued
+// before this group's FMAs, and a compiler-only fence keeps later groups' loads from being hoisted as well
+// (all NL float4s in registers: spills, or lost occupancy). use(j, x) consumes x = load(j).
+template <int NL, typename Load, typename Use>
+__device__ __forceinline__ void over_keys(Load&& load, Use&& use) {
+  constexpr int NG = (NL + 3) / 4;
+  float4 buf[2][4];
+#pragma unroll
+  for (int x = 0; x < 4; ++x)
+    if (x < NL) buf[0][x] = load(x);
+#pragma unroll
+  for (int g = 0; g < NG; ++g) {
+#pragma unroll
+    for (int x = 0; x < 4; ++x)
+      if (4 * (g + 1) + x < NL) buf[(g + 1) & 1][x] = load(4 * (g + 1) + x);
+    asm volatile("" ::: "memory");
+#pragma unroll
+    for (int x = 0; x < 4; ++x)
+      if (4 * g + x < NL) use(4 * g + x, buf[g & 1][x]);
+  }
+}
 
-template <int DP>
-__global__ void __launch_bounds__(Fp32ShortTile<DP>::warps * 32)
+template <int DP, int NL, int KMIN>
+__global__ void __launch_bounds__(Fp32ShortTile<DP, NL, KMIN>::warps * 32, Fp32ShortTile<DP, NL, KMIN>::min_blocks)
     attn_fwd_fp32_short_kernel(const AttnArgs<float, float> a) {
-  using T = Fp32ShortTile<DP>;
-  constexpr int LP = T::LP, LDS = T::LDS, DCH = DP / 4, KG = LP / 4;  // KG: groups of 4 keys
+  using T = Fp32ShortTile<DP, NL, KMIN>;
+  constexpr int LDS = T::LDS, DCH = DP / 4;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int hf = lane >> 4, ra = lane & 15, rb = ra + 16;  // this lane's half and its two query rows
   float* Qs = reinterpret_cast<float*>(dyn_smem()) + static_cast<size_t>(warp) * T::warp_elems;
-  float* Ks = Qs + LP * LDS;
-  float* Vs = Ks + LP * LDS;
+  float* Ks = Qs + T::tile_elems;
+  float* Vs = Ks + T::tile_elems;
   // Rows past the lengths and dims past head_dim stay zero for the whole kernel (loads only write the
-  // valid part): a half's chunk past head_dim and the padded keys of a group multiply zeros.
+  // valid part): a half's chunk past head_dim and the padded keys multiply zeros.
   for (int e = lane; e < T::warp_elems / 4; e += 32) reinterpret_cast<float4*>(Qs)[e] = make_float4(0.f, 0.f, 0.f, 0.f);
   __syncwarp();
 
@@ -1443,27 +1473,30 @@ __global__ void __launch_bounds__(Fp32ShortTile<DP>::warps * 32)
   const int64_t step = static_cast<int64_t>(gridDim.x) * T::warps;
   const int64_t step_b = step / a.H, step_h = step - step_b * a.H;  // the stride in (b, h)
   const float sl2 = a.scale * kLog2e;
+  // This lane's Q rows in shared memory (rb past NL reads row NL - 1: computed, never stored).
+  const int qb_row = min(rb, NL - 1);
+  const float* qa_row = Qs + ra * LDS;
+  const float* qb_rowp = Qs + qb_row * LDS;
 
-  // Rows [0, n) of a (b, h) slice into this warp's tile: lane l copies 16-byte chunk l % DCH of rows
-  // l / DCH, + 32 / DCH, ...; chunks past head_dim are skipped.
-  auto copy_rows = [&](float* dst, const float* src, int64_t sl, int n) {
+  // Rows [0, n) of a (b, h) slice into a tile: lane l copies 16-byte chunk l % DCH of rows l / DCH,
+  // + 32 / DCH, ...; chunks past head_dim are skipped. Q's chunk c of row r lands at chunk c ^ (r % 8).
+  auto copy_rows = [&](float* dst, const float* src, int64_t sl, int n, bool swz) {
     constexpr int RS = 32 / DCH;
     const int c = lane % DCH, r0 = lane / DCH;
     if (c >= CH) return;
-    dst += r0 * LDS + 4 * c;
     src += r0 * sl + 4 * c;
 #pragma unroll 4
-    for (int r = r0; r < n; r += RS, dst += RS * LDS, src += RS * sl) cp_async16(dst, src, true);
+    for (int r = r0; r < n; r += RS, src += RS * sl) cp_async16(dst + r * LDS + 4 * (swz ? c ^ (r & 7) : c), src, true);
   };
 
   int64_t p = static_cast<int64_t>(blockIdx.x) * T::warps + warp;
   int64_t b = p / a.H, h = p - b * a.H;
   if (p < P) {
-    copy_rows(Qs, a.q.head(b, h), a.q.sl, Lq);
-    copy_rows(Ks, a.k.head(b, h), a.k.sl, Lk);
+    copy_rows(Qs, a.q.head(b, h), a.q.sl, Lq, true);
+    copy_rows(Ks, a.k.head(b, h), a.k.sl, Lk, false);
   }
   cp_async_commit();
-  if (p < P) copy_rows(Vs, a.v.head(b, h), a.v.sl, Lk);
+  if (p < P) copy_rows(Vs, a.v.head(b, h), a.v.sl, Lk, false);
   cp_async_commit();
   for (; p < P; p += step) {
     const int64_t pn = p + step;
@@ -1476,44 +1509,29 @@ __global__ void __launch_bounds__(Fp32ShortTile<DP>::warps * 32)
     __syncwarp();
 
     // This half's partial scores of rows ra (sa) and rb (sb).
-    float sa[LP], sb[LP];
+    float sa[NL], sb[NL];
 #pragma unroll
-    for (int j = 0; j < LP; ++j) sa[j] = sb[j] = 0.f;
+    for (int j = 0; j < NL; ++j) sa[j] = sb[j] = 0.f;
+#pragma unroll 1
     for (int t = 0; t < ND8; ++t) {
       const int c = 2 * t + hf;
-      const float4 qa = lds4(Qs + ra * LDS + 4 * c), qb = lds4(Qs + rb * LDS + 4 * c);
+      const float4 qa = lds4(qa_row + 4 * (c ^ (ra & 7))), qb = lds4(qb_rowp + 4 * (c ^ (qb_row & 7)));
       const float* kc = Ks + 4 * c;
-      float4 kv[2][4];  // groups alternate between two sets of registers: the next loads under this one's math
-#pragma unroll
-      for (int x = 0; x < 4; ++x) kv[0][x] = lds4(kc + x * LDS);
-#pragma unroll
-      for (int g = 0; g < KG; ++g) {
-        const bool more = g + 1 < KG && 4 * (g + 1) < Lk;
-        if (more) {
-#pragma unroll
-          for (int x = 0; x < 4; ++x) kv[(g + 1) & 1][x] = lds4(kc + (4 * (g + 1) + x) * LDS);
-        }
-#pragma unroll
-        for (int x = 0; x < 4; ++x) {
-          sa[4 * g + x] = dot4(qa, kv[g & 1][x], sa[4 * g + x]);
-          sb[4 * g + x] = dot4(qb, kv[g & 1][x], sb[4 * g + x]);
-        }
-        if (!more) break;
-      }
+      over_keys<NL>([&](int j) { return lds4(kc + j * LDS); },
+                    [&](int j, const float4& kv) {
+                      sa[j] = dot4(qa, kv, sa[j]);
+                      sb[j] = dot4(qb, kv, sb[j]);
+                    });
     }
 #pragma unroll
-    for (int g = 0; g < KG; ++g) {
-      if (4 * g >= Lk) break;
-#pragma unroll
-      for (int x = 0; x < 4; ++x) {
-        sa[4 * g + x] += __shfl_xor_sync(kFullMask, sa[4 * g + x], 16);
-        sb[4 * g + x] += __shfl_xor_sync(kFullMask, sb[4 * g + x], 16);
-      }
+    for (int j = 0; j < NL; ++j) {
+      sa[j] += __shfl_xor_sync(kFullMask, sa[j], 16);
+      sb[j] += __shfl_xor_sync(kFullMask, sb[j], 16);
     }
     __syncwarp();  // Q and K are read: the next problem's may land
     if (pn < P) {
-      copy_rows(Qs, a.q.head(bn, hn), a.q.sl, Lq);
-      copy_rows(Ks, a.k.head(bn, hn), a.k.sl, Lk);
+      copy_rows(Qs, a.q.head(bn, hn), a.q.sl, Lq, true);
+      copy_rows(Ks, a.k.head(bn, hn), a.k.sl, Lk, false);
     }
     cp_async_commit();
 
@@ -1521,58 +1539,39 @@ __global__ void __launch_bounds__(Fp32ShortTile<DP>::warps * 32)
     // softmax. A row with no finite score exponentiates against 0: p = 0, l = 0 (out 0, lse -inf).
     if (a.mask.kind == kNoMask) {
 #pragma unroll
-      for (int g = 0; g < KG; ++g) {
-        if (4 * g >= Lk) break;
-#pragma unroll
-        for (int x = 0; x < 4; ++x) {
-          const int j = 4 * g + x;
-          sa[j] = j < Lk ? sa[j] * sl2 : neg_inf<float>();
-          sb[j] = j < Lk ? sb[j] * sl2 : neg_inf<float>();
-        }
+      for (int j = 0; j < NL; ++j) {
+        sa[j] = j < KMIN || j < Lk ? sa[j] * sl2 : neg_inf<float>();
+        sb[j] = j < KMIN || j < Lk ? sb[j] * sl2 : neg_inf<float>();
       }
     } else {
       const int64_t moff = b * a.mask.sb + h * a.mask.sh;
 #pragma unroll
-      for (int g = 0; g < KG; ++g) {
-        if (4 * g >= Lk) break;
-#pragma unroll
-        for (int x = 0; x < 4; ++x) {
-          const int j = 4 * g + x;
-          float xa = neg_inf<float>(), xb = neg_inf<float>();
-          if (j < Lk) {  // rows past q_len are never stored: no mask read
-            xa = sa[j] * sl2;
-            xb = sb[j] * sl2;
-            if (ra < Lq) xa += mask_add<float, float>(a.mask, moff + ra * a.mask.sq + j * a.mask.sk) * kLog2e;
-            if (rb < Lq) xb += mask_add<float, float>(a.mask, moff + rb * a.mask.sq + j * a.mask.sk) * kLog2e;
-          }
-          sa[j] = xa;
-          sb[j] = xb;
+      for (int j = 0; j < NL; ++j) {
+        float xa = neg_inf<float>(), xb = neg_inf<float>();
+        if (j < KMIN || j < Lk) {  // rows past q_len are never stored: no mask read
+          xa = sa[j] * sl2;
+          xb = sb[j] * sl2;
+          if (ra < Lq) xa += mask_add<float, float>(a.mask, moff + ra * a.mask.sq + j * a.mask.sk) * kLog2e;
+          if (rb < Lq) xb += mask_add<float, float>(a.mask, moff + rb * a.mask.sq + j * a.mask.sk) * kLog2e;
         }
+        sa[j] = xa;
+        sb[j] = xb;
       }
     }
     float ma = neg_inf<float>(), mb = neg_inf<float>();
 #pragma unroll
-    for (int g = 0; g < KG; ++g) {
-      if (4 * g >= Lk) break;
-#pragma unroll
-      for (int x = 0; x < 4; ++x) {
-        ma = fmaxf(ma, sa[4 * g + x]);
-        mb = fmaxf(mb, sb[4 * g + x]);
-      }
+    for (int j = 0; j < NL; ++j) {
+      ma = fmaxf(ma, sa[j]);
+      mb = fmaxf(mb, sb[j]);
     }
     const float ua = ma == neg_inf<float>() ? 0.f : ma, ub = mb == neg_inf<float>() ? 0.f : mb;
     float la = 0.f, lb = 0.f;
 #pragma unroll
-    for (int g = 0; g < KG; ++g) {
-      if (4 * g >= Lk) break;
-#pragma unroll
-      for (int x = 0; x < 4; ++x) {
-        const int j = 4 * g + x;
-        sa[j] = exp2f(sa[j] - ua);
-        sb[j] = exp2f(sb[j] - ub);
-        la += sa[j];
-        lb += sb[j];
-      }
+    for (int j = 0; j < NL; ++j) {
+      sa[j] = exp2f(sa[j] - ua);
+      sb[j] = exp2f(sb[j] - ub);
+      la += sa[j];
+      lb += sb[j];
     }
 
     cp_async_wait_one();  // this problem's V has landed (the next Q and K may still be in flight)
@@ -1580,26 +1579,16 @@ __global__ void __launch_bounds__(Fp32ShortTile<DP>::warps * 32)
     const float ia = la > 0.f ? 1.f / la : 0.f, ib = lb > 0.f ? 1.f / lb : 0.f;
     float* oa = a.out + (p * Lq + ra) * D;
     float* ob = a.out + (p * Lq + rb) * D;
+#pragma unroll 1
     for (int t = 0; t < ND8; ++t) {
       const int c = 2 * t + hf;
       const float* vc = Vs + 4 * c;
-      float4 acc_a = make_float4(0.f, 0.f, 0.f, 0.f), acc_b = acc_a, vv[2][4];
-#pragma unroll
-      for (int x = 0; x < 4; ++x) vv[0][x] = lds4(vc + x * LDS);
-#pragma unroll
-      for (int g = 0; g < KG; ++g) {
-        const bool more = g + 1 < KG && 4 * (g + 1) < Lk;
-        if (more) {
-#pragma unroll
-          for (int x = 0; x < 4; ++x) vv[(g + 1) & 1][x] = lds4(vc + (4 * (g + 1) + x) * LDS);
-        }
-#pragma unroll
-        for (int x = 0; x < 4; ++x) {
-          fma4(acc_a, sa[4 * g + x], vv[g & 1][x]);
-          fma4(acc_b, sb[4 * g + x], vv[g & 1][x]);
-        }
-        if (!more) break;
-      }
+      float4 acc_a = make_float4(0.f, 0.f, 0.f, 0.f), acc_b = acc_a;
+      over_keys<NL>([&](int j) { return lds4(vc + j * LDS); },
+                    [&](int j, const float4& vv) {
+                      fma4(acc_a, sa[j], vv);
+                      fma4(acc_b, sb[j], vv);
+                    });
       if (c < CH) {
         if (ra < Lq)
           *reinterpret_cast<float4*>(oa + 4 * c) = make_float4(acc_a.x * ia, acc_a.y * ia, acc_a.z * ia, acc_a.w * ia);
@@ -1612,12 +1601,32 @@ __global__ void __launch_bounds__(Fp32ShortTile<DP>::warps * 32)
     const float l = hf ? lb : la, m = hf ? mb : ma;
     if (row < Lq) a.lse_out[p * Lq + row] = l > 0.f ? (m + log2f(l)) * kLn2 : neg_inf<float>();
     __syncwarp();  // V is read: the next problem's may land
-    if (pn < P) copy_rows(Vs, a.v.head(bn, hn), a.v.sl, Lk);
+    if (pn < P) copy_rows(Vs, a.v.head(bn, hn), a.v.sl, Lk, false);
     cp_async_commit();
     b = bn;
     h = hn;
   }
   cp_async_wait_all();
+}
+
+// The fp32 short kernel's buckets (max(q_len, kv_len) > 16): f(DP, NL, KMIN) with DP = head_dim padded to
+// 64 or 128, NL rows = max(q_len, kv_len) rounded up to 4 (25 exact where both are <= 25 and kv_len is 25)
+// and KMIN keys known present.
+template <typename F>
+void dispatch_fp32_short(int64_t Lq, int64_t Lk, int64_t D, F&& f) {
+  const int64_t L = std::max(Lq, Lk);
+  auto by_rows = [&](auto dp) {
+    using std::integral_constant;
+    if constexpr (decltype(dp)::value == 64) {
+      if (Lk == 25 && Lq <= 25) return f(dp, integral_constant<int, 25>{}, integral_constant<int, 25>{});
+    }
+    if (L <= 20) f(dp, integral_constant<int, 20>{}, integral_constant<int, 1>{});
+    else if (L <= 24) f(dp, integral_constant<int, 24>{}, integral_constant<int, 1>{});
+    else if (L <= 28) f(dp, integral_constant<int, 28>{}, integral_constant<int, 1>{});
+    else f(dp, integral_constant<int, 32>{}, integral_constant<int, 1>{});
+  };
+  if (D <= 64) by_rows(std::integral_constant<int, 64>{});
+  else by_rows(std::integral_constant<int, 128>{});
 }
 
 // fp32 on Hopper (sm_90a builds on compute capability 9.0, head_dim <= 64): the 3xTF32 products on
@@ -3337,8 +3346,10 @@ bool tf32_forward(const char* op, const at::Tensor& q, const at::Tensor& k, cons
     // Up to 16 rows the 3xTF32 kernel is bound by its copies; past 16 its padded products bind it
     // (bench/notes/attention.md, version 11) and the FMA kernel serves, unless VD_ATTENTION_FP32_SHORT=tf32.
     if (std::max(Lq, Lk) > 16 && fp32_short_fma_allowed()) {
-      if (D <= 64) launch_persistent<Fp32ShortTile<64>>(attn_fwd_fp32_short_kernel<64>, a, P, op, stream);
-      else launch_persistent<Fp32ShortTile<128>>(attn_fwd_fp32_short_kernel<128>, a, P, op, stream);
+      dispatch_fp32_short(Lq, Lk, D, [&](auto dp, auto nl, auto kmin) {
+        constexpr int DP = decltype(dp)::value, NL = decltype(nl)::value, KMIN = decltype(kmin)::value;
+        launch_persistent<Fp32ShortTile<DP, NL, KMIN>>(attn_fwd_fp32_short_kernel<DP, NL, KMIN>, a, P, op, stream);
+      });
       return true;
     }
     dispatch_short(Lq, Lk, D, [&](auto lp, auto dp) {
