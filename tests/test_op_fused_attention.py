@@ -622,6 +622,10 @@ def test_fp32_kernel_choice(monkeypatch):
     ((3, 2, 32, 5, 64), "d_strided", None),       # a copy first
     ((1152, 5, 25, 25, 64), "bnhd", None),        # SVD-XT temporal attention: 5760 problems
     ((256, 4, 32, 32, 128), "contiguous", "float"),
+    ((2, 3, 19, 25, 64), "bnhd", "bool"),         # the FMA kernel's row buckets: 25 exact with fewer queries,
+    ((2, 3, 25, 19, 64), "contiguous", None),     # 28 (25 queries, fewer keys), 24, and 28 at head_dim 128
+    ((2, 3, 22, 23, 64), "contiguous", "float"),
+    ((2, 2, 27, 26, 128), "packed_kv", "bool"),
 ])
 def test_fp32_short_kernels_match_reference(kernel, shape, layout, mask_kind, monkeypatch):
     if torch.cuda.get_device_capability() < (8, 0):
