@@ -63,6 +63,11 @@ def main():
             if dtype == torch.float32:  # the fp32 FMA short kernel: head_dim % 8 == 4, a last key group of one key
                 q, k, v = (torch.randn(300, 3, n, 36, device=dev, dtype=dtype) for n in (29, 17, 17))
                 torch.ops.vd.fused_attention(q, k, v, torch.rand(29, 17, device=dev) > 0.3, None)
+                # and its other row buckets: 20, 24, 28 (head_dim 64 and 128), 25 with fewer queries
+                for Lq, Lk, D in [(19, 20, 64), (23, 22, 64), (27, 26, 128), (25, 19, 64), (19, 25, 64)]:
+                    q = torch.randn(200, 3, Lq, D, device=dev, dtype=dtype)
+                    k, v = (torch.randn(200, 3, Lk, D, device=dev, dtype=dtype) for _ in range(2))
+                    torch.ops.vd.fused_attention(q, k, v, torch.rand(Lq, Lk, device=dev) > 0.3, None)
             ran.append("attention")
         if "attention_backward" in only and dtype == torch.bfloat16 and has_cuda_kernels("fused_attention"):
             for B, H, Lq, Lk, D in [(1, 1, 130, 200, 64), (1, 1, 100, 70, 128)]:
