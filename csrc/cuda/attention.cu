@@ -1475,8 +1475,10 @@ __global__ void __launch_bounds__(Fp32ShortTile<DP, NL, KMIN>::warps * 32, Fp32S
   const float sl2 = a.scale * kLog2e;
   // This lane's Q rows in shared memory (rb past NL reads row NL - 1: computed, never stored).
   const int qb_row = min(rb, NL - 1);
-  const float* qa_row = Qs + ra * LDS;
-  const float* qb_rowp = Qs + qb_row * LDS;
+  // Chunk 2 t + hf of row r sits at element (r LDS + 4 (hf ^ r % 8)) ^ 8 t (bit 0 of 2 t is clear, and
+  // LDS, a power of 2, exceeds both 8 t and 4 (hf ^ r % 8)).
+  static_assert((LDS & (LDS - 1)) == 0 && LDS >= 64, "the swizzle's XOR form needs a power-of-2 row stride");
+  const int qa_i = ra * LDS + 4 * (hf ^ (ra & 7)), qb_i = qb_row * LDS + 4 * (hf ^ (qb_row & 7));
 
   // Rows [0, n) of a (b, h) slice into a tile: lane l copies 16-byte chunk l % DCH of rows l / DCH,
   // + 32 / DCH, ...; chunks past head_dim are skipped. Q's chunk c of row r lands at chunk c ^ (r % 8).
@@ -1514,9 +1516,8 @@ __global__ void __launch_bounds__(Fp32ShortTile<DP, NL, KMIN>::warps * 32, Fp32S
     for (int j = 0; j < NL; ++j) sa[j] = sb[j] = 0.f;
 #pragma unroll 1
     for (int t = 0; t < ND8; ++t) {
-      const int c = 2 * t + hf;
-      const float4 qa = lds4(qa_row + 4 * (c ^ (ra & 7))), qb = lds4(qb_rowp + 4 * (c ^ (qb_row & 7)));
-      const float* kc = Ks + 4 * c;
+      const float4 qa = lds4(Qs + (qa_i ^ (8 * t))), qb = lds4(Qs + (qb_i ^ (8 * t)));
+      const float* kc = Ks + 4 * hf + 8 * t;
       over_keys<NL>([&](int j) { return lds4(kc + j * LDS); },
                     [&](int j, const float4& kv) {
                       sa[j] = dot4(qa, kv, sa[j]);
@@ -1536,13 +1537,31 @@ __global__ void __launch_bounds__(Fp32ShortTile<DP, NL, KMIN>::warps * 32, Fp32S
     cp_async_commit();
 
     // Scale, mask and bounds in log2 units as the tensor-core kernels do; every key is here, so a plain
-    // softmax. A row with no finite score exponentiates against 0: p = 0, l = 0 (out 0, lse -inf).
+    // softmax: p = 2^(s cs - m) with m the row max of s cs. A row with no finite score exponentiates
+    // against 0: p = 0, l = 0 (out 0, lse -inf).
+    float ma, mb, cs;
     if (a.mask.kind == kNoMask) {
+      // s stays unscaled (cs = sl2, folded into the exponent's FMA: one op a score fewer): the max of
+      // s sl2 is sl2 times the max of s, or of its min where sl2 < 0 (rounding is monotone).
+      float xa = sl2 >= 0.f ? neg_inf<float>() : -neg_inf<float>(), xb = xa;
+      if (sl2 >= 0.f) {
 #pragma unroll
-      for (int j = 0; j < NL; ++j) {
-        sa[j] = j < KMIN || j < Lk ? sa[j] * sl2 : neg_inf<float>();
-        sb[j] = j < KMIN || j < Lk ? sb[j] * sl2 : neg_inf<float>();
+        for (int j = 0; j < NL; ++j)
+          if (j < KMIN || j < Lk) {
+            xa = fmaxf(xa, sa[j]);
+            xb = fmaxf(xb, sb[j]);
+          }
+      } else {
+#pragma unroll
+        for (int j = 0; j < NL; ++j)
+          if (j < KMIN || j < Lk) {
+            xa = fminf(xa, sa[j]);
+            xb = fminf(xb, sb[j]);
+          }
       }
+      ma = xa * sl2;
+      mb = xb * sl2;
+      cs = sl2;
     } else {
       const int64_t moff = b * a.mask.sb + h * a.mask.sh;
 #pragma unroll
@@ -1557,19 +1576,22 @@ __global__ void __launch_bounds__(Fp32ShortTile<DP, NL, KMIN>::warps * 32, Fp32S
         sa[j] = xa;
         sb[j] = xb;
       }
-    }
-    float ma = neg_inf<float>(), mb = neg_inf<float>();
+      ma = mb = neg_inf<float>();
 #pragma unroll
-    for (int j = 0; j < NL; ++j) {
-      ma = fmaxf(ma, sa[j]);
-      mb = fmaxf(mb, sb[j]);
+      for (int j = 0; j < NL; ++j) {
+        ma = fmaxf(ma, sa[j]);
+        mb = fmaxf(mb, sb[j]);
+      }
+      cs = 1.f;
     }
     const float ua = ma == neg_inf<float>() ? 0.f : ma, ub = mb == neg_inf<float>() ? 0.f : mb;
     float la = 0.f, lb = 0.f;
+    // One MUFU op an exponential (exp2f adds a range fix-up for subnormal results: p < 2^-126 of the
+    // row's largest, flushed to 0 here). Keys past kv_len get p = 0.
 #pragma unroll
     for (int j = 0; j < NL; ++j) {
-      sa[j] = exp2f(sa[j] - ua);
-      sb[j] = exp2f(sb[j] - ub);
+      sa[j] = j < KMIN || j < Lk ? ex2_approx(fmaf(sa[j], cs, -ua)) : 0.f;
+      sb[j] = j < KMIN || j < Lk ? ex2_approx(fmaf(sb[j], cs, -ub)) : 0.f;
       la += sa[j];
       lb += sb[j];
     }
@@ -1577,24 +1599,24 @@ __global__ void __launch_bounds__(Fp32ShortTile<DP, NL, KMIN>::warps * 32, Fp32S
     cp_async_wait_one();  // this problem's V has landed (the next Q and K may still be in flight)
     __syncwarp();
     const float ia = la > 0.f ? 1.f / la : 0.f, ib = lb > 0.f ? 1.f / lb : 0.f;
-    float* oa = a.out + (p * Lq + ra) * D;
-    float* ob = a.out + (p * Lq + rb) * D;
+    // This lane's rows at its chunk 2 t + hf, advanced by 8 dims a step; rows past q_len are not stored.
+    const bool st_a = ra < Lq, st_b = rb < Lq;
+    float* oa = a.out + (p * Lq + ra) * D + 4 * hf;
+    float* ob = oa + 16 * D;
 #pragma unroll 1
-    for (int t = 0; t < ND8; ++t) {
+    for (int t = 0; t < ND8; ++t, oa += 8, ob += 8) {
       const int c = 2 * t + hf;
-      const float* vc = Vs + 4 * c;
+      const float* vc = Vs + 4 * hf + 8 * t;
       float4 acc_a = make_float4(0.f, 0.f, 0.f, 0.f), acc_b = acc_a;
       over_keys<NL>([&](int j) { return lds4(vc + j * LDS); },
                     [&](int j, const float4& vv) {
                       fma4(acc_a, sa[j], vv);
                       fma4(acc_b, sb[j], vv);
                     });
-      if (c < CH) {
-        if (ra < Lq)
-          *reinterpret_cast<float4*>(oa + 4 * c) = make_float4(acc_a.x * ia, acc_a.y * ia, acc_a.z * ia, acc_a.w * ia);
-        if (rb < Lq)
-          *reinterpret_cast<float4*>(ob + 4 * c) = make_float4(acc_b.x * ib, acc_b.y * ib, acc_b.z * ib, acc_b.w * ib);
-      }
+      if (st_a && c < CH)
+        *reinterpret_cast<float4*>(oa) = make_float4(acc_a.x * ia, acc_a.y * ia, acc_a.z * ia, acc_a.w * ia);
+      if (st_b && c < CH)
+        *reinterpret_cast<float4*>(ob) = make_float4(acc_b.x * ib, acc_b.y * ib, acc_b.z * ib, acc_b.w * ib);
     }
     // lse: the lower half writes row ra, the upper row rb (both hold both).
     const int row = hf ? rb : ra;
