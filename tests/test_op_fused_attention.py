@@ -648,6 +648,32 @@ def test_fp32_short_kernels_match_reference(kernel, shape, layout, mask_kind, mo
 
 
 @needs_cuda
+@pytest.mark.parametrize("scale", [0.7, 0.0, -0.3])
+@pytest.mark.parametrize("shape,mask_kind", [((3, 4, 25, 25, 64), None), ((2, 3, 19, 25, 64), "bool"),
+                                             ((2, 2, 30, 17, 100), None)])
+def test_fp32_short_fma_kernel_scales(scale, shape, mask_kind):
+    # The FMA kernel folds a positive scale into the exponent without a mask; zero and negative scales
+    # (the row max of scale * s is then at the smallest score) and masks take the scaled path.
+    if torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("the short fp32 kernels need compute capability 8.0+")
+    B, H, Lq, Lk, D = shape
+    gen = torch.Generator(device="cuda").manual_seed(sum(shape) + 13)
+    q, k, v = make_qkv(B, H, Lq, Lk, D, torch.float32, "contiguous", "cuda", gen)
+    mask = make_mask(mask_kind, (B, H, Lq, Lk), [True, False, True, True], 0, torch.float32, "cuda", gen)
+    names = cuda_kernels_run(lambda: OP(q, k, v, mask, scale))
+    assert any("attn_fwd_fp32_short_kernel" in n for n in names), sorted(set(names))
+    out, lse = OP(q, k, v, mask, scale)
+    ref_out, ref_lse = reference_fused_attention(q.double(), k.double(), v.double(), mask, scale)
+    torch_out, torch_lse = lowprec_attention(q, k, v, mask, scale)
+    empty = torch.isneginf(ref_lse)
+    assert (out[empty] == 0).all() and torch.isneginf(lse[empty]).all()
+    live = ~empty
+    assert_within_torch_error(out[live], torch_out[live], ref_out[live], torch.float32, "out",
+                              score_term(q, k, v, mask, scale))
+    assert_within_torch_error(lse[live], torch_lse[live], ref_lse[live], torch.float32, "lse")
+
+
+@needs_cuda
 def test_fp32_short_kernel_choice(monkeypatch):
     # Which kernel serves float32 with q_len, kv_len <= 32 (compute capability 8.0+, head_dim <= 128 and
     # % 4 == 0): up to 16 rows the 3xTF32 short kernel; 17-32 rows (either length) the CUDA-core FMA
