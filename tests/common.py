@@ -88,6 +88,14 @@ def assert_fake_matches_real(op, args):
         assert [r.stride(d) for d in dims] == [f.stride(d) for d in dims], f"output {i}: {r.stride()} vs {f.stride()}"
 
 
+def set_env(monkeypatch, key: str, value: str | None) -> None:
+    """Sets the kernel-choice variable ``key`` for this test, or unsets it where ``value`` is None."""
+    if value is None:
+        monkeypatch.delenv(key, raising=False)
+    else:
+        monkeypatch.setenv(key, value)
+
+
 def cuda_kernels_run(fn) -> list[str]:
     """Names of the CUDA kernels ``fn()`` launches (tests pin which kernel serves a case)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:

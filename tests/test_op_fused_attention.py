@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from tests.common import DTYPES, cuda_kernels_run, device_params, opcheck_test
+from tests.common import DTYPES, cuda_kernels_run, device_params, opcheck_test, set_env
 from vdcompile.ops import fused_attention, reference_fused_attention
 
 OP = torch.ops.vd.fused_attention.default
@@ -590,10 +590,7 @@ def test_fp32_kernel_choice(monkeypatch):
              (None, (4, 2, 14, 14, 64), "attn_fwd_tf32_short_kernel", tc),
              (None, (1, 2, 256, 256, 30), "attn_fwd_rows_kernel", True)]
     for env, (B, H, Lq, Lk, D), kernel, want in cases:
-        if env is None:
-            monkeypatch.delenv("VD_ATTENTION_KERNEL", raising=False)
-        else:
-            monkeypatch.setenv("VD_ATTENTION_KERNEL", env)
+        set_env(monkeypatch, "VD_ATTENTION_KERNEL", env)
         q = torch.randn(B, H, Lq, D, device="cuda")
         k = torch.randn(B, H, Lk, D, device="cuda")
         names = cuda_kernels_run(lambda: OP(q, k, k))
@@ -630,10 +627,7 @@ def test_fp32_kernel_choice(monkeypatch):
 def test_fp32_short_kernels_match_reference(kernel, shape, layout, mask_kind, monkeypatch):
     if torch.cuda.get_device_capability() < (8, 0):
         pytest.skip("the short fp32 kernels need compute capability 8.0+")
-    if kernel == "tf32":
-        monkeypatch.setenv("VD_ATTENTION_FP32_SHORT", "tf32")
-    else:
-        monkeypatch.delenv("VD_ATTENTION_FP32_SHORT", raising=False)
+    set_env(monkeypatch, "VD_ATTENTION_FP32_SHORT", "tf32" if kernel == "tf32" else None)
     B, H, Lq, Lk, D = shape
     gen = torch.Generator(device="cuda").manual_seed(sum(shape) + 11)
     q, k, v = make_qkv(B, H, Lq, Lk, D, torch.float32, layout, "cuda", gen)
@@ -690,10 +684,7 @@ def test_fp32_short_kernel_choice(monkeypatch):
              (None, (4, 2, 25, 25, 30), rows),
              (None, (4, 2, 25, 25, 132), rows)]
     for env, (B, H, Lq, Lk, D), want in cases:
-        if env is None:
-            monkeypatch.delenv("VD_ATTENTION_FP32_SHORT", raising=False)
-        else:
-            monkeypatch.setenv("VD_ATTENTION_FP32_SHORT", env)
+        set_env(monkeypatch, "VD_ATTENTION_FP32_SHORT", env)
         q = torch.randn(B, H, Lq, D, device="cuda")
         k = torch.randn(B, H, Lk, D, device="cuda")
         names = cuda_kernels_run(lambda: OP(q, k, k))
@@ -786,10 +777,7 @@ def test_backward_kernel_choice(monkeypatch):
              (torch.bfloat16, 100, 36, None, rows), (torch.bfloat16, 14, 256, None, rows),
              (torch.float32, 100, 64, None, rows)]
     for dtype, L, D, env, want in cases:
-        if env is None or env == "deterministic":
-            monkeypatch.delenv("VD_ATTENTION_BACKWARD", raising=False)
-        else:
-            monkeypatch.setenv("VD_ATTENTION_BACKWARD", env)
+        set_env(monkeypatch, "VD_ATTENTION_BACKWARD", None if env == "deterministic" else env)
         q = torch.randn(3, 2, L, D, device="cuda", dtype=dtype, requires_grad=True)
         out, _ = OP(q, q, q)
         with deterministic(env == "deterministic"):
@@ -916,10 +904,7 @@ def test_hopper_runs_wgmma_kernel(monkeypatch):
     q = torch.randn(1, 2, 256, 64, device="cuda", dtype=torch.bfloat16)
     hopper = torch.cuda.get_device_capability() == (9, 0)
     for env, want in [(None, hopper), ("mma", False)]:
-        if env is None:
-            monkeypatch.delenv("VD_ATTENTION_KERNEL", raising=False)
-        else:
-            monkeypatch.setenv("VD_ATTENTION_KERNEL", env)
+        set_env(monkeypatch, "VD_ATTENTION_KERNEL", env)
         names = cuda_kernels_run(lambda: OP(q, q, q))
         assert any("attn_fwd_wgmma_kernel" in n for n in names) == want, (env, sorted(set(names)))
         assert any("attn_fwd_mma_kernel" in n for n in names) == (not want), (env, sorted(set(names)))
@@ -935,10 +920,7 @@ def test_hopper_wgmma_overlap_choice(monkeypatch):
     cases = [(None, 64, "false"), (None, 128, "true"), (None, 96, "true"),
              ("0", 128, "false"), ("0", 96, "false"), ("1", 64, "false"), ("1", 128, "true")]
     for env, D, want in cases:
-        if env is None:
-            monkeypatch.delenv("VD_ATTENTION_OVERLAP", raising=False)
-        else:
-            monkeypatch.setenv("VD_ATTENTION_OVERLAP", env)
+        set_env(monkeypatch, "VD_ATTENTION_OVERLAP", env)
         q = torch.randn(1, 2, 256, D, device="cuda", dtype=torch.bfloat16)
         names = cuda_kernels_run(lambda: OP(q, q, q))
         ran = {m.groups() for n in names for m in [pattern.search(n)] if m}

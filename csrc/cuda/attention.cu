@@ -617,12 +617,13 @@ __device__ __forceinline__ void init_barriers(uint32_t bar, const int (&counts)[
   wgmma::mbar_init_fence();
 }
 
-// The producer thread's query tile: DP dims (boxes of EPL elements) x BM rows from row q0 into sQ.
+// A tile the producer thread loads (a query tile, or a K or V tile where the two have barriers of their
+// own): DP dims (boxes of EPL elements) x BM rows of (b, h) from row r0 into dst, completing on bar.
 template <int DP, int BM, int EPL>
-__device__ __forceinline__ void load_q_tile(uint32_t sQ, const CUtensorMap* tq, uint32_t bar, uint32_t bytes, int64_t q0,
-                                            int h, int b) {
+__device__ __forceinline__ void load_tile(uint32_t dst, const CUtensorMap* map, uint32_t bar, uint32_t bytes, int64_t r0,
+                                          int h, int b) {
   wgmma::mbar_expect_tx(bar, bytes);
-  for (int c = 0; c < DP / EPL; ++c) wgmma::tma_load_4d(sQ + c * BM * 128, tq, bar, c * EPL, int(q0), h, b);
+  for (int c = 0; c < DP / EPL; ++c) wgmma::tma_load_4d(dst + c * BM * 128, map, bar, c * EPL, int(r0), h, b);
 }
 
 // The producer thread's streaming loop: n tiles of BC rows of two operands (tensor maps m1, m2) into
@@ -699,16 +700,16 @@ __global__ void __launch_bounds__(WgTile<DP>::threads, 1)
         const int64_t bh = w / nqb, q0 = (w % nqb) * BM;
         const int b = static_cast<int>(bh / a.H), h = static_cast<int>(bh % a.H), qb = li & 1;
         wgmma::mbar_wait(q_empty(qb), static_cast<uint32_t>(((li >> 1) & 1) ^ 1));
-        load_q_tile<DP, BM, 64>(sQ + qb * T::q_bytes, &tq, q_full(qb), T::q_bytes, q0, h, b);
+        load_tile<DP, BM, 64>(sQ + qb * T::q_bytes, &tq, q_full(qb), T::q_bytes, q0, h, b);
         if constexpr (kOverlap) {
           for (int64_t t = 0; t < nkt; ++t) {
             const int st = static_cast<int>((u + t) % S);
             const uint32_t par = static_cast<uint32_t>(((u + t) / S) & 1) ^ 1u;
             const int64_t r0 = t * BN;
             wgmma::mbar_wait(empty(st), par);
-            load_q_tile<DP, BN, 64>(sK + st * T::kv_bytes, &tk, full(st), T::kv_bytes, r0, h, b);
+            load_tile<DP, BN, 64>(sK + st * T::kv_bytes, &tk, full(st), T::kv_bytes, r0, h, b);
             wgmma::mbar_wait(empty_v(st), par);
-            load_q_tile<DP, BN, 64>(sV + st * T::kv_bytes, &tv, full_v(st), T::kv_bytes, r0, h, b);
+            load_tile<DP, BN, 64>(sV + st * T::kv_bytes, &tv, full_v(st), T::kv_bytes, r0, h, b);
           }
         } else {
           stream_tiles<DP, BN, S>(&tk, &tv, sK, sV, T::kv_bytes, nkt, h, b, full, empty, 0, [](int64_t, int) {}, u);
@@ -1407,7 +1408,7 @@ __global__ void __launch_bounds__(Tf32ShortTile<LP, DP>::warps * 32)
 // head_dim stay zero (loads only write the valid part): padded keys and dims multiply zeros. The output
 // goes from registers to global memory (at head_dim % 8 == 0 a store instruction writes whole 32-byte
 // sectors of 16 rows).
-template <int DP, int NL, int KMIN>
+template <int DP, int NL>
 struct Fp32ShortTile {
   static constexpr int LDS = DP;  // row stride of Q, K and V
   static constexpr int tile_elems = NL * LDS;
@@ -1453,9 +1454,9 @@ __device__ __forceinline__ void over_keys(Load&& load, Use&& use) {
 }
 
 template <int DP, int NL, int KMIN>
-__global__ void __launch_bounds__(Fp32ShortTile<DP, NL, KMIN>::warps * 32, Fp32ShortTile<DP, NL, KMIN>::min_blocks)
+__global__ void __launch_bounds__(Fp32ShortTile<DP, NL>::warps * 32, Fp32ShortTile<DP, NL>::min_blocks)
     attn_fwd_fp32_short_kernel(const AttnArgs<float, float> a) {
-  using T = Fp32ShortTile<DP, NL, KMIN>;
+  using T = Fp32ShortTile<DP, NL>;
   constexpr int LDS = T::LDS, DCH = DP / 4;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int hf = lane >> 4, ra = lane & 15, rb = ra + 16;  // this lane's half and its two query rows
@@ -1731,7 +1732,7 @@ __global__ void __launch_bounds__(WgTf32Tile::threads, 1)
   if (wg == 0) {
     wgmma::setmaxnreg_dec<T::regs_producer>();
     if (tid == 0) {
-      load_q_tile<DP, BM, 32>(sQh, &tq, bar, T::q_bytes, q0, h, b);
+      load_tile<DP, BM, 32>(sQh, &tq, bar, T::q_bytes, q0, h, b);
       stream_tiles<DP, BN, S, 32>(&tk, &tv, sK, sV, T::kv_bytes, nkt, h, b, full, empty, 0, [](int64_t, int) {});
     } else if (tid >= 32) {
       const int sid = tid - 32;
@@ -3370,7 +3371,7 @@ bool tf32_forward(const char* op, const at::Tensor& q, const at::Tensor& k, cons
     if (std::max(Lq, Lk) > 16 && fp32_short_fma_allowed()) {
       dispatch_fp32_short(Lq, Lk, D, [&](auto dp, auto nl, auto kmin) {
         constexpr int DP = decltype(dp)::value, NL = decltype(nl)::value, KMIN = decltype(kmin)::value;
-        launch_persistent<Fp32ShortTile<DP, NL, KMIN>>(attn_fwd_fp32_short_kernel<DP, NL, KMIN>, a, P, op, stream);
+        launch_persistent<Fp32ShortTile<DP, NL>>(attn_fwd_fp32_short_kernel<DP, NL, KMIN>, a, P, op, stream);
       });
       return true;
     }

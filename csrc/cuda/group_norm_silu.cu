@@ -1272,52 +1272,44 @@ __global__ void __launch_bounds__(kSmemThreads, 2) smem_rows_kernel(const SmemAr
     }
     if (nv > 0) wgmma::mbar_wait(bar0 + 8 * stage, parity);
 
-    // Statistics of d = x - pivot, pivot the CTA's first element (two accumulators each for latency).
+    // Statistics of d = x - pivot, pivot the CTA's first element.
     const float pivot = nv > 0 ? elt_to_float<scalar_t>(buf[0], 0) : 0.f;
     float pivot0;
     Welford<float> st;
-    if constexpr (sizeof(scalar_t) == 2) {  // one pass of shifted sums
-      float s1a = 0.f, s1b = 0.f, s2a = 0.f, s2b = 0.f;
+    // f(x0 - c, x1 - c) on the element pairs of this thread's vectors (two accumulators each for latency).
+    auto pairs = [&](float c, auto&& f) {
 #pragma unroll 2
       for (int k = tid; k < nv; k += THREADS) {
         const uint4 r = buf[k];
 #pragma unroll
-        for (int j = 0; j < VEC; j += 2) {
-          const float d0 = elt_to_float<scalar_t>(r, j) - pivot, d1 = elt_to_float<scalar_t>(r, j + 1) - pivot;
-          s1a += d0;
-          s1b += d1;
-          s2a = fmaf(d0, d0, s2a);
-          s2b = fmaf(d1, d1, s2b);
-        }
+        for (int j = 0; j < VEC; j += 2) f(elt_to_float<scalar_t>(r, j) - c, elt_to_float<scalar_t>(r, j + 1) - c);
       }
+    };
+    if constexpr (sizeof(scalar_t) == 2) {  // one pass of shifted sums
+      float s1a = 0.f, s1b = 0.f, s2a = 0.f, s2b = 0.f;
+      pairs(pivot, [&](float d0, float d1) {
+        s1a += d0;
+        s1b += d1;
+        s2a = fmaf(d0, d0, s2a);
+        s2b = fmaf(d1, d1, s2b);
+      });
       st = cluster_sums_pivoted<THREADS>(s1a + s1b, s2a + s2b, static_cast<float>(nv * VEC), pivot, xch, it, sh_sums,
                                          pivot0);
     } else {  // fp32: each thread's mean, then its squared deviations; Chan's merges (robust to any pivot)
       const int mine = nv > tid ? (nv - tid + THREADS - 1) / THREADS : 0;
       float s0 = 0.f, s1 = 0.f;
-#pragma unroll 2
-      for (int k = tid; k < nv; k += THREADS) {
-        const uint4 r = buf[k];
-#pragma unroll
-        for (int j = 0; j < VEC; j += 2) {
-          s0 += elt_to_float<scalar_t>(r, j) - pivot;
-          s1 += elt_to_float<scalar_t>(r, j + 1) - pivot;
-        }
-      }
+      pairs(pivot, [&](float d0, float d1) {
+        s0 += d0;
+        s1 += d1;
+      });
       const float n = static_cast<float>(mine * VEC);
       const float m = mine ? (s0 + s1) / n : 0.f;
       const float c = pivot + m;  // x - c: the deviation about this thread's mean, to float rounding of c
       float q0 = 0.f, q1 = 0.f;
-#pragma unroll 2
-      for (int k = tid; k < nv; k += THREADS) {
-        const uint4 r = buf[k];
-#pragma unroll
-        for (int j = 0; j < VEC; j += 2) {
-          const float d0 = elt_to_float<scalar_t>(r, j) - c, d1 = elt_to_float<scalar_t>(r, j + 1) - c;
-          q0 = fmaf(d0, d0, q0);
-          q1 = fmaf(d1, d1, q1);
-        }
-      }
+      pairs(c, [&](float d0, float d1) {
+        q0 = fmaf(d0, d0, q0);
+        q1 = fmaf(d1, d1, q1);
+      });
       st = cluster_combine_pivoted<THREADS>(make_float4(m, q0 + q1, n, pivot), xch, it, sh_warp, pivot0);
     }
     {
