@@ -870,8 +870,9 @@ def test_short_backward_cuda_over_2_31_elements():
 # (sm_90a) takes them by default, and VD_ATTENTION_KERNEL=mma keeps the mma.sync kernel; both are
 # checked here, and at head_dim > 64 the wgmma kernel both with its P V / softmax overlap (the default)
 # and without (VD_ATTENTION_OVERLAP=0). Lengths off the tiles (64/192
-# query rows, 64/128 keys), padded head dims, masks of every kind, the projections' strided views and
-# lengths where one key tile is all there is.
+# query rows, 64/128 keys; a last key tile of at most 64 keys runs at N = 64 in the serial loop: 517,
+# 150, 33, 129, 260, 40, 576 and 192, the boundary), padded head dims, masks of every kind, the
+# projections' strided views and lengths where one key tile is all there is.
 @needs_cuda
 @pytest.mark.parametrize("family", ["default", "mma", "serial"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -885,6 +886,8 @@ def test_short_backward_cuda_over_2_31_elements():
     ((2, 1, 577, 77, 64), "bnhd", None),          # cross-attention to 77 text tokens
     ((1, 2, 130, 260, 8), "contiguous", None),
     ((1, 1, 70, 40, 64), "d_strided", None),      # non-unit head_dim stride: a copy first
+    ((2, 4, 576, 576, 128), "contiguous", None),  # SVD's 576 tokens at head_dim 128
+    ((1, 2, 100, 192, 64), "bnhd", "bool"),       # last tile of exactly 64 keys
 ])
 def test_long_kernels_cuda_match_reference(family, dtype, shape, layout, mask_kind, monkeypatch):
     if family == "mma":

@@ -754,10 +754,22 @@ __global__ void __launch_bounds__(WgTile<DP>::threads, 1)
       }
       wgmma::commit();
     };
-    // O += P V: V's tile is the MN-major B operand; K-steps of 16 keys are 2048 bytes apart.
-    auto issue_pv = [&](const unsigned (&pa)[BN / 16][4], int st) {
+    // The same over the tile's first 64 keys only (a last tile of at most BN / 2 keys). Its own
+    // accumulators: written into half of s's, ptxas serializes every product of the kernel (C7511).
+    auto issue_qk_half = [&](float (&s)[NS / 2], int st) {
 #pragma unroll
-      for (int kk = 0; kk < BN / 16; ++kk) {
+      for (int ks = 0; ks < DP / 16; ++ks) {
+        const uint32_t qa = (ks / 4) * BM * 128 + (ks % 4) * 32;
+        const uint32_t kb = st * T::kv_bytes + (ks / 4) * BN * 128 + (ks % 4) * 32;
+        wgmma::mma_m64n64k16_ss<kBf16>(s, dq0 + (qa >> 4), dk0 + (kb >> 4), ks);
+      }
+      wgmma::commit();
+    };
+    // O += P V: V's tile is the MN-major B operand; K-steps of 16 keys are 2048 bytes apart. hv: a
+    // tile of at most 64 keys (only P's first 64 columns; a constant where inlined, as in softmax, pack).
+    auto issue_pv = [&](const unsigned (&pa)[BN / 16][4], int st, bool hv) {
+#pragma unroll
+      for (int kk = 0; kk < (hv ? BN / 32 : BN / 16); ++kk) {
         const uint64_t dv = dv0 + ((st * T::kv_bytes + kk * 16 * 128) >> 4);
         if constexpr (DP == 64) wgmma::mma_m64n64k16_rs<kBf16>(o, pa[kk], dv);
         else wgmma::mma_m64n128k16_rs<kBf16>(o, pa[kk], dv);
@@ -768,16 +780,18 @@ __global__ void __launch_bounds__(WgTile<DP>::threads, 1)
     // unnormalised probabilities, l_r gains their sums, corr is what O must be multiplied by. Interior
     // tiles without a mask take the row max of the raw scores and one FMA + ex2 an element; the last
     // tile, masks and a non-positive scale scale and mask every element first.
-    auto softmax = [&](float (&s)[NS], int64_t t, float (&corr)[2]) {
+    // hv: only s[0, NS / 2) holds scores (the keys past them are past Lk).
+    auto softmax = [&](float (&s)[NS], int64_t t, float (&corr)[2], bool hv) {
+      const int NV = hv ? NS / 2 : NS;
       const int64_t k0 = t * BN;
       const bool plain = k0 + BN <= a.Lk && a.mask.kind == kNoMask && sl2 > 0.f;
       float mx[2] = {neg_inf<float>(), neg_inf<float>()};
       if (plain) {
 #pragma unroll
-        for (int i = 0; i < NS; ++i) mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], s[i]);
+        for (int i = 0; i < NV; ++i) mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], s[i]);
       } else {
 #pragma unroll
-        for (int i = 0; i < NS; ++i) {
+        for (int i = 0; i < NV; ++i) {
           const int64_t key = k0 + (i / 4) * 8 + 2 * tig + (i & 1);
           const int rr = (i >> 1) & 1;
           float x = s[i] * sl2;
@@ -803,16 +817,17 @@ __global__ void __launch_bounds__(WgTile<DP>::threads, 1)
         l_r[rr] *= corr[rr];
       }
 #pragma unroll
-      for (int i = 0; i < NS; i += 2) {
+      for (int i = 0; i < NV; i += 2) {
         const int rr = (i >> 1) & 1;
         s[i] = ex2_approx(fmaf(s[i], f, -m_use[rr]));
         s[i + 1] = ex2_approx(fmaf(s[i + 1], f, -m_use[rr]));
         l_r[rr] += s[i] + s[i + 1];
       }
     };
-    auto pack = [&](const float (&s)[NS], unsigned (&pa)[BN / 16][4]) {
+    auto pack = [&](const float (&s)[NS], unsigned (&pa)[BN / 16][4], bool hv) {
+      const int NV = hv ? NS / 2 : NS;
 #pragma unroll
-      for (int i = 0; i < NS; i += 2) pa[i / 8][(i / 2) % 4] = MT::pack(s[i], s[i + 1]);
+      for (int i = 0; i < NV; i += 2) pa[i / 8][(i / 2) % 4] = MT::pack(s[i], s[i + 1]);
     };
     auto rescale = [&](const float (&corr)[2]) {
 #pragma unroll
@@ -823,25 +838,39 @@ __global__ void __launch_bounds__(WgTile<DP>::threads, 1)
 
     wgmma::mbar_wait(q_full(qb), static_cast<uint32_t>((li >> 1) & 1));
     if constexpr (!kOverlap) {
-      for (int64_t t = 0; t < nkt; ++t) {
+      // A last tile of at most 64 keys (576 = 4 x 128 + 64) runs at N = 64: half the products and softmax.
+      auto step = [&](int64_t t, bool hv) {
         const int st = stage(t);
         wgmma::mbar_wait(full(st), phase(t));
         float s[NS], corr[2];
         unsigned pa[BN / 16][4];
         wgmma::fence();
-        issue_qk(s, st);
-        wgmma::wait<0>();
-        wgmma::fence_regs(s);
-        softmax(s, t, corr);
+        if (hv) {
+          float sh[NS / 2];
+          issue_qk_half(sh, st);
+          wgmma::wait<0>();
+          wgmma::fence_regs(sh);
+#pragma unroll
+          for (int i = 0; i < NS / 2; ++i) s[i] = sh[i];
+        } else {
+          issue_qk(s, st);
+          wgmma::wait<0>();
+          wgmma::fence_regs(s);
+        }
+        softmax(s, t, corr, hv);
         rescale(corr);
-        pack(s, pa);
+        pack(s, pa, hv);
         wgmma::fence_regs(o);
         wgmma::fence();
-        issue_pv(pa, st);
+        issue_pv(pa, st, hv);
         wgmma::wait<0>();
         wgmma::fence_regs(o);
         if (lane == 0) wgmma::mbar_arrive(empty(st));  // this warp is done reading the stage
-      }
+      };
+      const bool last_half = a.Lk - (nkt - 1) * BN <= BN / 2;
+      const int64_t nfull = last_half ? nkt - 1 : nkt;
+      for (int64_t t = 0; t < nfull; ++t) step(t, false);
+      if (last_half) step(nkt - 1, true);
     } else {
       // Tile t's P V runs while tile t + 1's softmax does: P (pa) and O stay untouched until the
       // wait for it; then O is rescaled by the new tile's correction and the new P packed.
@@ -853,8 +882,8 @@ __global__ void __launch_bounds__(WgTile<DP>::threads, 1)
       wgmma::wait<0>();
       wgmma::fence_regs(s);
       if (lane == 0) wgmma::mbar_arrive(empty(stage(0)));  // K's stage is free again
-      softmax(s, 0, corr);
-      pack(s, pa);
+      softmax(s, 0, corr, false);
+      pack(s, pa, false);
       for (int64_t t = 1; t < nkt; ++t) {
         const int st = stage(t), sp = stage(t - 1);
         wgmma::mbar_wait(full(st), phase(t));
@@ -862,24 +891,24 @@ __global__ void __launch_bounds__(WgTile<DP>::threads, 1)
         wgmma::fence_regs(o);
         wgmma::fence();
         issue_qk(s, st);
-        issue_pv(pa, sp);
+        issue_pv(pa, sp, false);
         wgmma::wait<1>();  // groups complete in order: S of tile t is done, P V may not be
         wgmma::fence_regs(s);
         if (lane == 0) wgmma::mbar_arrive(empty(st));
-        softmax(s, t, corr);
+        softmax(s, t, corr, false);
         wgmma::wait<0>();
         wgmma::fence_regs(o);
         wgmma::fence_regs(pa);
         wgmma::fence_regs(s);
         if (lane == 0) wgmma::mbar_arrive(empty_v(sp));
         rescale(corr);
-        pack(s, pa);
+        pack(s, pa, false);
       }
       const int sl = stage(nkt - 1);
       wgmma::mbar_wait(full_v(sl), phase(nkt - 1));
       wgmma::fence_regs(o);
       wgmma::fence();
-      issue_pv(pa, sl);
+      issue_pv(pa, sl, false);
       wgmma::wait<0>();
       wgmma::fence_regs(o);
       if (lane == 0) wgmma::mbar_arrive(empty_v(sl));
