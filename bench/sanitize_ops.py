@@ -130,6 +130,10 @@ def main():
                                            torch.randn(200, device=dev, dtype=dtype), 1)
                 torch.ops.vd.temporal_conv(torch.randn(1, 40, 2, 8, 8, device=dev, dtype=dtype),
                                            torch.randn(64, 40, 3, 1, 1, device=dev, dtype=dtype), None, 3)
+                # 192 pixels: a 128-pixel tile and a last block of 64 (run last, at N = 64) per frame
+                torch.ops.vd.temporal_conv(torch.randn(1, 64, 3, 12, 16, device=dev, dtype=dtype),
+                                           torch.randn(200, 64, 3, 1, 1, device=dev, dtype=dtype),
+                                           torch.randn(200, device=dev, dtype=dtype), 1)
             ran.append("temporal_conv")
         if want("scheduler_step"):
             s = torch.randn(2, 3, 4, 9, 7, device=dev, dtype=dtype)

@@ -73,15 +73,17 @@ namespace {
 // one 64-pixel box per 128-byte swizzle atom) straight from x's own strides, so contiguous and
 // frames-major x take the same path; boxes past H*W, C_in or C_out read as zeros. Persistent CTAs: one
 // producer warp streams the stages across tiles, two consumer warpgroups (64 channels each) run
-// wgmma m64n128k16 and write their tile from registers with the bias.
+// wgmma m64n128k16 (m64n64k16 on a last block of <= 64 pixels) and write their tile from registers with
+// the bias.
 #if defined(VD_SM90A)
 struct TcArgs {
   void* out;
   const void* bias;                     // C_out elements in x's dtype, or null
   int64_t out_sb, out_sc, out_sf;       // output strides (elements) of b, channel, frame; pixels stride 1
-  int64_t tiles;
+  int64_t tiles, full_tiles;            // all tiles; those of 128 pixels (the rest: a last block of <= 64)
   int C_out, HW, F, F_out, k, pad;
   int n_cb, n_pb, chunks;               // channel blocks of 128, pixel blocks of 128, input chunks of 64
+  int half_pb;                          // 1 if the last pixel block has at most 64 pixels
 };
 
 struct TcTile {
@@ -92,14 +94,110 @@ struct TcTile {
   static constexpr size_t smem_bytes = bar_off + 16 * kStages + 1024;  // + slack to align to 1024
 };
 
+// A tile: channel block, pixel block, output frame, sample; taps [t0, t1) read existing frames; half:
+// the last pixel block of at most 64 pixels (one atom of x, products at N = 64).
+struct TcWork {
+  int cb, pb, f, b, t0, t1;
+  bool half;
+};
+
+// Tile w: the 128-pixel tiles first, then those of a last block of <= 64 pixels (576 = 4 x 128 + 64
+// pixels at SVD's 18 x 32), so the static round-robin ends on short tiles instead of a half-empty
+// round of full ones. Channel block fastest (the CTAs at work share x's rows through L2). kShort: the
+// kernel built for such shapes (the other one has no short tiles).
+template <bool kShort>
+__device__ __forceinline__ TcWork tc_work(const TcArgs& a, int64_t w) {
+  TcWork t;
+  t.half = kShort && w >= a.full_tiles;
+  const int npb = t.half ? 1 : a.n_pb - a.half_pb;
+  if (t.half) w -= a.full_tiles;
+  t.cb = static_cast<int>(w % a.n_cb);
+  int64_t r = w / a.n_cb;
+  t.pb = t.half ? a.n_pb - 1 : static_cast<int>(r % npb);
+  r /= npb;
+  t.f = static_cast<int>(r % a.F_out);
+  t.b = static_cast<int>(r / a.F_out);
+  t.t0 = max(0, a.pad - t.f);
+  t.t1 = min(a.k, a.F + a.pad - t.f);
+  return t;
+}
+
+// One consumer warpgroup's part of a tile of at most 64 pixels (64 channels x 64 pixels at N = 64): the
+// K loop over the ready stages (u counts them across tiles, as the producer does), then the bias and the
+// store from registers. The 128-pixel tiles keep the same steps inline in the kernel: as one function
+// for both, the kernel's registers grew from 96 to 168 with spills, and the 320- and 640-channel shapes
+// (no short tiles) ran 4-10 % slower.
 template <typename scalar_t>
+__device__ __forceinline__ void tc_half_tile(const TcArgs& a, const TcWork& t, uint32_t& u, uint32_t sA,
+                                             uint32_t sB, uint32_t bar, int cw, int warp, int lane) {
+  using T = TcTile;
+  constexpr int S = T::kStages, NP = 64, NACC = NP / 2;
+  constexpr bool kBf16 = std::is_same_v<scalar_t, at::BFloat16>;
+  auto full = [&](int st) { return bar + 8 * st; };
+  auto empty = [&](int st) { return bar + 8 * (S + st); };
+  const int g = lane >> 2, tig = lane & 3;
+  const int steps = max(0, t.t1 - t.t0) * a.chunks;
+  const bool active = t.cb * T::BM + cw * 64 < a.C_out;  // this warpgroup's channels exist
+  float acc[NACC];  // the first product overwrites it (scale-d 0); zeroed below if there is none
+  int prev = -1;    // the stage whose products may still be reading shared memory
+  for (int s = 0; s < steps; ++s, ++u) {
+    const int st = static_cast<int>(u % S);
+    wgmma::mbar_wait(full(st), (u / S) & 1);
+    if (active) {
+      // K steps of 16 channels: +32 bytes in the weight's 128-byte rows, +16 rows (2048 bytes) of x's.
+      const uint64_t da = wgmma::desc_sw128(sA + st * T::a_bytes + cw * 64 * 128, 16, 1024);
+      const uint64_t db = wgmma::desc_sw128(sB + st * T::b_bytes, T::b_bytes / 2, 1024);
+      wgmma::fence();
+#pragma unroll
+      for (int kk = 0; kk < T::BK / 16; ++kk)
+        wgmma::mma_m64n64k16_ss_kmn<kBf16>(acc, da + ((kk * 32) >> 4), db + ((kk * 2048) >> 4), s > 0 || kk > 0);
+      wgmma::commit();
+      wgmma::wait<1>();  // the previous stage's products are done: hand it back
+    }
+    if (prev >= 0 && lane == 0) wgmma::mbar_arrive(empty(prev));
+    prev = st;
+  }
+  wgmma::wait<0>();
+  wgmma::fence_regs(acc);
+  if (steps == 0) {  // every tap in the padding: the bias alone
+#pragma unroll
+    for (int i = 0; i < NACC; ++i) acc[i] = 0.f;
+  }
+  if (prev >= 0 && lane == 0) wgmma::mbar_arrive(empty(prev));
+  if (!active) return;
+
+  // Row g (+ 8) of the warp's 16 channels, columns 8 j + 2 tig (+ 1): pairs of adjacent pixels.
+  scalar_t* out = static_cast<scalar_t*>(a.out);
+  const int64_t obase = t.b * a.out_sb + t.f * a.out_sf;
+  const int p0 = t.pb * T::BN + 2 * tig;
+#pragma unroll
+  for (int rr = 0; rr < 2; ++rr) {
+    const int co = t.cb * T::BM + cw * 64 + warp * 16 + g + 8 * rr;
+    if (co >= a.C_out) continue;
+    const float bv = a.bias != nullptr ? static_cast<float>(static_cast<const scalar_t*>(a.bias)[co]) : 0.f;
+    scalar_t* row = out + obase + co * a.out_sc;
+#pragma unroll
+    for (int j = 0; j < NP / 8; ++j) {
+      const int p = p0 + 8 * j;
+      if (p >= a.HW) continue;  // HW is even: the pair is whole
+      const float x0 = acc[4 * j + 2 * rr] + bv, x1 = acc[4 * j + 2 * rr + 1] + bv;
+      if constexpr (kBf16)
+        *reinterpret_cast<__nv_bfloat162*>(row + p) = __floats2bfloat162_rn(x0, x1);
+      else
+        *reinterpret_cast<__half2*>(row + p) = __floats2half2_rn(x0, x1);
+    }
+  }
+}
+
+// kShort: H * W ends in a block of at most 64 pixels (a separate build: the short-tile branch raises the
+// kernel's registers from 96 to 162, and the shapes without short tiles keep the build without it).
+template <typename scalar_t, bool kShort>
 __global__ void __launch_bounds__(384, 1)
     temporal_conv_wgmma_kernel(const TcArgs a, const __grid_constant__ CUtensorMap tw,
                                const __grid_constant__ CUtensorMap tx) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using T = TcTile;
   constexpr int S = T::kStages;
-  constexpr bool kBf16 = std::is_same_v<scalar_t, at::BFloat16>;
   extern __shared__ __align__(16) unsigned char tc_smem[];
   const uint32_t sA = (static_cast<uint32_t>(__cvta_generic_to_shared(tc_smem)) + 1023u) & ~1023u;
   const uint32_t sB = sA + S * T::a_bytes, bar = sA + T::bar_off;
@@ -115,37 +213,22 @@ __global__ void __launch_bounds__(384, 1)
   }
   __syncthreads();
 
-  // Tile w: channel block fastest (the CTAs at work share x's rows through L2), then pixel block,
-  // output frame, sample. Taps [t0, t1) read existing frames.
-  struct Tile { int cb, pb, f, b, t0, t1; };
-  auto tile_of = [&](int64_t w) {
-    Tile t;
-    t.cb = static_cast<int>(w % a.n_cb);
-    int64_t r = w / a.n_cb;
-    t.pb = static_cast<int>(r % a.n_pb);
-    r /= a.n_pb;
-    t.f = static_cast<int>(r % a.F_out);
-    t.b = static_cast<int>(r / a.F_out);
-    t.t0 = max(0, a.pad - t.f);
-    t.t1 = min(a.k, a.F + a.pad - t.f);
-    return t;
-  };
-
   if (wg == 0) {
     if (tid == 0) {
       uint32_t u = 0;  // stages filled so far (runs on across tiles)
       for (int64_t w = blockIdx.x; w < a.tiles; w += gridDim.x) {
-        const Tile t = tile_of(w);
+        const TcWork t = tc_work<kShort>(a, w);
+        const uint32_t bytes = T::a_bytes + (t.half ? T::b_bytes / 2 : T::b_bytes);
         for (int tap = t.t0; tap < t.t1; ++tap) {
           const int fi = t.f + tap - a.pad;
           for (int c = 0; c < a.chunks; ++c, ++u) {
             const int st = static_cast<int>(u % S);
             wgmma::mbar_wait(empty(st), ((u / S) & 1) ^ 1u);
-            wgmma::mbar_expect_tx(full(st), T::a_bytes + T::b_bytes);
+            wgmma::mbar_expect_tx(full(st), bytes);
             wgmma::tma_load_4d(sA + st * T::a_bytes, &tw, full(st), c * T::BK, tap, t.cb * T::BM, 0);
             const uint32_t dst = sB + st * T::b_bytes;
             wgmma::tma_load_4d(dst, &tx, full(st), t.pb * T::BN, c * T::BK, fi, t.b);
-            wgmma::tma_load_4d(dst + T::b_bytes / 2, &tx, full(st), t.pb * T::BN + 64, c * T::BK, fi, t.b);
+            if (!t.half) wgmma::tma_load_4d(dst + T::b_bytes / 2, &tx, full(st), t.pb * T::BN + 64, c * T::BK, fi, t.b);
           }
         }
       }
@@ -157,10 +240,17 @@ __global__ void __launch_bounds__(384, 1)
   // around wgmma would otherwise serialize the products (ptxas C7518).
   const int cw = __shfl_sync(kFullMask, wg - 1, 0), warp = (tid / 32) % 4, lane = tid % 32;
   const int g = lane >> 2, tig = lane & 3;
+  constexpr bool kBf16 = std::is_same_v<scalar_t, at::BFloat16>;
   scalar_t* out = static_cast<scalar_t*>(a.out);
   uint32_t u = 0;
   for (int64_t w = blockIdx.x; w < a.tiles; w += gridDim.x) {
-    const Tile t = tile_of(w);
+    const TcWork t = tc_work<kShort>(a, w);
+    if constexpr (kShort) {
+      if (t.half) {  // a last block of <= 64 pixels
+        tc_half_tile<scalar_t>(a, t, u, sA, sB, bar, cw, warp, lane);
+        continue;
+      }
+    }
     const int steps = max(0, t.t1 - t.t0) * a.chunks;
     const bool active = t.cb * T::BM + cw * 64 < a.C_out;  // this warpgroup's channels exist
     float acc[64];  // the first product overwrites it (scale-d 0); zeroed below if there is none
@@ -264,7 +354,9 @@ bool temporal_conv_wgmma(const at::Tensor& x, const at::Tensor& weight, const st
   a.n_cb = static_cast<int>(ceil_div(s.C_out, TcTile::BM));
   a.n_pb = static_cast<int>(ceil_div(HW, TcTile::BN));
   a.chunks = static_cast<int>(ceil_div(s.C_in, TcTile::BK));
+  a.half_pb = HW % TcTile::BN != 0 && HW % TcTile::BN <= TcTile::BN / 2 ? 1 : 0;
   a.tiles = static_cast<int64_t>(a.n_cb) * a.n_pb * s.F_out * s.B;
+  a.full_tiles = static_cast<int64_t>(a.n_cb) * (a.n_pb - a.half_pb) * s.F_out * s.B;
 
   const size_t smem = TcTile::smem_bytes;
   auto launch = [&](auto kernel) {
@@ -272,8 +364,13 @@ bool temporal_conv_wgmma(const at::Tensor& x, const at::Tensor& weight, const st
     kernel<<<persistent_blocks(kernel, 384, smem, a.tiles), 384, smem, c10::cuda::getCurrentCUDAStream()>>>(a, tw, tx);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
-  if (dt == at::kBFloat16) launch(temporal_conv_wgmma_kernel<at::BFloat16>);
-  else launch(temporal_conv_wgmma_kernel<at::Half>);
+  if (dt == at::kBFloat16) {
+    if (a.half_pb) launch(temporal_conv_wgmma_kernel<at::BFloat16, true>);
+    else launch(temporal_conv_wgmma_kernel<at::BFloat16, false>);
+  } else {
+    if (a.half_pb) launch(temporal_conv_wgmma_kernel<at::Half, true>);
+    else launch(temporal_conv_wgmma_kernel<at::Half, false>);
+  }
   return true;
 #else
   (void)x, (void)weight, (void)bias, (void)out, (void)s;

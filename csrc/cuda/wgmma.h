@@ -112,6 +112,13 @@ __device__ __forceinline__ void mma_m64n128k16_ss_kmn(float (&d)[64], uint64_t d
   else VD_SS(128, f16, VD_R64, VD_D64(d), "%64", "%65", "%66", "0, 1");
 }
 
+// The same at N = 64: a last pixel block of at most 64 pixels.
+template <bool kBf16>
+__device__ __forceinline__ void mma_m64n64k16_ss_kmn(float (&d)[32], uint64_t da, uint64_t db, int scale_d) {
+  if constexpr (kBf16) VD_SS(64, bf16, VD_R32, VD_D32(d), "%32", "%33", "%34", "0, 1");
+  else VD_SS(64, f16, VD_R32, VD_D32(d), "%32", "%33", "%34", "0, 1");
+}
+
 // d (64 x 64, f32) += A (64 x 16, registers) * B (16 x 64, shared, MN-major).
 template <bool kBf16>
 __device__ __forceinline__ void mma_m64n64k16_rs(float (&d)[32], const unsigned (&a)[4], uint64_t db) {
