@@ -745,24 +745,18 @@ __global__ void __launch_bounds__(WgTile<DP>::threads, 1)
 
     // S = Q K^T of the tile in stage st (issued, not waited for): K-steps of 16 dims, 32 bytes apart
     // inside a 128-byte line, lines of 64 dims apart.
+    auto q_desc = [&](int ks) { return dq0 + (((ks / 4) * BM * 128 + (ks % 4) * 32) >> 4); };
+    auto k_desc = [&](int ks, int st) { return dk0 + ((st * T::kv_bytes + (ks / 4) * BN * 128 + (ks % 4) * 32) >> 4); };
     auto issue_qk = [&](float (&s)[NS], int st) {
 #pragma unroll
-      for (int ks = 0; ks < DP / 16; ++ks) {
-        const uint32_t qa = (ks / 4) * BM * 128 + (ks % 4) * 32;
-        const uint32_t kb = st * T::kv_bytes + (ks / 4) * BN * 128 + (ks % 4) * 32;
-        wgmma::mma_m64n128k16_ss<kBf16>(s, dq0 + (qa >> 4), dk0 + (kb >> 4), ks);
-      }
+      for (int ks = 0; ks < DP / 16; ++ks) wgmma::mma_m64n128k16_ss<kBf16>(s, q_desc(ks), k_desc(ks, st), ks);
       wgmma::commit();
     };
     // The same over the tile's first 64 keys only (a last tile of at most BN / 2 keys). Its own
     // accumulators: written into half of s's, ptxas serializes every product of the kernel (C7511).
     auto issue_qk_half = [&](float (&s)[NS / 2], int st) {
 #pragma unroll
-      for (int ks = 0; ks < DP / 16; ++ks) {
-        const uint32_t qa = (ks / 4) * BM * 128 + (ks % 4) * 32;
-        const uint32_t kb = st * T::kv_bytes + (ks / 4) * BN * 128 + (ks % 4) * 32;
-        wgmma::mma_m64n64k16_ss<kBf16>(s, dq0 + (qa >> 4), dk0 + (kb >> 4), ks);
-      }
+      for (int ks = 0; ks < DP / 16; ++ks) wgmma::mma_m64n64k16_ss<kBf16>(s, q_desc(ks), k_desc(ks, st), ks);
       wgmma::commit();
     };
     // O += P V: V's tile is the MN-major B operand; K-steps of 16 keys are 2048 bytes apart. hv: a

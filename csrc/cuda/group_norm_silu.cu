@@ -126,6 +126,28 @@ struct LaneWelford {
   }
 };
 
+// VEC sums of x - pivot and of its square (16-bit input): the statistics kernels' per-thread state where
+// loads must stay independent (the Welford push above chains each update on the last). n counts pushes.
+template <int VEC>
+struct ShiftedSums {
+  float piv[VEC], s1[VEC], s2[VEC];
+  int n = 0;
+  __device__ ShiftedSums() {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) piv[j] = s1[j] = s2[j] = 0.f;
+  }
+  template <typename scalar_t>
+  __device__ __forceinline__ void add(const Vec<scalar_t, VEC>& raw) {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      const float d = static_cast<float>(raw.v[j]) - piv[j];
+      s1[j] += d;
+      s2[j] = fmaf(d, d, s2[j]);
+    }
+    ++n;
+  }
+};
+
 template <int VEC, typename scalar_t, typename acc_t>
 __device__ __forceinline__ void load_vec(const scalar_t* p, acc_t (&v)[VEC]) {
   const Vec<scalar_t, VEC> raw = *reinterpret_cast<const Vec<scalar_t, VEC>*>(p);
@@ -253,19 +275,9 @@ __global__ void __launch_bounds__(kThreads) stats_rows_kernel(GNArgs<scalar_t, a
     // Welford push below divides once a vector and chains every update on the last, which held the
     // loads one at a time (the kernel read at 36-38 % of the DRAM rate).
     const float pivot = static_cast<float>(a.x[lo]);
-    float s1[VEC], s2[VEC];
+    ShiftedSums<VEC> ss;
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) s1[j] = s2[j] = 0.f;
-    int nv = 0;
-    auto add = [&](const Vec<scalar_t, VEC>& raw) {
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) {
-        const float d = static_cast<float>(raw.v[j]) - pivot;
-        s1[j] += d;
-        s2[j] = fmaf(d, d, s2[j]);
-      }
-      ++nv;
-    };
+    for (int j = 0; j < VEC; ++j) ss.piv[j] = pivot;
     // Whole batches of kVecsPerLane vectors a lane (all of a chunk but a run's last), then the rest.
     constexpr int64_t kBatch = 32 * VEC * kVecsPerLane;
     int64_t i0 = lo;
@@ -276,17 +288,17 @@ __global__ void __launch_bounds__(kThreads) stats_rows_kernel(GNArgs<scalar_t, a
         for (int k = 0; k < kVecsPerLane; ++k)
           raw[k] = *reinterpret_cast<const Vec<scalar_t, VEC>*>(a.x + i0 + (k * 32 + lane) * VEC);
 #pragma unroll
-        for (int k = 0; k < kVecsPerLane; ++k) add(raw[k]);
+        for (int k = 0; k < kVecsPerLane; ++k) ss.add(raw[k]);
       }
     }
     warp_visit<VEC>(
-        i0, hi, lane, [&](int64_t i) { add(*reinterpret_cast<const Vec<scalar_t, VEC>*>(a.x + i)); }, push_single);
+        i0, hi, lane, [&](int64_t i) { ss.add(*reinterpret_cast<const Vec<scalar_t, VEC>*>(a.x + i)); }, push_single);
     s = single;
-    if (nv > 0) {
+    if (ss.n > 0) {
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {
-        const double n = nv, d1 = s1[j];
-        s = combine(s, Welford<double>{pivot + d1 / n, static_cast<double>(s2[j]) - d1 * d1 / n, n});
+        const double n = ss.n, d1 = ss.s1[j];
+        s = combine(s, Welford<double>{pivot + d1 / n, static_cast<double>(ss.s2[j]) - d1 * d1 / n, n});
       }
     }
   } else {
@@ -328,15 +340,12 @@ __global__ void __launch_bounds__(kThreads, 3) stats_cols_kernel(GNArgs<scalar_t
     // 16-bit input: shifted sums about the thread's first row, rows loaded kColBatch at a time (as in
     // stats_rows_kernel; the Welford push held one load in flight). Few enough registers for 3 blocks
     // an SM: at 8 rows (128 registers, 2 blocks) 640-channel frames-major input ran 8 % slower.
-    float piv[VEC], s1[VEC], s2[VEC];
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) piv[j] = s1[j] = s2[j] = 0.f;
-    int nv = 0;
+    ShiftedSums<VEC> ss;
     if (cb.active && cb.s0 + cb.rowlane < cb.s1) {
       const scalar_t* base = a.x + cb.n * a.S * a.C + cb.cv * VEC;
       const Vec<scalar_t, VEC> first = *reinterpret_cast<const Vec<scalar_t, VEC>*>(base + (cb.s0 + cb.rowlane) * a.C);
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) piv[j] = static_cast<float>(first.v[j]);
+      for (int j = 0; j < VEC; ++j) ss.piv[j] = static_cast<float>(first.v[j]);
       for (int64_t s = cb.s0 + cb.rowlane; s < cb.s1; s += kColBatch * a.R) {
         Vec<scalar_t, VEC> raw[kColBatch];
 #pragma unroll
@@ -347,23 +356,17 @@ __global__ void __launch_bounds__(kThreads, 3) stats_cols_kernel(GNArgs<scalar_t
 #pragma unroll
         for (int k = 0; k < kColBatch; ++k) {
           if (s + k * a.R >= cb.s1) break;
-#pragma unroll
-          for (int j = 0; j < VEC; ++j) {
-            const float d = static_cast<float>(raw[k].v[j]) - piv[j];
-            s1[j] += d;
-            s2[j] = fmaf(d, d, s2[j]);
-          }
-          ++nv;
+          ss.add(raw[k]);
         }
       }
     }
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
-      const float mean_d = nv > 0 ? s1[j] / nv : 0.f;
-      sh_mean[tid * VEC + j] = piv[j] + mean_d;
-      sh_m2[tid * VEC + j] = nv > 0 ? fmaxf(s2[j] - s1[j] * mean_d, 0.f) : 0.f;
+      const float mean_d = ss.n > 0 ? ss.s1[j] / ss.n : 0.f;
+      sh_mean[tid * VEC + j] = ss.piv[j] + mean_d;
+      sh_m2[tid * VEC + j] = ss.n > 0 ? fmaxf(ss.s2[j] - ss.s1[j] * mean_d, 0.f) : 0.f;
     }
-    sh_n[tid] = nv;
+    sh_n[tid] = ss.n;
   } else {
     LaneWelford<acc_t, VEC> lw;
     if (cb.active) {
