@@ -91,6 +91,11 @@ def main():
                                             ((1, 64, 14, 32, 64), 8)]:
                 x = torch.randn(B, F, C, H, W, device=dev, dtype=dtype).transpose(1, 2)
                 torch.ops.vd.group_norm_silu(x, groups, None, None, 1e-5, True)
+            # channels_last two-pass statistics over two column tiles (a group in both, groups in one only).
+            for shape, groups in [((2, 2560, 3, 5), 32), ((1, 2112, 4, 4), 3)]:
+                x = torch.randn(shape, device=dev, dtype=dtype).to(memory_format=torch.channels_last)
+                with env_var("VD_GROUP_NORM_KERNEL", "twopass"):
+                    torch.ops.vd.group_norm_silu(x, groups, None, None, 1e-5, True)
             # Each forward kernel family on its own: one block, a cluster of 4, a cluster of 16 (bf16;
             # two-pass in fp32), frames-major over a cluster of 8 / 16.
             for family in ("smem", "l2", "onchip"):

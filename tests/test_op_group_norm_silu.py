@@ -180,6 +180,8 @@ CHANNELS_LAST_CASES = [
     ((2, 40, 4, 4, 3), 4),       # 5-D channels_last_3d, cpg 10
     ((1, 64, 256, 256), 8),      # parts over 96 KB: two-pass
     ((2, 12, 5, 5), 3),          # C not whole vectors: two-pass
+    ((2, 2560, 3, 5), 32),       # two-pass statistics over two column tiles of 2048 channels: group 25 in both
+    ((1, 2112, 4, 4), 3),        # cpg 704: group 2 straddles the tiles, groups 0 and 1 never reach the second
 ]
 
 
