@@ -2,6 +2,7 @@
 
     python bench/ops.py [--ops group_norm_silu,scheduler_step,conv_bn_silu,temporal_conv] [--dtype bf16]
                         [--gn-variants]
+    python bench/ops.py --ops group_norm_silu_backward
 
 Per shape: eager, inductor (torch.compile of the same eager code), ours — ms, GB/s or TFLOP/s, % of the
 measured ceiling, ratios. JSON goes to bench/results/.
@@ -105,6 +106,64 @@ def bench_group_norm_silu(dtype, dev, ceil, variants=False):
                         r[f"{v}_max_err"] = (got - ref).abs().max().item()
             rows.append(r)
             del xs
+            torch.cuda.empty_cache()
+    return rows
+
+
+def bench_group_norm_silu_backward(dtype, dev, ceil):
+    """The backward alone (dx, dgamma, dbeta from dy), each side through autograd with the graph kept
+    (retain_graph): eager F.group_norm + F.silu (native_group_norm_backward with the saved statistics, and
+    SiLU's backward on the saved pre-activation), inductor's compiled training graph, and ours, whose
+    backward op recomputes the statistics from x. "% ceiling" counts x and dy read once and dx written once
+    (what a kernel holding each group on chip would move); the two-pass floor reads x three times (the
+    statistics, the sums, dx) and dy twice."""
+    shapes = [("unet-320", (28, 320, 72, 128), 0), ("unet-640", (28, 640, 36, 64), 0),
+              ("unet-1280", (28, 1280, 18, 32), 0), ("unet-960", (28, 960, 72, 128), 0),
+              ("vae-512", (14, 512, 72, 128), 0), ("temporal-320", (2, 320, 14, 72, 128), 14)]
+    rows = []
+    for cl in (False, True):
+        for name, shape, frames in shapes:
+            numel = torch.Size(shape).numel()
+            per = 3 * numel * _elt(dtype)
+            if frames and not cl:
+                B, C, F_, H, W = shape
+                x = torch.randn(B, F_, C, H, W, device=dev, dtype=dtype).transpose(1, 2)
+            else:
+                fmt = torch.channels_last_3d if len(shape) == 5 else torch.channels_last
+                x = torch.randn(shape, device=dev, dtype=dtype)
+                x = x.to(memory_format=fmt) if cl else x
+            C = shape[1]
+            x.requires_grad_()
+            w = torch.randn(C, device=dev, dtype=dtype, requires_grad=True)
+            b = torch.randn(C, device=dev, dtype=dtype, requires_grad=True)
+            dy = torch.randn_like(x)
+
+            def eager(x, w, b):
+                return F.silu(F.group_norm(x, 32, w, b, 1e-5))
+
+            def ours(x, w, b):
+                return torch.ops.vd.group_norm_silu(x, 32, w, b, 1e-5, True)
+            ind = _compiled(eager)
+            times = {}
+            grads = {}
+            for key, fn in (("eager", eager), ("inductor", ind), ("ours", ours)):
+                y = fn(x, w, b)
+
+                def bwd(i, y=y):
+                    return torch.autograd.grad(y, (x, w, b), dy, retain_graph=True)
+                grads[key] = bwd(0)
+                times[key] = time_cuda(bwd)
+                if key == "ours":
+                    times["ours_device"] = device_time_per_call(bwd)
+                del y
+            r = _row(name + ("-cl" if cl else ""), times["eager"], times["inductor"], times["ours"], per, "GBps", ceil)
+            r["ours_device_ms"] = times["ours_device"]
+            if ceil:
+                r["device_pct_ceiling"] = 100 * per / times["ours_device"] / 1e6 / ceil
+            # Against the eager gradients (both in bf16 arithmetic on the inputs; not a float64 reference).
+            r["max_err_dx"] = (grads["ours"][0].float() - grads["eager"][0].float()).abs().max().item()
+            rows.append(r)
+            del x, dy, grads
             torch.cuda.empty_cache()
     return rows
 
@@ -236,6 +295,8 @@ def main():
         try:
             if op == "group_norm_silu":
                 rows = bench_group_norm_silu(dtype, dev, ceil.get("copy_GBps"), args.gn_variants)
+            elif op == "group_norm_silu_backward":
+                rows = bench_group_norm_silu_backward(dtype, dev, ceil.get("copy_GBps"))
             elif op == "scheduler_step":
                 rows = bench_scheduler_step(dtype, dev, ceil.get("copy_GBps"))
             elif op == "conv_bn_silu":
@@ -253,7 +314,7 @@ def main():
         if op == "scheduler_step":  # ours ms above is the kernel's device time
             print_table(rows, [("shape", "shape", ""), ("ours_graph_ms", "graph ms/step", ".4f"),
                                ("graph_pct_ceiling", "graph % ceil", ".0f"), ("ours_call_ms", "call ms", ".4f")])
-        if op == "group_norm_silu":
+        if op in ("group_norm_silu", "group_norm_silu_backward"):
             print_table(rows, [("shape", "shape", ""), ("ours_device_ms", "ours device ms", ".4f"),
                                ("device_pct_ceiling", "device % ceil", ".0f")])
         if op == "group_norm_silu" and args.gn_variants:
