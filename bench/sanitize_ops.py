@@ -91,6 +91,12 @@ def main():
                                             ((1, 64, 14, 32, 64), 8)]:
                 x = torch.randn(B, F, C, H, W, device=dev, dtype=dtype).transpose(1, 2)
                 torch.ops.vd.group_norm_silu(x, groups, None, None, 1e-5, True)
+            # The backward on frames-major x and grad_out, read in place (vector and scalar rows).
+            for (B, C, F, H, W) in [(2, 64, 3, 4, 8), (1, 32, 3, 5, 7)]:
+                x = torch.randn(B, F, C, H, W, device=dev, dtype=dtype).transpose(1, 2)
+                g = torch.randn(B, F, C, H, W, device=dev, dtype=dtype).transpose(1, 2)
+                w = torch.randn(C, device=dev, dtype=dtype)
+                torch.ops.vd.group_norm_silu_backward(g, x, 8, w, w, 1e-5, True)
             # channels_last two-pass statistics over two column tiles (a group in both, groups in one only).
             for shape, groups in [((2, 2560, 3, 5), 32), ((1, 2112, 4, 4), 3)]:
                 x = torch.randn(shape, device=dev, dtype=dtype).to(memory_format=torch.channels_last)
