@@ -1910,7 +1910,8 @@ bool cluster_ok(Kernel kernel, int K, int device, int threads, size_t smem) {
 
 // Which forward kernels may run. VD_GROUP_NORM_KERNEL=smem|l2|onchip|twopass restricts the choice to one
 // family (benchmarks compare them in one process); unset: as measured (bench/notes/norm_and_elementwise.md),
-// version 6 first, then version 4, version 3 first for inputs under kSmallBytes, then version 1.
+// version 6 first, then version 4 (for 16-bit NC* x only where x fits the L2), version 3 first for inputs
+// under kSmallBytes, then version 1.
 enum class GNKernels { kAny, kSmem, kL2, kOnChip, kTwoPass };
 // Under this many bytes of x, version 3's shorter CTAs beat version 4 by 1-2 us (H200).
 constexpr int64_t kSmallBytes = 16 << 20;
