@@ -42,10 +42,21 @@ inline Folded fold_bn(const at::Tensor& x, const at::Tensor& weight, const std::
   return f;
 }
 
+// torch's CPU convolution of bf16 channels_last input returns wrong values or NaN, or crashes, on some
+// small shapes (torch 2.13 CPU): x (2, 3, 3, 2), 9 output channels, groups 3, kernel 2x2, stride (1, 2) gave
+// errors of 4-10 and NaN against float64; x (2, 2, 2, 1), a 1x1 kernel, stride (1, 2), padding (0, 1),
+// dilation 2 crashed the process. The same sweeps ran clean on NCHW bf16 tensors (25,000 shapes) and on
+// fp16 channels_last ones (38,000; fp32 channels_last: 1,150), so the CPU kernels run bf16 channels_last
+// convolutions, forward and backward, on NCHW tensors and return the op's channels_last layout.
+inline bool conv_in_nchw(const at::Tensor& x, const ConvShape& s) {
+  return x.is_cpu() && x.scalar_type() == at::kBFloat16 && s.channels_last;
+}
+
 inline at::Tensor folded_conv(const at::Tensor& x, const Folded& f, const ConvShape& s) {
   const std::array<int64_t, 2> no_output_padding{0, 0};
-  at::Tensor y = at::convolution(x, f.weight, std::nullopt, s.stride, s.padding, s.dilation,
-                                 /*transposed=*/false, no_output_padding, s.groups);
+  const bool nchw = conv_in_nchw(x, s);
+  at::Tensor y = at::convolution(nchw ? x.contiguous() : x, nchw ? f.weight.contiguous() : f.weight, std::nullopt,
+                                 s.stride, s.padding, s.dilation, /*transposed=*/false, no_output_padding, s.groups);
   // ATen follows x's layout already; the op's output layout is part of its contract regardless.
   const auto fmt = conv_format(s);
   return y.is_contiguous(fmt) ? y : y.contiguous(fmt);
@@ -127,8 +138,10 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> co
     at::Tensor dz = silu ? folded_conv(x, f, s) : g;
     sum_dz = grad_z_(dz, g, f.shift, silu, s).to(acc);
     const std::array<int64_t, 2> no_output_padding{0, 0};
-    auto grads = at::convolution_backward(dz, x, f.weight, std::nullopt, s.stride, s.padding,
-                                          s.dilation, /*transposed=*/false, no_output_padding,
+    const bool nchw = conv_in_nchw(x, s);
+    auto grads = at::convolution_backward(nchw ? dz.contiguous() : dz, nchw ? x.contiguous() : x,
+                                          nchw ? f.weight.contiguous() : f.weight, std::nullopt, s.stride,
+                                          s.padding, s.dilation, /*transposed=*/false, no_output_padding,
                                           s.groups, {true, true, false});
     dx = std::get<0>(grads).contiguous(fmt);
     dw_raw = std::get<1>(grads).to(acc);

@@ -103,6 +103,37 @@ def test_matches_reference(device, n, groups, cin_g, cout_g, k, stride, padding,
         assert out.is_contiguous()
 
 
+# torch's CPU convolution of bf16 channels_last input gave wrong values (and NaN) on the first shapes
+# (hypothesis' falsifying examples) and crashed the process on the last one; the op must do neither.
+BF16_CHANNELS_LAST_CASES = [  # (n, C_in, H, W, C_out, k, stride, padding, dilation, groups)
+    (2, 3, 3, 2, 9, (2, 2), (1, 2), (0, 0), (1, 1), 3),
+    (2, 2, 3, 3, 4, (2, 3), (1, 2), (0, 0), (1, 1), 2),
+    (2, 2, 5, 2, 6, (3, 2), (1, 2), (0, 0), (1, 1), 2),
+    (2, 4, 6, 5, 8, (3, 3), (1, 1), (1, 1), (1, 1), 2),
+    (2, 2, 2, 1, 1, (1, 1), (1, 2), (0, 1), (2, 2), 1),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", BF16_CHANNELS_LAST_CASES)
+def test_bf16_channels_last_shapes(device, case):
+    n, c_in, H, W, c_out, k, stride, padding, dilation, groups = case
+    for seed in range(4):  # the wrong values came from memory the convolution did not write: vary the data
+        torch.manual_seed(seed)
+        x = (torch.randn(n, c_in, H, W, device=device) * 2).to(torch.bfloat16).to(memory_format=torch.channels_last)
+        params = make_params(c_in, c_out, k, groups, True, device, torch.bfloat16)
+        args = (*params, 1e-5, list(stride), list(padding), list(dilation), groups, True)
+        out = conv_bn_silu(x, *args)
+        ref = reference_conv_bn_silu(x.double(), *(t.double() for t in params), *args[6:])
+        assert_close_to(out, ref, torch.bfloat16, what=f"seed {seed}")
+        g = torch.randn_like(out)
+        dx = BACKWARD(g, x, *args)[0]
+        xr = x.double().requires_grad_()
+        ref_dx, = torch.autograd.grad(
+            reference_conv_bn_silu(xr, *(t.double() for t in params), *args[6:]), xr, g.double())
+        assert_close_to(dx, ref_dx, torch.bfloat16, factor=4, what=f"dx, seed {seed}")
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", ["nchw", "channels_last_groups_stride", "dilation_no_bias", "no_silu"])
 def test_gradcheck(one_thread, device, case):
