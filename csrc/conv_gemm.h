@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 
 #include <array>
+#include <c10/util/strides.h>
 #include <vector>
 
 #include "conv.h"
@@ -46,16 +47,24 @@ inline Folded fold_bn(const at::Tensor& x, const at::Tensor& weight, const std::
 // small shapes (torch 2.13 CPU): x (2, 3, 3, 2), 9 output channels, groups 3, kernel 2x2, stride (1, 2) gave
 // errors of 4-10 and NaN against float64; x (2, 2, 2, 1), a 1x1 kernel, stride (1, 2), padding (0, 1),
 // dilation 2 crashed the process. The same sweeps ran clean on NCHW bf16 tensors (25,000 shapes) and on
-// fp16 channels_last ones (38,000; fp32 channels_last: 1,150), so the CPU kernels run bf16 channels_last
-// convolutions, forward and backward, on NCHW tensors and return the op's channels_last layout.
-inline bool conv_in_nchw(const at::Tensor& x, const ConvShape& s) {
-  return x.is_cpu() && x.scalar_type() == at::kBFloat16 && s.channels_last;
+// fp16 channels_last ones (38,000; fp32 channels_last: 1,150), so the CPU kernels run bf16 convolutions,
+// forward and backward, on NCHW-strided tensors and answer in the op's layout. Every bf16 input, not only
+// channels_last ones: a tensor the op treats as NCHW may carry channels_last strides where both describe
+// its memory (1x1 spatial size), and ATen picks its kernel from the strides.
+inline bool conv_in_nchw(const at::Tensor& x) {
+  return x.is_cpu() && x.scalar_type() == at::kBFloat16;
+}
+
+// t with NCHW strides (contiguous() keeps the channels_last strides of a tensor contiguous either way).
+inline at::Tensor nchw_strides(const at::Tensor& t) {
+  return t.strides() == at::IntArrayRef(c10::contiguous_strides(t.sizes())) ? t
+                                                                              : at::empty(t.sizes(), t.options()).copy_(t);
 }
 
 inline at::Tensor folded_conv(const at::Tensor& x, const Folded& f, const ConvShape& s) {
   const std::array<int64_t, 2> no_output_padding{0, 0};
-  const bool nchw = conv_in_nchw(x, s);
-  at::Tensor y = at::convolution(nchw ? x.contiguous() : x, nchw ? f.weight.contiguous() : f.weight, std::nullopt,
+  const bool nchw = conv_in_nchw(x);
+  at::Tensor y = at::convolution(nchw ? nchw_strides(x) : x, nchw ? nchw_strides(f.weight) : f.weight, std::nullopt,
                                  s.stride, s.padding, s.dilation, /*transposed=*/false, no_output_padding, s.groups);
   // ATen follows x's layout already; the op's output layout is part of its contract regardless.
   const auto fmt = conv_format(s);
@@ -138,9 +147,9 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> co
     at::Tensor dz = silu ? folded_conv(x, f, s) : g;
     sum_dz = grad_z_(dz, g, f.shift, silu, s).to(acc);
     const std::array<int64_t, 2> no_output_padding{0, 0};
-    const bool nchw = conv_in_nchw(x, s);
-    auto grads = at::convolution_backward(nchw ? dz.contiguous() : dz, nchw ? x.contiguous() : x,
-                                          nchw ? f.weight.contiguous() : f.weight, std::nullopt, s.stride,
+    const bool nchw = conv_in_nchw(x);
+    auto grads = at::convolution_backward(nchw ? nchw_strides(dz) : dz, nchw ? nchw_strides(x) : x,
+                                          nchw ? nchw_strides(f.weight) : f.weight, std::nullopt, s.stride,
                                           s.padding, s.dilation, /*transposed=*/false, no_output_padding,
                                           s.groups, {true, true, false});
     dx = std::get<0>(grads).contiguous(fmt);

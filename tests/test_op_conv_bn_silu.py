@@ -104,13 +104,14 @@ def test_matches_reference(device, n, groups, cin_g, cout_g, k, stride, padding,
 
 
 # torch's CPU convolution of bf16 channels_last input gave wrong values (and NaN) on the first shapes
-# (hypothesis' falsifying examples) and crashed the process on the last one; the op must do neither.
+# (hypothesis' falsifying examples) and crashed the process on the last two; the op must do neither.
 BF16_CHANNELS_LAST_CASES = [  # (n, C_in, H, W, C_out, k, stride, padding, dilation, groups)
     (2, 3, 3, 2, 9, (2, 2), (1, 2), (0, 0), (1, 1), 3),
     (2, 2, 3, 3, 4, (2, 3), (1, 2), (0, 0), (1, 1), 2),
     (2, 2, 5, 2, 6, (3, 2), (1, 2), (0, 0), (1, 1), 2),
     (2, 4, 6, 5, 8, (3, 3), (1, 1), (1, 1), (1, 1), 2),
     (2, 2, 2, 1, 1, (1, 1), (1, 2), (0, 1), (2, 2), 1),
+    (2, 3, 1, 1, 3, (2, 1), (2, 2), (2, 1), (1, 2), 1),  # 1x1 input: channels_last and NCHW strides coincide
 ]
 
 
