@@ -4,8 +4,8 @@
 #pragma once
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <array>
-#include <c10/util/strides.h>
 #include <vector>
 
 #include "conv.h"
@@ -57,8 +57,12 @@ inline bool conv_in_nchw(const at::Tensor& x) {
 
 // t with NCHW strides (contiguous() keeps the channels_last strides of a tensor contiguous either way).
 inline at::Tensor nchw_strides(const at::Tensor& t) {
-  return t.strides() == at::IntArrayRef(c10::contiguous_strides(t.sizes())) ? t
-                                                                              : at::empty(t.sizes(), t.options()).copy_(t);
+  int64_t expected = 1;
+  for (int64_t d = t.dim() - 1; d >= 0; --d) {
+    if (t.stride(d) != expected) return at::empty(t.sizes(), t.options()).copy_(t);
+    expected *= std::max<int64_t>(t.size(d), 1);
+  }
+  return t;
 }
 
 inline at::Tensor folded_conv(const at::Tensor& x, const Folded& f, const ConvShape& s) {
