@@ -1,8 +1,7 @@
 """Benchmarks of the non-attention vd ops against eager PyTorch and inductor, on video UNet/VAE shapes.
 
-    python bench/ops.py [--ops group_norm_silu,scheduler_step,conv_bn_silu,temporal_conv] [--dtype bf16]
-                        [--gn-variants]
-    python bench/ops.py --ops group_norm_silu_backward
+    python bench/ops.py [--ops group_norm_silu,group_norm_silu_backward,scheduler_step,conv_bn_silu,temporal_conv]
+                        [--dtype bf16] [--gn-variants]
 
 Per shape: eager, inductor (torch.compile of the same eager code), ours — ms, GB/s or TFLOP/s, % of the
 measured ceiling, ratios. JSON goes to bench/results/.
@@ -275,7 +274,7 @@ def bench_temporal_conv(dtype, dev, ceil):
 
 def main():
     p = argparse.ArgumentParser(description="vd op benchmarks vs eager and inductor")
-    p.add_argument("--ops", default="group_norm_silu,scheduler_step,conv_bn_silu,temporal_conv")
+    p.add_argument("--ops", default="group_norm_silu,group_norm_silu_backward,scheduler_step,conv_bn_silu,temporal_conv")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     p.add_argument("--gn-variants", action="store_true",
                    help="also time each group_norm_silu forward kernel family on its own")
