@@ -51,12 +51,10 @@ inline Folded fold_bn(const at::Tensor& x, const at::Tensor& weight, const std::
 // forward and backward, on NCHW-strided tensors and answer in the op's layout. Every bf16 input, not only
 // channels_last ones: a tensor the op treats as NCHW may carry channels_last strides where both describe
 // its memory (1x1 spatial size), and ATen picks its kernel from the strides.
-inline bool conv_in_nchw(const at::Tensor& x) {
-  return x.is_cpu() && x.scalar_type() == at::kBFloat16;
-}
-
-// t with NCHW strides (contiguous() keeps the channels_last strides of a tensor contiguous either way).
-inline at::Tensor nchw_strides(const at::Tensor& t) {
+// conv_operand(t): t as the convolution gets it; CPU bf16 tensors with NCHW strides (contiguous() keeps
+// the channels_last strides of a tensor contiguous either way), everything else unchanged.
+inline at::Tensor conv_operand(const at::Tensor& t) {
+  if (!t.is_cpu() || t.scalar_type() != at::kBFloat16) return t;
   int64_t expected = 1;
   for (int64_t d = t.dim() - 1; d >= 0; --d) {
     if (t.stride(d) != expected) return at::empty(t.sizes(), t.options()).copy_(t);
@@ -67,9 +65,8 @@ inline at::Tensor nchw_strides(const at::Tensor& t) {
 
 inline at::Tensor folded_conv(const at::Tensor& x, const Folded& f, const ConvShape& s) {
   const std::array<int64_t, 2> no_output_padding{0, 0};
-  const bool nchw = conv_in_nchw(x);
-  at::Tensor y = at::convolution(nchw ? nchw_strides(x) : x, nchw ? nchw_strides(f.weight) : f.weight, std::nullopt,
-                                 s.stride, s.padding, s.dilation, /*transposed=*/false, no_output_padding, s.groups);
+  at::Tensor y = at::convolution(conv_operand(x), conv_operand(f.weight), std::nullopt, s.stride, s.padding,
+                                 s.dilation, /*transposed=*/false, no_output_padding, s.groups);
   // ATen follows x's layout already; the op's output layout is part of its contract regardless.
   const auto fmt = conv_format(s);
   return y.is_contiguous(fmt) ? y : y.contiguous(fmt);
@@ -151,11 +148,9 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> co
     at::Tensor dz = silu ? folded_conv(x, f, s) : g;
     sum_dz = grad_z_(dz, g, f.shift, silu, s).to(acc);
     const std::array<int64_t, 2> no_output_padding{0, 0};
-    const bool nchw = conv_in_nchw(x);
-    auto grads = at::convolution_backward(nchw ? nchw_strides(dz) : dz, nchw ? nchw_strides(x) : x,
-                                          nchw ? nchw_strides(f.weight) : f.weight, std::nullopt, s.stride,
-                                          s.padding, s.dilation, /*transposed=*/false, no_output_padding,
-                                          s.groups, {true, true, false});
+    auto grads = at::convolution_backward(conv_operand(dz), conv_operand(x), conv_operand(f.weight), std::nullopt,
+                                          s.stride, s.padding, s.dilation, /*transposed=*/false,
+                                          no_output_padding, s.groups, {true, true, false});
     dx = std::get<0>(grads).contiguous(fmt);
     dw_raw = std::get<1>(grads).to(acc);
   }
