@@ -97,6 +97,31 @@ def test_gradients_match_reference_low_precision(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("wdtype,bdtype", [("x", "x"), (torch.float32, torch.float32), (torch.float32, "x"),
+                                           (None, torch.float32), ("x", None)])
+def test_backward_parameter_dtypes(device, wdtype, bdtype):
+    # grad_weight / grad_bias come back in the parameters' dtypes (x's where absent): written straight by
+    # the reduce kernel when both share x's dtype or float32, converted otherwise.
+    for dtype in (torch.bfloat16, torch.float16):
+        def param(pd, seed):
+            if pd is None:
+                return None
+            g = torch.Generator().manual_seed(seed)
+            return torch.randn(8, generator=g).to(device, dtype if pd == "x" else pd).requires_grad_()
+        x = torch.randn(2, 8, 6, 5, device=device, dtype=dtype, requires_grad=True)
+        w, b = param(wdtype, 1), param(bdtype, 2)
+        g = torch.randn(2, 8, 6, 5, device=device, dtype=dtype)
+        inputs = [t for t in (x, w, b) if t is not None]
+        grads = torch.autograd.grad(group_norm_silu(x, 4, w, b), inputs, g)
+        ref_in = [t.detach().double().requires_grad_() for t in inputs]
+        xr, wr, br = ref_in[0], (ref_in[1] if w is not None else None), (ref_in[-1] if b is not None else None)
+        ref = torch.autograd.grad(reference_group_norm_silu(xr, 4, wr, br), ref_in, g.double())
+        for got, want, t in zip(grads, ref, inputs):
+            assert got.dtype == t.dtype and got.shape == t.shape
+            assert_close_to(got, want, dtype, factor=4 if t is not x else 1, what=f"grad {tuple(t.shape)} {t.dtype}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_bad_inputs(device):
     x = torch.randn(2, 6, 4, 4, device=device)
     with pytest.raises(RuntimeError, match="num_groups \\(4\\) must divide"):

@@ -637,14 +637,15 @@ __global__ void __launch_bounds__(kThreads) grad_partials_kernel(const Sum2<acc_
 }
 
 // Threads [0, NG) compute m1, m2 of group (n, g); threads [NG, NG + C) grad_weight / grad_bias of
-// channel c (summed over n). sums holds one sum per (n, c).
-template <typename scalar_t, typename acc_t>
+// channel c (summed over n), written as out_t (the parameters' dtype where the launcher allows it).
+// sums holds one sum per (n, c).
+template <typename scalar_t, typename acc_t, typename out_t>
 __global__ void __launch_bounds__(kThreads) grad_reduce_kernel(GNArgs<scalar_t, acc_t> a,
                                                                const Sum2<acc_t>* __restrict__ sums,
                                                                acc_t* __restrict__ m1,
                                                                acc_t* __restrict__ m2,
-                                                               acc_t* __restrict__ dw,
-                                                               acc_t* __restrict__ db) {
+                                                               out_t* __restrict__ dw,
+                                                               out_t* __restrict__ db) {
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   const int64_t NG = a.N * a.G;
   if (t < NG) {
@@ -667,8 +668,8 @@ __global__ void __launch_bounds__(kThreads) grad_reduce_kernel(GNArgs<scalar_t, 
       dz += v.dz;
       dzx += v.dzx;
     }
-    dw[c] = dzx;
-    db[c] = dz;
+    dw[c] = static_cast<out_t>(dzx);
+    db[c] = static_cast<out_t>(dz);
   }
 }
 
@@ -1776,9 +1777,11 @@ struct Launcher {
     return !channels_last || a.C % kVec == 0;
   }
 
-  // mean (hi, lo) / rstd per (n, g): mean is (2, N * G), rstd (N * G); a points at them afterwards.
-  static void stats(Args& a, bool channels_last, bool vec, double eps, at::Tensor& mean, at::Tensor& rstd,
-                    int device, cudaStream_t stream) {
+  // mean (hi, lo) and rstd per (n, g), 3 * N * G values of acc_t, a points at them afterwards; the
+  // returned buffer holds them (and the partial states before them: one allocation, host time counts on
+  // the small shapes).
+  static at::Tensor stats(Args& a, bool channels_last, bool vec, double eps, const at::TensorOptions& opts,
+                          int device, cudaStream_t stream) {
     const int v = vec ? kVec : 1;
     Args s = a;
     // 16-bit "rows" statistics: chunks of kStatBatches batches (stats_rows_kernel)
@@ -1787,9 +1790,13 @@ struct Launcher {
     const int64_t K = channels_last ? s.P * s.ctiles : s.F * s.P;
     const int64_t NG = s.N * s.G;
     // cols: a group's slot of a column tile it does not reach stays zero (n = 0, skipped by the merge).
-    at::Tensor part = channels_last && s.ctiles > 1 ? at::zeros({NG * K * 3}, mean.options().dtype(at::kDouble))
-                                                     : at::empty({NG * K * 3}, mean.options().dtype(at::kDouble));
-    auto* pp = reinterpret_cast<Welford<double>*>(part.mutable_data_ptr<double>());
+    const int64_t n_part = NG * K * 3;  // doubles
+    at::Tensor buf = at::empty({n_part + ceil_div(3 * NG * static_cast<int64_t>(sizeof(acc_t)), int64_t{8})},
+                               opts.dtype(at::kDouble));
+    auto* pp = reinterpret_cast<Welford<double>*>(buf.mutable_data_ptr<double>());
+    if (channels_last && s.ctiles > 1)
+      C10_CUDA_CHECK(cudaMemsetAsync(pp, 0, n_part * sizeof(double), stream));
+    acc_t* mean = reinterpret_cast<acc_t*>(buf.mutable_data_ptr<double>() + n_part);
     const unsigned blocks = grid_of(channels_last ? s.items : ceil_div(s.items, kWarps), kOp);
     if (!channels_last) {
       if (vec) stats_rows_kernel<scalar_t, acc_t, kVec><<<blocks, kThreads, 0, stream>>>(s, pp);
@@ -1800,12 +1807,12 @@ struct Launcher {
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     stats_finalize_kernel<acc_t><<<grid_of(NG, kOp), kThreads, 0, stream>>>(
-        pp, K, eps, mean.mutable_data_ptr<acc_t>(), mean.mutable_data_ptr<acc_t>() + NG,
-        rstd.mutable_data_ptr<acc_t>());
+        pp, K, eps, mean, mean + NG, mean + 2 * NG);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    a.mean = mean.const_data_ptr<acc_t>();
-    a.mean_lo = a.mean + NG;
-    a.rstd = rstd.const_data_ptr<acc_t>();
+    a.mean = mean;
+    a.mean_lo = mean + NG;
+    a.rstd = mean + 2 * NG;
+    return buf;
   }
 };
 
@@ -2170,9 +2177,7 @@ at::Tensor group_norm_silu_cuda(const at::Tensor& x_in, int64_t num_groups, cons
                           x.numel() * static_cast<int64_t>(sizeof(scalar_t)) <= l2_cache_bytes(x.get_device());
     if (((any && l2_first) || use == GNKernels::kL2) && l2()) return;
     if (((any && !small) || use == GNKernels::kOnChip) && onchip()) return;
-    const auto acc_opts = x.options().dtype(c10::CppTypeToScalarType<acc_t>::value);
-    at::Tensor mean = at::empty({2, s.N * s.G}, acc_opts), rstd = at::empty({s.N * s.G}, acc_opts);
-    L::stats(a, s.channels_last, vec, eps, mean, rstd, x.get_device(), stream);
+    const at::Tensor stats = L::stats(a, s.channels_last, vec, eps, x.options(), x.get_device(), stream);
     const int v = vec ? L::kVec : 1;
     plan(a, v, a.S, s.channels_last);
     const unsigned blocks = grid_of(s.channels_last ? a.items : ceil_div(a.items, kWarps), kOp);
@@ -2222,16 +2227,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_silu_backward_cuda(
     }
     // In place, dx's rows move by whole rows of S: vectors need S a multiple of the vector.
     const bool vec = L::can_vectorize(a, s.channels_last, {a.x, a.dy, a.out}) && (!in_place || a.S % L::kVec == 0);
-    const auto acc_opts = x.options().dtype(c10::CppTypeToScalarType<acc_t>::value);
     const int64_t NG = s.N * s.G;
-    at::Tensor mean = at::empty({2, NG}, acc_opts), rstd = at::empty({NG}, acc_opts);
-    L::stats(a, s.channels_last, vec, eps, mean, rstd, x.get_device(), stream);
+    const at::Tensor stats = L::stats(a, s.channels_last, vec, eps, x.options(), x.get_device(), stream);
 
-    // Per (n, c) partial sums of dz and dz * xhat.
+    // Per (n, c) partial sums of dz and dz * xhat, their sums per (n, c) and the group means m1, m2 in one
+    // workspace: allocations and launches are most of the host time on the small shapes.
     const int v = vec ? L::kVec : 1;
     plan(a, v, a.S, s.channels_last);
-    at::Tensor part = at::empty({s.N * s.C * a.F * a.P * 2}, acc_opts);
-    auto* pp = reinterpret_cast<Sum2<acc_t>*>(part.mutable_data_ptr<acc_t>());
+    const int64_t n_part = s.N * s.C * a.F * a.P * 2, n_sums = s.N * s.C * 2;
+    // dw / db in the parameters' dtype straight from the reduce kernel when both share x's dtype or float.
+    const auto acc_type = c10::CppTypeToScalarType<acc_t>::value;
+    const bool direct_x = wdtype == bdtype && wdtype == x.scalar_type();
+    const bool direct_acc = wdtype == bdtype && wdtype == acc_type && !direct_x;
+    const int64_t n_dwb = direct_x || direct_acc ? 0 : 2 * s.C;
+    at::Tensor ws = at::empty({n_part + n_sums + 2 * NG + n_dwb}, x.options().dtype(acc_type));
+    acc_t* wp = ws.mutable_data_ptr<acc_t>();
+    auto* pp = reinterpret_cast<Sum2<acc_t>*>(wp);
+    auto* sp = reinterpret_cast<Sum2<acc_t>*>(wp + n_part);
+    acc_t* m1 = wp + n_part + n_sums;
+    acc_t* m2 = m1 + NG;
     const unsigned blocks = grid_of(s.channels_last ? a.items : ceil_div(a.items, kWarps), kOp);
     if (!s.channels_last) {
       if (vec) grad_sums_rows_kernel<scalar_t, acc_t, L::kVec><<<blocks, kThreads, 0, stream>>>(a, pp);
@@ -2241,20 +2255,29 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_silu_backward_cuda(
       else grad_sums_cols_kernel<scalar_t, acc_t, 1><<<blocks, kThreads, 0, stream>>>(a, pp);
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-
-    at::Tensor m1 = at::empty({NG}, acc_opts), m2 = at::empty({NG}, acc_opts);
-    at::Tensor dw_acc = at::empty({s.C}, acc_opts), db_acc = at::empty({s.C}, acc_opts);
-    at::Tensor sums = at::empty({s.N * s.C * 2}, acc_opts);
-    auto* sp = reinterpret_cast<Sum2<acc_t>*>(sums.mutable_data_ptr<acc_t>());
     grad_partials_kernel<acc_t><<<grid_of(ceil_div(s.N * s.C, kWarps), kOp), kThreads, 0, stream>>>(
         pp, s.N * s.C, s.C, a.F, a.P, sp);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    grad_reduce_kernel<scalar_t, acc_t><<<grid_of(ceil_div(NG + s.C, kThreads), kOp), kThreads, 0, stream>>>(
-        a, sp, m1.mutable_data_ptr<acc_t>(), m2.mutable_data_ptr<acc_t>(), dw_acc.mutable_data_ptr<acc_t>(),
-        db_acc.mutable_data_ptr<acc_t>());
+    const unsigned reduce_blocks = grid_of(ceil_div(NG + s.C, kThreads), kOp);
+    if (direct_x) {
+      dw = at::empty({s.C}, x.options());
+      db = at::empty({s.C}, x.options());
+      grad_reduce_kernel<scalar_t, acc_t, scalar_t><<<reduce_blocks, kThreads, 0, stream>>>(
+          a, sp, m1, m2, dw.mutable_data_ptr<scalar_t>(), db.mutable_data_ptr<scalar_t>());
+    } else if (direct_acc) {
+      dw = at::empty({s.C}, x.options().dtype(acc_type));
+      db = at::empty({s.C}, x.options().dtype(acc_type));
+      grad_reduce_kernel<scalar_t, acc_t, acc_t><<<reduce_blocks, kThreads, 0, stream>>>(
+          a, sp, m1, m2, dw.mutable_data_ptr<acc_t>(), db.mutable_data_ptr<acc_t>());
+    } else {  // mixed parameter dtypes: float sums in the workspace, then one conversion each
+      acc_t* dwp = m2 + NG;
+      grad_reduce_kernel<scalar_t, acc_t, acc_t><<<reduce_blocks, kThreads, 0, stream>>>(a, sp, m1, m2, dwp, dwp + s.C);
+      dw = ws.narrow(0, n_part + n_sums + 2 * NG, s.C).to(wdtype, false, /*copy=*/true);
+      db = ws.narrow(0, n_part + n_sums + 2 * NG + s.C, s.C).to(bdtype, false, /*copy=*/true);
+    }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    a.m1 = m1.const_data_ptr<acc_t>();
-    a.m2 = m2.const_data_ptr<acc_t>();
+    a.m1 = m1;
+    a.m2 = m2;
 
     if (!s.channels_last) {
       if (in_place) {
@@ -2269,8 +2292,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_silu_backward_cuda(
       else dx_cols_kernel<scalar_t, acc_t, 1><<<blocks, kThreads, 0, stream>>>(a);
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    dw = dw_acc.to(wdtype);
-    db = db_acc.to(bdtype);
   });
   return {dx, dw, db};
 }
