@@ -90,7 +90,9 @@ struct TcTile {
   static constexpr int BM = 128, BN = 128, BK = 64, kStages = 5;
   static constexpr int a_bytes = BM * BK * 2;   // weight rows of a stage
   static constexpr int b_bytes = BK * BN * 2;   // two 64-pixel atoms of 64 channel rows
-  static constexpr int bar_off = kStages * (a_bytes + b_bytes);
+  // The TMA epilogue's staging: per consumer warpgroup two boxes of 64 pixels x 64 channels.
+  static constexpr int box_bytes = 64 * 64 * 2, out_off = kStages * (a_bytes + b_bytes);
+  static constexpr int bar_off = out_off + 2 * 2 * box_bytes;
   static constexpr size_t smem_bytes = bar_off + 16 * kStages + 1024;  // + slack to align to 1024
 };
 
@@ -122,14 +124,59 @@ __device__ __forceinline__ TcWork tc_work(const TcArgs& a, int64_t w) {
   return t;
 }
 
+// The TMA epilogue: the warpgroup stages its 64 channels x NP pixels, bias added and rounded, in its own
+// shared-memory buffer as the output map's boxes (64 pixels x 64 channels, 128-byte swizzle), and one
+// thread hands them to the copy engine; the warpgroup goes on to its next tile's products while they are
+// written (the register epilogue kept the tensor cores idle for the whole store). The buffer is refilled
+// only after the copy engine has read the previous tile's boxes. Boxes past C_out or H * W are clipped.
+template <typename scalar_t, int NP>
+__device__ __forceinline__ void tc_store_tma(const TcArgs& a, const TcWork& t, const float* acc, uint32_t sOut,
+                                             const CUtensorMap* to, int cw, int warp, int lane) {
+  const int g = lane >> 2, tig = lane & 3;
+  const bool leader = warp == 0 && lane == 0;
+  if (leader) wgmma::bulk_wait_read();
+  wgmma::named_sync(1 + cw, 128);
+#pragma unroll
+  for (int rr = 0; rr < 2; ++rr) {
+    const int r = warp * 16 + g + 8 * rr;  // the warpgroup's channel row; r % 8 == g
+    const int co = t.cb * TcTile::BM + cw * 64 + r;
+    const float bv = a.bias != nullptr && co < a.C_out
+                         ? static_cast<float>(static_cast<const scalar_t*>(a.bias)[co]) : 0.f;
+#pragma unroll
+    for (int j = 0; j < NP / 8; ++j) {
+      const float x0 = acc[4 * j + 2 * rr] + bv, x1 = acc[4 * j + 2 * rr + 1] + bv;
+      uint32_t v;
+      if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+        const __nv_bfloat162 h = __floats2bfloat162_rn(x0, x1);
+        v = *reinterpret_cast<const uint32_t*>(&h);
+      } else {
+        const __half2 h = __floats2half2_rn(x0, x1);
+        v = *reinterpret_cast<const uint32_t*>(&h);
+      }
+      const uint32_t addr = sOut + (j / 8) * TcTile::box_bytes + r * 128 + (((j % 8) ^ g) << 4) + 4 * tig;
+      asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
+    }
+  }
+  wgmma::fence_proxy_async();  // the generic-proxy writes above, before the copy engine reads them
+  wgmma::named_sync(1 + cw, 128);
+  if (leader) {
+#pragma unroll
+    for (int box = 0; box < NP / 64; ++box)
+      wgmma::tma_store_4d(to, sOut + box * TcTile::box_bytes, t.pb * TcTile::BN + 64 * box,
+                          t.cb * TcTile::BM + cw * 64, t.f, t.b);
+    wgmma::bulk_commit();
+  }
+}
+
 // One consumer warpgroup's part of a tile of at most 64 pixels (64 channels x 64 pixels at N = 64): the
 // K loop over the ready stages (u counts them across tiles, as the producer does), then the bias and the
 // store from registers. The 128-pixel tiles keep the same steps inline in the kernel: as one function
 // for both, the kernel's registers grew from 96 to 168 with spills, and the 320- and 640-channel shapes
 // (no short tiles) ran 4-10 % slower.
-template <typename scalar_t>
+template <typename scalar_t, bool kTma>
 __device__ __forceinline__ void tc_half_tile(const TcArgs& a, const TcWork& t, uint32_t& u, uint32_t sA,
-                                             uint32_t sB, uint32_t bar, int cw, int warp, int lane) {
+                                             uint32_t sB, uint32_t bar, uint32_t sOut, const CUtensorMap* to,
+                                             int cw, int warp, int lane) {
   using T = TcTile;
   constexpr int S = T::kStages, NP = 64, NACC = NP / 2;
   constexpr bool kBf16 = std::is_same_v<scalar_t, at::BFloat16>;
@@ -165,6 +212,10 @@ __device__ __forceinline__ void tc_half_tile(const TcArgs& a, const TcWork& t, u
   }
   if (prev >= 0 && lane == 0) wgmma::mbar_arrive(empty(prev));
   if (!active) return;
+  if constexpr (kTma) {
+    tc_store_tma<scalar_t, NP>(a, t, acc, sOut, to, cw, warp, lane);
+    return;
+  }
 
   // Row g (+ 8) of the warp's 16 channels, columns 8 j + 2 tig (+ 1): pairs of adjacent pixels.
   scalar_t* out = static_cast<scalar_t*>(a.out);
@@ -191,16 +242,19 @@ __device__ __forceinline__ void tc_half_tile(const TcArgs& a, const TcWork& t, u
 
 // kShort: H * W ends in a block of at most 64 pixels (a separate build: the short-tile branch raises the
 // kernel's registers from 96 to 162, and the shapes without short tiles keep the build without it).
-template <typename scalar_t, bool kShort>
+// kTma: the TMA epilogue (tc_store_tma); without it each thread stores its pairs from registers.
+template <typename scalar_t, bool kShort, bool kTma>
 __global__ void __launch_bounds__(384, 1)
     temporal_conv_wgmma_kernel(const TcArgs a, const __grid_constant__ CUtensorMap tw,
-                               const __grid_constant__ CUtensorMap tx) {
+                               const __grid_constant__ CUtensorMap tx, const __grid_constant__ CUtensorMap to) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using T = TcTile;
   constexpr int S = T::kStages;
   extern __shared__ __align__(16) unsigned char tc_smem[];
   const uint32_t sA = (static_cast<uint32_t>(__cvta_generic_to_shared(tc_smem)) + 1023u) & ~1023u;
   const uint32_t sB = sA + S * T::a_bytes, bar = sA + T::bar_off;
+  // This consumer warpgroup's staging buffer for the TMA epilogue (two boxes).
+  const uint32_t sOut = sA + T::out_off + (threadIdx.x / 128 == 2 ? 2 * T::box_bytes : 0);
   auto full = [&](int st) { return bar + 8 * st; };
   auto empty = [&](int st) { return bar + 8 * (S + st); };
   const int tid = threadIdx.x, wg = tid / 128;
@@ -247,7 +301,7 @@ __global__ void __launch_bounds__(384, 1)
     const TcWork t = tc_work<kShort>(a, w);
     if constexpr (kShort) {
       if (t.half) {  // a last block of <= 64 pixels
-        tc_half_tile<scalar_t>(a, t, u, sA, sB, bar, cw, warp, lane);
+        tc_half_tile<scalar_t, kTma>(a, t, u, sA, sB, bar, sOut, &to, cw, warp, lane);
         continue;
       }
     }
@@ -280,6 +334,10 @@ __global__ void __launch_bounds__(384, 1)
     }
     if (prev >= 0 && lane == 0) wgmma::mbar_arrive(empty(prev));
     if (!active) continue;
+    if constexpr (kTma) {
+      tc_store_tma<scalar_t, T::BN>(a, t, acc, sOut, &to, cw, warp, lane);
+      continue;
+    }
 
     // Row g (+ 8) of the warp's 16 channels, columns 8 j + 2 tig (+ 1): pairs of adjacent pixels.
     const int64_t obase = t.b * a.out_sb + t.f * a.out_sf;
@@ -302,6 +360,8 @@ __global__ void __launch_bounds__(384, 1)
       }
     }
   }
+  // The copy engine must have finished with the staging buffers before the CTA's shared memory goes.
+  if (kTma && tid % 128 == 0) wgmma::bulk_wait();
 #endif
 }
 
@@ -311,6 +371,12 @@ __global__ void __launch_bounds__(384, 1)
 bool temporal_wgmma_allowed() {
   const char* e = std::getenv("VD_TEMPORAL_CONV_KERNEL");
   return e == nullptr || std::string(e) != "gemm";
+}
+
+// VD_TEMPORAL_CONV_STORE=regs keeps the register epilogue of the Hopper kernel (benchmarks compare them).
+bool temporal_tma_store() {
+  const char* e = std::getenv("VD_TEMPORAL_CONV_STORE");
+  return e == nullptr || std::string(e) != "regs";
 }
 
 // The Hopper kernel for fp16 / bf16 x that is contiguous or frames-major with H * W and C_in multiples
@@ -329,11 +395,14 @@ bool temporal_conv_wgmma(const at::Tensor& x, const at::Tensor& weight, const st
       s.F_out > kMax || s.k > kMax || s.padding > kMax / 2)
     return false;  // the copy engine's coordinates and the tile fields are 32-bit
   const at::Tensor w = tap_rows(weight);  // (C_out, k, C_in) contiguous
-  CUtensorMap tw, tx;
+  CUtensorMap tw, tx, to{};
   if (!tensor_map_4d(&tw, w, {s.C_in, s.k, s.C_out, 1}, {s.C_in, s.k * s.C_in, s.C_out * s.k * s.C_in},
                      {64, 1, TcTile::BM, 1}) ||
       !tensor_map_4d(&tx, x, {HW, s.C_in, s.F, s.B}, {x.stride(1), x.stride(2), x.stride(0)}, {64, 64, 1, 1}))
     return false;
+  // The output as (H * W, C_out, F_out, B), boxes of 64 pixels x 64 channels, for the TMA epilogue.
+  const bool tma = temporal_tma_store() && tensor_map_4d(&to, out, {HW, s.C_out, s.F_out, s.B},
+                                                         {out.stride(1), out.stride(2), out.stride(0)}, {64, 64, 1, 1});
 
   TcArgs a{};
   a.out = out.data_ptr();
@@ -361,15 +430,22 @@ bool temporal_conv_wgmma(const at::Tensor& x, const at::Tensor& weight, const st
   const size_t smem = TcTile::smem_bytes;
   auto launch = [&](auto kernel) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-    kernel<<<persistent_blocks(kernel, 384, smem, a.tiles), 384, smem, c10::cuda::getCurrentCUDAStream()>>>(a, tw, tx);
+    kernel<<<persistent_blocks(kernel, 384, smem, a.tiles), 384, smem, c10::cuda::getCurrentCUDAStream()>>>(a, tw, tx,
+                                                                                                           to);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
+  auto pick = [&](auto tag, auto short_tiles) {
+    using T = decltype(tag);
+    constexpr bool kShort = decltype(short_tiles)::value;
+    if (tma) launch(temporal_conv_wgmma_kernel<T, kShort, true>);
+    else launch(temporal_conv_wgmma_kernel<T, kShort, false>);
+  };
   if (dt == at::kBFloat16) {
-    if (a.half_pb) launch(temporal_conv_wgmma_kernel<at::BFloat16, true>);
-    else launch(temporal_conv_wgmma_kernel<at::BFloat16, false>);
+    if (a.half_pb) pick(at::BFloat16{}, std::true_type{});
+    else pick(at::BFloat16{}, std::false_type{});
   } else {
-    if (a.half_pb) launch(temporal_conv_wgmma_kernel<at::Half, true>);
-    else launch(temporal_conv_wgmma_kernel<at::Half, false>);
+    if (a.half_pb) pick(at::Half{}, std::true_type{});
+    else pick(at::Half{}, std::false_type{});
   }
   return true;
 #else
