@@ -119,6 +119,9 @@ class FoldCache {
 };
 
 FoldCache& fold_cache();
+// The same cache kind for temporal_conv's tap-major weight copies (tap_rows; the key's first parameter is
+// the weight, the others absent).
+FoldCache& tap_rows_cache();
 
 // What the device kernel allows: no cache while a CUDA graph is being captured (a replay would keep
 // reading the captured fold after the parameters change), and the stream the fold runs on.

@@ -308,6 +308,36 @@ def test_hopper_kernel_matches_reference(device, dtype, case, monkeypatch):
 
 
 @pytest.mark.parametrize("device", CUDA)
+def test_hopper_weight_copy_follows_weight_changes(device, monkeypatch):
+    """The kernel's tap-major weight copy is kept while the weight is unchanged and rebuilt after an in-place
+    update, a .data swap (no version bump) or for another weight; the TMA and register epilogues agree bitwise."""
+    torch.manual_seed(0)
+    x = make_input("contiguous", 2, 64, 6, 8, 16, device, torch.bfloat16)
+    w = torch.nn.Parameter(make_weight(64, 96, 3, device, torch.bfloat16))
+    bias = torch.randn(96, device=device, dtype=torch.bfloat16)
+
+    def check(weight):
+        with torch.no_grad():
+            out = OP(x, weight, bias, 1)
+        ref = reference_temporal_conv(x.double(), weight.detach().double(), bias.double(), 1)
+        assert_close_to(out, ref, torch.bfloat16)
+        return out
+
+    first = check(w)
+    assert torch.equal(check(w), first)
+    with torch.no_grad():
+        w.mul_(-0.5)
+    assert not torch.equal(check(w), first)
+    w.data = make_weight(64, 96, 3, device, torch.bfloat16)
+    check(w)
+    check(make_weight(64, 96, 3, device, torch.bfloat16))
+    with torch.no_grad():
+        tma = OP(x, w, bias, 1)
+        monkeypatch.setenv("VD_TEMPORAL_CONV_STORE", "regs")
+        assert torch.equal(OP(x, w, bias, 1), tma)
+
+
+@pytest.mark.parametrize("device", CUDA)
 def test_hopper_kernel_leaves_other_inputs_to_cublas(device):
     """fp32, channels_last_3d and H*W not a multiple of 8 take the cuBLAS path (and stay correct)."""
     torch.manual_seed(0)

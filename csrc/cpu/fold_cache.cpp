@@ -14,6 +14,11 @@ FoldCache& fold_cache() {
   return *cache;
 }
 
+FoldCache& tap_rows_cache() {
+  static FoldCache* cache = new FoldCache();
+  return *cache;
+}
+
 namespace {
 std::vector<int64_t> fold_cache_stats(bool clear) {
   auto s = fold_cache().stats(clear);
