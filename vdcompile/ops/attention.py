@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from vdcompile.ops._utils import FLOAT_DTYPES, compute_dtype
+from vdcompile.ops._utils import FLOAT_DTYPES, compute_dtype, grads_for, pad_inputs
 
 __all__ = [
     "fused_attention",
@@ -213,5 +213,62 @@ def _strided_attention_backward_fake(grad_out, q, k, v, out, lse, stride, scale,
     return _backward_outputs(q, k)
 
 
-# Autograd: csrc/autograd.cpp (the backwards call vd::fused_attention_backward and
-# vd::strided_attention_backward; a float mask that requires grad gets its gradient there too).
+# ---- autograd ----
+
+def _mask_grad(grad_out, q, k, v, out, lse, attn_mask, scale, grad_lse):
+    """Gradient of a float attn_mask: the score gradient dS = P * (dP - Delta) (mask is added to the
+    scores unscaled), summed over the dims the mask was broadcast along. Plain torch ops; it forms
+    the full (B, H, Lq, Lk) matrix, which only a mask that requires grad pays for."""
+    acc = compute_dtype(q.dtype)
+    q, k, v, grad_out, out = (t.to(acc) for t in (q, k, v, grad_out, out))
+    s = (q @ k.transpose(-2, -1)) * _default_scale(scale, q.shape[-1]) + attn_mask.to(acc)
+    lse = lse.to(acc).unsqueeze(-1)
+    # exp(s - lse) is 0/0 on fully masked rows (lse = -inf); those rows have P = 0.
+    p = torch.where(torch.isneginf(lse), torch.zeros_like(s), torch.exp(s - lse))
+    delta = (grad_out * out).sum(dim=-1, keepdim=True)
+    if grad_lse is not None:
+        delta = delta - grad_lse.to(acc).unsqueeze(-1)
+    ds = p * (grad_out @ v.transpose(-2, -1) - delta)
+    return ds.sum_to_size(attn_mask.shape).to(attn_mask.dtype)
+
+
+def _fused_setup_context(ctx, inputs, output):
+    q, k, v, attn_mask, scale = pad_inputs(inputs, 3, (None, None))
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, attn_mask)
+    ctx.scale = scale
+
+
+def _fused_backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse, attn_mask = ctx.saved_tensors
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    dq, dk, dv = torch.ops.vd.fused_attention_backward.default(
+        grad_out, q, k, v, out, lse, attn_mask, ctx.scale, grad_lse)
+    need = ctx.needs_input_grad
+    dmask = None
+    if len(need) > 3 and need[3]:
+        dmask = _mask_grad(grad_out, q, k, v, out, lse, attn_mask, ctx.scale, grad_lse)
+    return grads_for(ctx, dq, dk, dv, dmask, None)
+
+
+torch.library.register_autograd(_FUSED, _fused_backward, setup_context=_fused_setup_context)
+
+
+def _strided_setup_context(ctx, inputs, output):
+    q, k, v, stride, scale = pad_inputs(inputs, 4, (None,))
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.stride, ctx.scale = stride, scale
+
+
+def _strided_backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse = ctx.saved_tensors
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    dq, dk, dv = torch.ops.vd.strided_attention_backward.default(
+        grad_out, q, k, v, out, lse, ctx.stride, ctx.scale, grad_lse)
+    return grads_for(ctx, dq, dk, dv, None, None)
+
+
+torch.library.register_autograd(_STRIDED, _strided_backward, setup_context=_strided_setup_context)

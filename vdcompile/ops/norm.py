@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from vdcompile.ops._utils import empty_frames_major, empty_in_layout, frames_major_layout
+from vdcompile.ops._utils import empty_frames_major, empty_in_layout, frames_major_layout, grads_for, pad_inputs
 
 __all__ = ["group_norm_silu", "reference_group_norm_silu"]
 
@@ -77,4 +77,21 @@ def _group_norm_silu_backward_fake(grad_out, x, num_groups, weight, bias, eps, s
     return empty_in_layout(x), x.new_empty((C,), dtype=wdtype), x.new_empty((C,), dtype=bdtype)
 
 
-# Autograd: csrc/autograd.cpp (the backward calls vd::group_norm_silu_backward).
+# Schema defaults of the trailing arguments (setup_context only sees what the caller passed).
+_DEFAULTS = (None, None, 1e-5, True)
+
+
+def _setup_context(ctx, inputs, output):
+    x, num_groups, weight, bias, eps, silu = pad_inputs(inputs, 2, _DEFAULTS)
+    ctx.save_for_backward(x, weight, bias)
+    ctx.num_groups, ctx.eps, ctx.silu = num_groups, eps, silu
+
+
+def _backward(ctx, grad):
+    x, weight, bias = ctx.saved_tensors
+    dx, dw, db = torch.ops.vd.group_norm_silu_backward.default(
+        grad, x, ctx.num_groups, weight, bias, ctx.eps, ctx.silu)
+    return grads_for(ctx, dx, None, dw, db, None, None)
+
+
+torch.library.register_autograd("vd::group_norm_silu", _backward, setup_context=_setup_context)
