@@ -72,33 +72,22 @@ inline at::Tensor folded_conv(const at::Tensor& x, const Folded& f, const ConvSh
   return y.is_contiguous(fmt) ? y : y.contiguous(fmt);
 }
 
-// The forward's fold, from the cache when allowed. The kernel cannot see the caller's grad mode (an
-// autograd.Function runs its forward under no_grad, and inference keeps parameters that require grad),
-// so an x that requires grad marks the training path, which folds per call as before. Either way the
-// backward folds afresh.
+// The forward's fold, from the cache when fold_cacheable() allows it; the backward folds afresh.
 inline Folded forward_fold(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                            const at::Tensor& bn_weight, const at::Tensor& bn_bias, const at::Tensor& bn_mean,
                            const at::Tensor& bn_var, double eps, at::MemoryFormat fmt,
                            const FoldCachePolicy& policy) {
   const std::array<const at::Tensor*, kFoldParams> ps{&weight, bias.has_value() ? &*bias : nullptr, &bn_weight,
                                                       &bn_bias, &bn_mean, &bn_var};
-  bool cacheable = policy.allowed && !x.requires_grad() && (x.device().is_cpu() || x.device().is_cuda());
-  for (const at::Tensor* t : ps) {
-    // Inference tensors have no version counter: an in-place update could not be seen.
-    if (t != nullptr && (t->is_inference() || (t->requires_grad() && at::GradMode::is_enabled())))
-      cacheable = false;
-  }
-  if (!cacheable) return fold_bn(x, weight, bias, bn_weight, bn_bias, bn_mean, bn_var, eps, fmt);
-  if (auto hit = fold_cache().find(ps, x.scalar_type(), x.device(), fmt, eps, policy.stream)) {
-    Folded f;
-    f.weight = hit->weight;
-    f.shift = hit->shift;
-    return f;
-  }
-  Folded f = fold_bn(x, weight, bias, bn_weight, bn_bias, bn_mean, bn_var, eps, fmt);
-  FoldKey key{{}, x.scalar_type(), x.device(), fmt, eps, policy.stream};
-  for (size_t i = 0; i < kFoldParams; ++i) key.params[i] = TensorStamp::of(ps[i]);
-  fold_cache().insert(std::move(key), FoldValue{f.weight, f.shift});
+  if (!fold_cacheable(x, ps, policy.allowed))
+    return fold_bn(x, weight, bias, bn_weight, bn_bias, bn_mean, bn_var, eps, fmt);
+  const FoldValue v = fold_cache().find_or_insert(ps, x.scalar_type(), x.device(), fmt, eps, policy.stream, [&] {
+    const Folded f = fold_bn(x, weight, bias, bn_weight, bn_bias, bn_mean, bn_var, eps, fmt);
+    return FoldValue{f.weight, f.shift};
+  });
+  Folded f;
+  f.weight = v.weight;
+  f.shift = v.shift;
   return f;
 }
 

@@ -87,6 +87,18 @@ class FoldCache {
     return std::nullopt;
   }
 
+  // The entry for these parameters, or make()'s value, kept under their stamps.
+  template <typename Make>
+  FoldValue find_or_insert(const std::array<const at::Tensor*, kFoldParams>& ts, at::ScalarType dt,
+                           c10::Device dev, at::MemoryFormat fmt, double eps, int64_t stream, Make make) {
+    if (auto hit = find(ts, dt, dev, fmt, eps, stream)) return *hit;
+    FoldValue v = make();
+    FoldKey key{{}, dt, dev, fmt, eps, stream};
+    for (size_t i = 0; i < kFoldParams; ++i) key.params[i] = TensorStamp::of(ts[i]);
+    insert(std::move(key), v);
+    return v;
+  }
+
   void insert(FoldKey key, FoldValue value) {
     std::lock_guard<std::mutex> lock(mu_);
     // Entries of dead tensors can never match again, nor can older versions of this same weight.
@@ -122,6 +134,18 @@ FoldCache& fold_cache();
 // The same cache kind for temporal_conv's tap-major weight copies (tap_rows; the key's first parameter is
 // the weight, the others absent).
 FoldCache& tap_rows_cache();
+
+// Whether a call may use a cache of this kind: `allowed` by the device (see FoldCachePolicy), not the
+// training path (the kernel cannot see the caller's grad mode — an autograd.Function runs its forward under
+// no_grad, and inference keeps parameters that require grad — so an x that requires grad marks it, as does
+// a parameter that requires grad under grad mode), and no inference tensor among the parameters (no version
+// counter: an in-place update could not be seen).
+inline bool fold_cacheable(const at::Tensor& x, const std::array<const at::Tensor*, kFoldParams>& ps, bool allowed) {
+  if (!allowed || x.requires_grad() || !(x.device().is_cpu() || x.device().is_cuda())) return false;
+  for (const at::Tensor* t : ps)
+    if (t != nullptr && (t->is_inference() || (t->requires_grad() && at::GradMode::is_enabled()))) return false;
+  return true;
+}
 
 // What the device kernel allows: no cache while a CUDA graph is being captured (a replay would keep
 // reading the captured fold after the parameters change), and the stream the fold runs on.

@@ -370,24 +370,18 @@ __global__ void __launch_bounds__(384, 1)
 #endif
 
 // tap_rows(weight) for the Hopper kernel, kept while the weight is unchanged (same tensor, version and
-// data): the reorder is a launch and ~9 us a call at 1280 channels, 3 % of the convolution. Not while a
-// CUDA graph is captured (a replay would keep the captured copy after the weight changes), nor on the
-// training path or for inference tensors (no version counter to see an in-place update).
+// data; fold_cacheable's rules): the reorder is a launch and ~9 us a call at 1280 channels, 3 % of the
+// convolution. Not while a CUDA graph is captured (a replay would keep the captured copy after the weight
+// changes).
 at::Tensor cached_tap_rows(const at::Tensor& x, const at::Tensor& weight) {
   const bool capturing = c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
-  if (capturing || x.requires_grad() || weight.is_inference() || (weight.requires_grad() && at::GradMode::is_enabled()))
-    return tap_rows(weight);
-  const int64_t stream = static_cast<int64_t>(c10::cuda::getCurrentCUDAStream().id());
   const std::array<const at::Tensor*, kFoldParams> ps{&weight, nullptr, nullptr, nullptr, nullptr, nullptr};
-  if (auto hit = tap_rows_cache().find(ps, weight.scalar_type(), weight.device(), at::MemoryFormat::Contiguous, 0.0,
-                                       stream))
-    return hit->weight;
-  at::Tensor w = tap_rows(weight);
-  FoldKey key{{}, weight.scalar_type(), weight.device(), at::MemoryFormat::Contiguous, 0.0, stream};
-  key.params[0] = TensorStamp::of(&weight);
-  for (size_t i = 1; i < kFoldParams; ++i) key.params[i] = TensorStamp::of(nullptr);
-  tap_rows_cache().insert(std::move(key), FoldValue{w, at::Tensor()});
-  return w;
+  if (!fold_cacheable(x, ps, !capturing)) return tap_rows(weight);
+  const int64_t stream = static_cast<int64_t>(c10::cuda::getCurrentCUDAStream().id());
+  return tap_rows_cache()
+      .find_or_insert(ps, weight.scalar_type(), weight.device(), at::MemoryFormat::Contiguous, 0.0, stream,
+                      [&] { return FoldValue{tap_rows(weight), at::Tensor()}; })
+      .weight;
 }
 
 // VD_TEMPORAL_CONV_KERNEL=gemm keeps the cuBLAS path on Hopper too (benchmarks and tests compare them).
