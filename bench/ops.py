@@ -52,6 +52,8 @@ def _row(name, eager_ms, inductor_ms, ours_ms, work, unit, ceiling):
 # "smem" (version 6), "l2" (version 4; version 5 for channels_last), "onchip" (version 3) and "twopass"
 # (version 1), each where it applies.
 GN_VARIANTS = ("smem", "l2", "onchip", "twopass")
+# The backward's (VD_GROUP_NORM_BACKWARD): version 1's kernels alone.
+GN_BWD_VARIANTS = ("twopass",)
 
 
 def bench_group_norm_silu(dtype, dev, ceil, variants=False):
@@ -109,7 +111,7 @@ def bench_group_norm_silu(dtype, dev, ceil, variants=False):
     return rows
 
 
-def bench_group_norm_silu_backward(dtype, dev, ceil):
+def bench_group_norm_silu_backward(dtype, dev, ceil, variants=False):
     """The backward alone (dx, dgamma, dbeta from dy), each side through autograd with the graph kept
     (retain_graph): eager F.group_norm + F.silu (native_group_norm_backward with the saved statistics, and
     SiLU's backward on the saved pre-activation), inductor's compiled training graph, and ours, whose
@@ -154,9 +156,16 @@ def bench_group_norm_silu_backward(dtype, dev, ceil):
                 times[key] = time_cuda(bwd)
                 if key == "ours":
                     times["ours_device"] = device_time_per_call(bwd)
+                    for v in GN_BWD_VARIANTS if variants else ():
+                        with env_var("VD_GROUP_NORM_BACKWARD", v):
+                            times[f"{v}_device"] = device_time_per_call(bwd)
+                            times[v] = time_cuda(bwd)
                 del y
             r = _row(name + ("-cl" if cl else ""), times["eager"], times["inductor"], times["ours"], per, "GBps", ceil)
             r["ours_device_ms"] = times["ours_device"]
+            for v in GN_BWD_VARIANTS if variants else ():
+                r[f"{v}_device_ms"] = times[f"{v}_device"]
+                r[f"{v}_ms"] = times[v]
             if ceil:
                 r["device_pct_ceiling"] = 100 * per / times["ours_device"] / 1e6 / ceil
             # Against the eager gradients (both in bf16 arithmetic on the inputs; not a float64 reference).
@@ -277,7 +286,7 @@ def main():
     p.add_argument("--ops", default="group_norm_silu,group_norm_silu_backward,scheduler_step,conv_bn_silu,temporal_conv")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     p.add_argument("--gn-variants", action="store_true",
-                   help="also time each group_norm_silu forward kernel family on its own")
+                   help="also time each group_norm_silu forward kernel family on its own, and the two-pass backward")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/ops.py needs a CUDA device")
@@ -295,7 +304,7 @@ def main():
             if op == "group_norm_silu":
                 rows = bench_group_norm_silu(dtype, dev, ceil.get("copy_GBps"), args.gn_variants)
             elif op == "group_norm_silu_backward":
-                rows = bench_group_norm_silu_backward(dtype, dev, ceil.get("copy_GBps"))
+                rows = bench_group_norm_silu_backward(dtype, dev, ceil.get("copy_GBps"), args.gn_variants)
             elif op == "scheduler_step":
                 rows = bench_scheduler_step(dtype, dev, ceil.get("copy_GBps"))
             elif op == "conv_bn_silu":
@@ -316,6 +325,9 @@ def main():
         if op in ("group_norm_silu", "group_norm_silu_backward"):
             print_table(rows, [("shape", "shape", ""), ("ours_device_ms", "ours device ms", ".4f"),
                                ("device_pct_ceiling", "device % ceil", ".0f")])
+        if op == "group_norm_silu_backward" and args.gn_variants:
+            print_table(rows, [("shape", "shape", "")] + [(f"{v}_ms", f"{v} ms", ".3f") for v in GN_BWD_VARIANTS]
+                        + [(f"{v}_device_ms", f"{v} dev ms", ".4f") for v in GN_BWD_VARIANTS])
         if op == "group_norm_silu" and args.gn_variants:
             print_table(rows, [("shape", "shape", "")] + [(f"{v}_ms", f"{v} ms", ".3f") for v in GN_VARIANTS]
                         + [(f"{v}_device_ms", f"{v} dev ms", ".4f") for v in GN_VARIANTS]

@@ -410,3 +410,86 @@ def test_over_2_31_elements(device, shape, cl):
     for sl in (slice(0, 1), slice(N - 2, N)):
         ref = reference_group_norm_silu(x[sl].double(), 32, w.double(), b.double())
         assert_close_to(out[sl], ref, torch.bfloat16, what=f"samples {sl}")
+
+
+# The backward of NC* input with each group on chip (version 7: persistent clusters, x's and dy's parts in a
+# shared-memory stage of up to 48 KB). Comments give the 16-bit plan (fp32 parts hold half as many elements).
+BACKWARD_ON_CHIP_CASES = [
+    ((40, 256, 9, 16), 32),    # M 1152, S 144: K 1, 1280 groups (stages reused), runs shorter than 32
+    ((20, 640, 36, 64), 32),   # K 4 (16-bit), 8 (fp32)
+    ((2, 320, 72, 128), 32),   # K 8 (16-bit), 16 (fp32): parts straddle channels
+    ((2, 320, 70, 100), 32),   # S 7000: K 8, the last rank holds fewer vectors
+    ((1, 512, 72, 128), 32),   # K 16 (16-bit); two-pass (fp32: parts over a stage)
+    ((2, 40, 4, 4, 3), 4),     # 5-D, M 480
+    ((2, 64, 7, 9), 32),       # S 63: not whole vectors a channel, two-pass
+    ((1, 960, 72, 128), 32),   # 30 channels of 9216: over 16 stages, two-pass
+]
+
+
+def backward_on_chip(shape, groups, dtype):
+    """Whether version 7 takes the case: whole vectors a channel, cpg <= 256, parts of x and dy that fit a stage
+    with at most 16 CTAs a group."""
+    vec = 16 // torch.tensor([], dtype=dtype).element_size()
+    S = torch.Size(shape[2:]).numel()
+    cpg = shape[1] // groups
+    part = -(-cpg * S // vec // 16)
+    stage = 2 * (-(-part * 16 // 128) * 128)
+    return S % vec == 0 and cpg <= 256 and stage <= 48 * 1024
+
+
+@pytest.mark.parametrize("device", CUDA)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_backward_on_chip(device, dtype, monkeypatch):
+    # dx, grad_weight, grad_bias against the float64 reference, with and without SiLU and affine; pins which
+    # kernel serves each case, and that VD_GROUP_NORM_BACKWARD=twopass keeps version 1.
+    if torch.cuda.get_device_capability(device)[0] < 9:
+        pytest.skip("version 7 needs the bulk copy engine and clusters (sm_90+)")
+    torch.manual_seed(0)
+    for shape, groups in BACKWARD_ON_CHIP_CASES:
+        C = shape[1]
+        want_chip = backward_on_chip(shape, groups, dtype)
+        x = (torch.randn(shape, device=device) * 3 + 1).to(dtype)
+        g = torch.randn(shape, device=device, dtype=dtype)
+        w, b = torch.randn(C, device=device, dtype=dtype), torch.randn(C, device=device, dtype=dtype)
+        for silu, affine in ((True, True), (False, True), (True, False)):
+            wa, ba = (w, b) if affine else (None, None)
+
+            def run():
+                return torch.ops.vd.group_norm_silu_backward(g, x, groups, wa, ba, 1e-5, silu)
+            names = cuda_kernels_run(run)
+            assert any("smem_grad_kernel" in n for n in names) == want_chip, (shape, dtype, sorted(set(names)))
+            dx, dw, db = run()
+            xr = x.double().requires_grad_()
+            wr = w.double().requires_grad_() if affine else None
+            br = b.double().requires_grad_() if affine else None
+            inputs = [t for t in (xr, wr, br) if t is not None]
+            ref = torch.autograd.grad(reference_group_norm_silu(xr, groups, wr, br, 1e-5, silu), inputs, g.double())
+            what = f"{shape} {dtype} silu={silu} affine={affine}"
+            assert_close_to(dx, ref[0], dtype, what=f"dx {what}")
+            if affine:
+                assert_close_to(dw, ref[1], dtype, factor=4, what=f"dw {what}")
+                assert_close_to(db, ref[2], dtype, factor=4, what=f"db {what}")
+    assert any(backward_on_chip(s, g, dtype) for s, g in BACKWARD_ON_CHIP_CASES)
+    monkeypatch.setenv("VD_GROUP_NORM_BACKWARD", "twopass")
+    x = torch.randn(2, 320, 72, 128, device=device, dtype=dtype)
+    names = cuda_kernels_run(lambda: torch.ops.vd.group_norm_silu_backward(x, x, 32, None, None, 1e-5, True))
+    assert not any("smem_grad_kernel" in n for n in names)
+
+
+@pytest.mark.parametrize("device", CUDA)
+def test_backward_on_chip_deterministic_and_precise(device):
+    # The same bits on every call (no atomics anywhere in the sums), and x - mean kept exact when the mean
+    # dwarfs the spread (fp32, a group split over a cluster of 16).
+    torch.manual_seed(0)
+    x = torch.randn(2, 320, 72, 128, device=device) * 0.05 + 1000
+    g = torch.randn_like(x)
+    w, b = torch.randn(320, device=device), torch.randn(320, device=device)
+    first = torch.ops.vd.group_norm_silu_backward(g, x, 32, w, b, 1e-5, True)
+    for _ in range(3):
+        again = torch.ops.vd.group_norm_silu_backward(g, x, 32, w, b, 1e-5, True)
+        for u, v in zip(first, again):
+            assert torch.equal(u, v)
+    xr, wr, br = (t.double().requires_grad_() for t in (x, w, b))
+    ref = torch.autograd.grad(reference_group_norm_silu(xr, 32, wr, br), (xr, wr, br), g.double())
+    for got, want, name in zip(first, ref, "xwb"):
+        assert_close_to(got, want, torch.float32, factor=5, what=f"grad {name}")

@@ -1257,7 +1257,7 @@ struct SmemArgs {
 // and barriers alternate by iteration parity: a CTA can only send group it + 2's value after every CTA
 // sent it + 1's, i.e. after they all finished reading group it's slots.
 struct ClusterExchange {
-  float4 (*slots)[8];  // [parity][source rank]
+  float4 (*slots)[16];  // [parity][source rank]: clusters of up to 16
   uint64_t* bars;      // [parity], arrival count 1, K * 16 bytes a phase
   int K, rank;
 };
@@ -1358,6 +1358,85 @@ __device__ __forceinline__ Welford<float> cluster_sums_pivoted(float s1, float s
   return {mean, fmaxf(fmaf(-S1, mean, S2), 0.f), N};
 }
 
+// The ring of shared-memory stages of versions 6 and 7. start: thread 0 initializes the stages' barriers and the
+// cluster exchange's and issues the first stages' loads; every CTA's exchange barriers are ready before any CTA
+// of the cluster sends to them. release: after a block barrier (every thread is done with the stage) thread 0
+// hands it back to the copy engine for iteration it + stages.
+struct StageRing {
+  int stage = 0;
+  uint32_t parity = 0;
+  template <typename Issue>
+  __device__ __forceinline__ void start(uint32_t bar0, int stages, uint64_t* xbars, Issue&& issue) {
+    if (threadIdx.x == 0) {
+      for (int s = 0; s < stages; ++s) wgmma::mbar_init(bar0 + 8 * s, 1);
+      for (int b = 0; b < 2; ++b) wgmma::mbar_init(static_cast<uint32_t>(__cvta_generic_to_shared(&xbars[b])), 1);
+      wgmma::mbar_init_fence();
+      for (int s = 0; s < stages; ++s) issue(s, s);
+    }
+    cluster_arrive();
+    cluster_wait();
+  }
+  template <typename Issue>
+  __device__ __forceinline__ void release(int64_t it, int stages, Issue&& issue) {
+    __syncthreads();
+    if (threadIdx.x == 0) issue(it + stages, stage);
+    if (++stage == stages) {
+      stage = 0;
+      parity ^= 1;
+    }
+  }
+};
+
+// Version 6's statistics of a CTA's part in shared memory (nv vectors at buf), over the cluster through
+// exchange `it` of xch: the group's (mean of x - pivot0, m2, n), pivot0 rank 0's first element.
+template <typename scalar_t, int THREADS>
+__device__ __forceinline__ Welford<float> smem_part_stats(const uint4* buf, int nv, const ClusterExchange& xch,
+                                                          int64_t it, Welford<float>* sh_warp, float2* sh_sums,
+                                                          float& pivot0) {
+  constexpr int VEC = max_vec<scalar_t>();
+  const int tid = threadIdx.x;
+  // Statistics of d = x - pivot, pivot the CTA's first element.
+  const float pivot = nv > 0 ? elt_to_float<scalar_t>(buf[0], 0) : 0.f;
+  Welford<float> st;
+  // f(x0 - c, x1 - c) on the element pairs of this thread's vectors (two accumulators each for latency).
+  auto pairs = [&](float c, auto&& f) {
+#pragma unroll 2
+    for (int k = tid; k < nv; k += THREADS) {
+      const uint4 r = buf[k];
+#pragma unroll
+      for (int j = 0; j < VEC; j += 2) f(elt_to_float<scalar_t>(r, j) - c, elt_to_float<scalar_t>(r, j + 1) - c);
+    }
+  };
+  if constexpr (sizeof(scalar_t) == 2) {  // one pass of shifted sums
+    float s1a = 0.f, s1b = 0.f, s2a = 0.f, s2b = 0.f;
+    pairs(pivot, [&](float d0, float d1) {
+      s1a += d0;
+      s1b += d1;
+      s2a = fmaf(d0, d0, s2a);
+      s2b = fmaf(d1, d1, s2b);
+    });
+    st = cluster_sums_pivoted<THREADS>(s1a + s1b, s2a + s2b, static_cast<float>(nv * VEC), pivot, xch, it, sh_sums,
+                                       pivot0);
+  } else {  // fp32: each thread's mean, then its squared deviations; Chan's merges (robust to any pivot)
+    const int mine = nv > tid ? (nv - tid + THREADS - 1) / THREADS : 0;
+    float s0 = 0.f, s1 = 0.f;
+    pairs(pivot, [&](float d0, float d1) {
+      s0 += d0;
+      s1 += d1;
+    });
+    const float n = static_cast<float>(mine * VEC);
+    const float m = mine ? (s0 + s1) / n : 0.f;
+    const float c = pivot + m;  // x - c: the deviation about this thread's mean, to float rounding of c
+    float q0 = 0.f, q1 = 0.f;
+    pairs(c, [&](float d0, float d1) {
+      q0 = fmaf(d0, d0, q0);
+      q1 = fmaf(d1, d1, q1);
+    });
+    st = cluster_combine_pivoted<THREADS>(make_float4(m, q0 + q1, n, pivot), xch, it, sh_warp, pivot0);
+  }
+  return st;
+}
+
 template <typename scalar_t, bool SILU>
 __global__ void __launch_bounds__(kSmemThreads, 2) smem_rows_kernel(const SmemArgs<scalar_t> sa) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -1370,7 +1449,7 @@ __global__ void __launch_bounds__(kSmemThreads, 2) smem_rows_kernel(const SmemAr
   uint64_t* full = reinterpret_cast<uint64_t*>(sh_chan + 2 * ((a.cpg + 1) / 2 * 2));
   __shared__ Welford<float> sh_warp[THREADS / 32];
   __shared__ float2 sh_sums[THREADS / 32];
-  __shared__ float4 sh_slots[2][8];  // cluster_exchange's buffers and barriers
+  __shared__ float4 sh_slots[2][16];  // cluster_exchange's buffers and barriers
   __shared__ uint64_t sh_xbars[2];
 
   const int tid = threadIdx.x, K = a.K;
@@ -1404,19 +1483,11 @@ __global__ void __launch_bounds__(kSmemThreads, 2) smem_rows_kernel(const SmemAr
   };
 
   const ClusterExchange xch{sh_slots, sh_xbars, K, rank};
-  if (tid == 0) {
-    for (int s = 0; s < stages; ++s) wgmma::mbar_init(bar0 + 8 * s, 1);
-    for (int b = 0; b < 2; ++b) wgmma::mbar_init(static_cast<uint32_t>(__cvta_generic_to_shared(&sh_xbars[b])), 1);
-    wgmma::mbar_init_fence();
-    for (int s = 0; s < stages; ++s) issue(s, s);
-  }
-  // Every CTA's exchange barriers are initialized before any CTA of the cluster sends to them.
-  cluster_arrive();
-  cluster_wait();
+  StageRing ring;
+  ring.start(bar0, stages, sh_xbars, issue);
 
-  int stage = 0;
-  uint32_t parity = 0;
   for (int64_t it = 0;; ++it) {
+    const int stage = ring.stage;
     const int64_t ng = cluster + it * nclusters;
     if (ng >= sa.groups) break;
     const int64_t g = ng % a.G, base = (ng / a.G) * a.nstride + g * a.seg;
@@ -1427,48 +1498,10 @@ __global__ void __launch_bounds__(kSmemThreads, 2) smem_rows_kernel(const SmemAr
       if (a.w) gw = static_cast<float>(a.w[g * a.cpg + tid]);
       if (a.b) gb = static_cast<float>(a.b[g * a.cpg + tid]);
     }
-    if (nv > 0) wgmma::mbar_wait(bar0 + 8 * stage, parity);
+    if (nv > 0) wgmma::mbar_wait(bar0 + 8 * stage, ring.parity);
 
-    // Statistics of d = x - pivot, pivot the CTA's first element.
-    const float pivot = nv > 0 ? elt_to_float<scalar_t>(buf[0], 0) : 0.f;
     float pivot0;
-    Welford<float> st;
-    // f(x0 - c, x1 - c) on the element pairs of this thread's vectors (two accumulators each for latency).
-    auto pairs = [&](float c, auto&& f) {
-#pragma unroll 2
-      for (int k = tid; k < nv; k += THREADS) {
-        const uint4 r = buf[k];
-#pragma unroll
-        for (int j = 0; j < VEC; j += 2) f(elt_to_float<scalar_t>(r, j) - c, elt_to_float<scalar_t>(r, j + 1) - c);
-      }
-    };
-    if constexpr (sizeof(scalar_t) == 2) {  // one pass of shifted sums
-      float s1a = 0.f, s1b = 0.f, s2a = 0.f, s2b = 0.f;
-      pairs(pivot, [&](float d0, float d1) {
-        s1a += d0;
-        s1b += d1;
-        s2a = fmaf(d0, d0, s2a);
-        s2b = fmaf(d1, d1, s2b);
-      });
-      st = cluster_sums_pivoted<THREADS>(s1a + s1b, s2a + s2b, static_cast<float>(nv * VEC), pivot, xch, it, sh_sums,
-                                         pivot0);
-    } else {  // fp32: each thread's mean, then its squared deviations; Chan's merges (robust to any pivot)
-      const int mine = nv > tid ? (nv - tid + THREADS - 1) / THREADS : 0;
-      float s0 = 0.f, s1 = 0.f;
-      pairs(pivot, [&](float d0, float d1) {
-        s0 += d0;
-        s1 += d1;
-      });
-      const float n = static_cast<float>(mine * VEC);
-      const float m = mine ? (s0 + s1) / n : 0.f;
-      const float c = pivot + m;  // x - c: the deviation about this thread's mean, to float rounding of c
-      float q0 = 0.f, q1 = 0.f;
-      pairs(c, [&](float d0, float d1) {
-        q0 = fmaf(d0, d0, q0);
-        q1 = fmaf(d1, d1, q1);
-      });
-      st = cluster_combine_pivoted<THREADS>(make_float4(m, q0 + q1, n, pivot), xch, it, sh_warp, pivot0);
-    }
+    const Welford<float> st = smem_part_stats<scalar_t, THREADS>(buf, nv, xch, it, sh_warp, sh_sums, pivot0);
     {
       const float rstd = rsqrtf(__fdividef(st.m2, st.n) + static_cast<float>(a.eps));
       const float shift = kShift ? st.mean : st.mean + pivot0;
@@ -1489,17 +1522,293 @@ __global__ void __launch_bounds__(kSmemThreads, 2) smem_rows_kernel(const SmemAr
         p.advance(a);
       }
     }
-    __syncthreads();  // every thread is done with the stage: it goes back to the copy engine
-    if (tid == 0) issue(it + stages, stage);
-    if (++stage == stages) {
-      stage = 0;
-      parity ^= 1;
-    }
+    ring.release(it, stages, issue);
   }
   // No CTA leaves while another's sends to it may be in flight.
   cluster_arrive();
   cluster_wait();
 #endif
+}
+
+// ---------------------------------------------------------------------------------------------
+// Version 7: the backward of NC* input with each group on chip (sm_90). The two-pass backward moves x three
+// times and dy twice (statistics; per-channel sums of dz and dz * xhat; dx) and ran at 12-34 % of the copy
+// rate. Here, as in version 6, persistent clusters of K CTAs walk the groups, and a CTA's part of a group,
+// of x and of dy, lands in a shared-memory stage through two bulk copies; everything else reads the stage:
+//   1. the statistics of x, as version 6 (a cluster exchange);
+//   2. the sums of dz and dz * (x - mean) per channel: a warp a run of up to 32 vectors of one channel, the
+//      run's sums to shared memory, then a thread a channel adds its runs in order (no atomics: the same
+//      bits every call). That thread writes the CTA's sums to the workspace (grad_weight / grad_bias) and
+//      its share of m1 = mean(dz * gamma) and m2 = mean(dz * gamma * xhat); a second exchange gives every
+//      CTA the group's;
+//   3. dx = rstd * (dz * gamma - m1 - xhat * m2), 16-byte stores.
+// grad_params_kernel then adds the CTAs' sums over samples and ranks (fixed order).
+
+constexpr int64_t kGradStageBytes = 48 * 1024;  // a stage: x's part and dy's
+constexpr int64_t kGradDataBytes = 96 * 1024;   // stages * stage_bytes (two CTAs an SM)
+constexpr int kGradMaxStages = 4;
+constexpr int kGradRun = 32;  // vectors a run at least (a vector a lane); two a lane for channels of >= 128
+
+template <typename scalar_t>
+struct SmemGradArgs {
+  FusedArgs<scalar_t> f;  // x, out = dx, w, b, the shape (F = 1); f.part: vectors a CTA
+  const scalar_t* dy;
+  float2* sums;           // [N * G][K][cpg]: each CTA's (sum dz, sum dz * xhat) per channel of its group
+  int64_t groups;         // N * G
+  int stages;
+  int stage_bytes;        // the stride between stages: x's part, then dy's at dy_off (multiples of 128)
+  int dy_off;
+  int max_runs;
+};
+
+// A 16-byte store as one instruction (the compiler split a plain uint4 store into four 4-byte ones here).
+template <typename T>
+__device__ __forceinline__ void store_v4(T* p, const uint4& v) {
+  asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+}
+
+// d silu / dz on the special-function unit (ex2 and rcp approximations, a few float ulp): 16-bit data, whose
+// rounding is far coarser; float keeps silu_grad.
+__device__ __forceinline__ float silu_grad_fast(float z) {
+  float e, s;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(z * -1.4426950408889634f));
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(s) : "f"(1.f + e));
+  return s * fmaf(z, 1.f - s, 1.f);
+}
+
+template <typename scalar_t, bool SILU>
+__global__ void __launch_bounds__(kSmemThreads, 2) smem_grad_kernel(const SmemGradArgs<scalar_t> sa) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr int THREADS = kSmemThreads, WARPS = THREADS / 32;
+  constexpr int VEC = max_vec<scalar_t>();
+  const FusedArgs<scalar_t>& a = sa.f;
+  // [stages][stage_bytes], then gamma_c and beta_c of the group, the runs' sums, the barriers.
+  extern __shared__ __align__(128) unsigned char smem[];
+  float* sh_gamma = reinterpret_cast<float*>(smem + static_cast<size_t>(sa.stages) * sa.stage_bytes);
+  float* sh_beta = sh_gamma + a.cpg;
+  float2* sh_runs = reinterpret_cast<float2*>(sh_gamma + 2 * a.cpg);
+  uint64_t* full = reinterpret_cast<uint64_t*>(sh_runs + sa.max_runs);
+  __shared__ Welford<float> sh_warp[WARPS];
+  __shared__ float2 sh_sums[WARPS];
+  __shared__ float4 sh_slots[2][16];
+  __shared__ uint64_t sh_xbars[2];
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid / 32, K = a.K;
+  const int rank = static_cast<int>(blockIdx.x % K);
+  const int64_t cluster = blockIdx.x / K, nclusters = gridDim.x / K;
+  const int Mv = a.M / VEC, Sv = a.S / VEC;
+  const int v0 = rank * a.part;
+  const int nv = max(0, min(v0 + a.part, Mv) - v0);
+  const int stages = sa.stages;
+  const uint32_t smem0 = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  const uint32_t bar0 = static_cast<uint32_t>(__cvta_generic_to_shared(full));
+
+  // The part's channels: channel c0 + j of the group covers part vectors [seg_lo(j), seg_hi(j)), cut into runs
+  // of run_len (run_v vectors a lane) from seg_lo(j); its first run is first_run(j). The same for every group.
+  const int run_v = Sv >= 4 * kGradRun ? 2 : 1, run_len = run_v * 32;
+  const int c0 = v0 / Sv;
+  const int nseg = nv > 0 ? (v0 + nv - 1) / Sv - c0 + 1 : 0;
+  const int len0 = min((c0 + 1) * Sv, v0 + nv) - v0;
+  const int runs0 = (len0 + run_len - 1) / run_len, runs_full = (Sv + run_len - 1) / run_len;
+  auto seg_lo = [&](int j) { return j == 0 ? 0 : len0 + (j - 1) * Sv; };
+  auto seg_hi = [&](int j) { return min(len0 + j * Sv, nv); };
+  auto first_run = [&](int j) { return j == 0 ? 0 : runs0 + (j - 1) * runs_full; };
+  auto runs_of = [&](int j) { return j == 0 ? runs0 : runs_full; };
+  const int nruns = nseg > 0 ? first_run(nseg - 1) + (seg_hi(nseg - 1) - seg_lo(nseg - 1) + run_len - 1) / run_len : 0;
+  // f(run, its first vector, its segment's end, channel) for runs r = warp, warp + WARPS, ..., (segment, run of
+  // it) stepped without divisions.
+  auto for_runs = [&](auto&& f) {
+    int j = 0, q = warp;
+    for (int r = warp; r < nruns; r += WARPS, q += WARPS) {
+      while (q >= runs_of(j)) q -= runs_of(j++);
+      f(r, seg_lo(j) + q * run_len + lane, seg_hi(j), c0 + j);
+    }
+  };
+
+  // Thread 0 hands the copy engine iteration it's parts of x and dy (contiguous: F = 1).
+  auto issue = [&](int64_t it, int stage) {
+    const int64_t ng = cluster + it * nclusters;
+    if (ng >= sa.groups || nv == 0) return;
+    const int64_t off = (ng / a.G) * a.nstride + (ng % a.G) * a.seg + static_cast<int64_t>(v0) * VEC;
+    const uint32_t bar = bar0 + 8 * stage, dst = smem0 + static_cast<uint32_t>(stage) * sa.stage_bytes;
+    const uint32_t bytes = static_cast<uint32_t>(nv) * 16u;
+    wgmma::mbar_expect_tx(bar, 2 * bytes);
+    wgmma::bulk_load(dst, a.x + off, bytes, bar);
+    wgmma::bulk_load(dst + sa.dy_off, sa.dy + off, bytes, bar);
+  };
+
+  const ClusterExchange xch{sh_slots, sh_xbars, K, rank};
+  StageRing ring;
+  ring.start(bar0, stages, sh_xbars, issue);
+
+  auto sum_lanes = [](float& u, float& v) {  // xor butterflies: every lane ends with the same bits
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) {
+      u += __shfl_xor_sync(kFullMask, u, o);
+      v += __shfl_xor_sync(kFullMask, v, o);
+    }
+  };
+  auto dz_of = [](float dy, float z) {
+    if constexpr (!SILU) return dy;
+    else if constexpr (sizeof(scalar_t) == 2) return dy * silu_grad_fast(z);
+    else return dy * silu_grad(z);
+  };
+
+  // Gamma and beta of iteration it's group, a thread a channel, loaded an iteration ahead (a load at the top of
+  // the iteration kept the L2 latency in front of the first block barrier).
+  auto load_params = [&](int64_t it, float& gw, float& gb) {
+    const int64_t ng = cluster + it * nclusters;
+    gw = 1.f;
+    gb = 0.f;
+    if (tid < a.cpg && ng < sa.groups) {
+      const int64_t c = (ng % a.G) * a.cpg + tid;
+      if (a.w) gw = static_cast<float>(a.w[c]);
+      if (a.b) gb = static_cast<float>(a.b[c]);
+    }
+  };
+  float gw_next, gb_next;
+  load_params(0, gw_next, gb_next);
+
+  for (int64_t it = 0;; ++it) {
+    const int stage = ring.stage;
+    const int64_t ng = cluster + it * nclusters;
+    if (ng >= sa.groups) break;
+    const int64_t g = ng % a.G;
+    const int64_t base = (ng / a.G) * a.nstride + g * a.seg + static_cast<int64_t>(v0) * VEC;
+    const uint4* xb = reinterpret_cast<const uint4*>(smem + static_cast<size_t>(stage) * sa.stage_bytes);
+    const uint4* db = reinterpret_cast<const uint4*>(smem + static_cast<size_t>(stage) * sa.stage_bytes + sa.dy_off);
+    if (tid < a.cpg) {  // the statistics' block barrier orders these before every read
+      sh_gamma[tid] = gw_next;
+      sh_beta[tid] = gb_next;
+    }
+    load_params(it + 1, gw_next, gb_next);
+    if (nv > 0) wgmma::mbar_wait(bar0 + 8 * stage, ring.parity);
+
+    // 1. Statistics. Below, xd = x - pivot0 (exact for x near pivot0) and x - mean = xd - md: z = xd * sc + bd
+    // with sc = rstd * gamma_c, bd = beta_c - md * sc.
+    float pivot0;
+    const Welford<float> st = smem_part_stats<scalar_t, THREADS>(xb, nv, xch, 2 * it, sh_warp, sh_sums, pivot0);
+    const float rstd = rsqrtf(__fdividef(st.m2, st.n) + static_cast<float>(a.eps)), md = st.mean;
+
+    // 2. Sums of dz and dz * xd a run.
+    for_runs([&](int r, int k, int hi, int c) {
+      const float sc = rstd * sh_gamma[c], bd = fmaf(-md, sc, sh_beta[c]);
+      float sdz = 0.f, sdzx = 0.f;
+#pragma unroll
+      for (int v = 0; v < 2; ++v, k += 32) {
+        if (v < run_v && k < hi) {
+          const uint4 xr = xb[k], dr = db[k];
+#pragma unroll
+          for (int e = 0; e < VEC; ++e) {
+            const float xd = elt_to_float<scalar_t>(xr, e) - pivot0;
+            const float dz = dz_of(elt_to_float<scalar_t>(dr, e), fmaf(xd, sc, bd));
+            sdz += dz;
+            sdzx = fmaf(dz, xd, sdzx);
+          }
+        }
+      }
+      sum_lanes(sdz, sdzx);
+      if (lane == 0) sh_runs[r] = make_float2(sdz, sdzx);
+    });
+    __syncthreads();
+
+    // A thread a channel (its runs in order; a warp a channel with a lane a run was 8 % slower at 1280
+    // channels, where runs are few): the CTA's sums (sum dz * xhat = rstd * (sum dz * xd - md * sum dz)) to the
+    // workspace, zeros for the group's channels outside the part, and its shares of m1 and m2.
+    float t1 = 0.f, t2 = 0.f;
+    if (tid < a.cpg) {
+      const int j = tid - c0;
+      float sdz = 0.f, sdzx = 0.f;
+      if (j >= 0 && j < nseg) {
+        const int r1 = j + 1 < nseg ? first_run(j + 1) : nruns;
+        for (int r = first_run(j); r < r1; ++r) {
+          const float2 v = sh_runs[r];
+          sdz += v.x;
+          sdzx += v.y;
+        }
+        sdzx = rstd * fmaf(-md, sdz, sdzx);
+      }
+      sa.sums[(ng * K + rank) * a.cpg + tid] = make_float2(sdz, sdzx);
+      const float gc = sh_gamma[tid];
+      t1 = gc * sdz;
+      t2 = gc * sdzx;
+    }
+    sum_lanes(t1, t2);
+    if (lane == 0) sh_sums[warp] = make_float2(t1, t2);
+    __syncthreads();
+    float2 t = make_float2(0.f, 0.f);
+    if (warp == 0) {
+      if (lane < WARPS) t = sh_sums[lane];
+      sum_lanes(t.x, t.y);
+    }
+    const float4 rv = cluster_exchange(xch, make_float4(t.x, t.y, 0.f, 0.f), 2 * it + 1);  // thread 0's is sent
+    float m1 = rv.x, m2 = rv.y;  // zeros in lanes >= K
+    sum_lanes(m1, m2);
+    const float inv_m = 1.f / static_cast<float>(a.M);
+    // dx = sc_c * dz + B + D * (x - mean) = sc_c * dz + D * xd + (B - D * md)
+    const float D = -rstd * rstd * m2 * inv_m, Bd = fmaf(-D, md, -rstd * m1 * inv_m);
+
+    // 3. dx: a run at a time where channels are long (sc and bd once a run), else thread-strided vectors.
+    auto dx_vec = [&](int k, float sc, float bd) {
+      const uint4 xr = xb[k], dr = db[k];
+      uint4 o;
+#pragma unroll
+      for (int e = 0; e < VEC; e += 2) {
+        float d[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const float xd = elt_to_float<scalar_t>(xr, e + h) - pivot0;
+          const float dz = dz_of(elt_to_float<scalar_t>(dr, e + h), fmaf(xd, sc, bd));
+          d[h] = fmaf(dz, sc, fmaf(xd, D, Bd));
+        }
+        store_pair<scalar_t>(o, e / 2, d[0], d[1]);
+      }
+      store_v4(a.out + base + static_cast<int64_t>(k) * VEC, o);
+    };
+    if (run_v == 2) {
+      for_runs([&](int, int k, int hi, int c) {
+        const float sc = rstd * sh_gamma[c], bd = fmaf(-md, sc, sh_beta[c]);
+#pragma unroll
+        for (int v = 0; v < 2; ++v, k += 32)
+          if (k < hi) dx_vec(k, sc, bd);
+      });
+    } else {
+      GroupPos p(static_cast<unsigned>((v0 + tid) * VEC), a);
+      for (int k = tid; k < nv; k += THREADS) {
+        const float sc = rstd * sh_gamma[p.c], bd = fmaf(-md, sc, sh_beta[p.c]);
+        dx_vec(k, sc, bd);
+        p.advance(a);
+      }
+    }
+    ring.release(it, stages, issue);
+  }
+  cluster_arrive();  // no CTA leaves while another's sends to it may be in flight
+  cluster_wait();
+#endif
+}
+
+// grad_weight / grad_bias of version 7: a warp a channel adds the CTAs' sums over samples and ranks (lanes over
+// them, then a fixed tree), written as out_t.
+template <typename out_t>
+__global__ void __launch_bounds__(kThreads) grad_params_kernel(const float2* __restrict__ sums, int64_t N, int64_t G,
+                                                               int K, int cpg, out_t* __restrict__ dw,
+                                                               out_t* __restrict__ db) {
+  const int lane = threadIdx.x & 31;
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
+  if (c >= G * cpg) return;
+  const int64_t g = c / cpg, cl = c % cpg;
+  float sdz = 0.f, sdzx = 0.f;
+  for (int64_t i = lane; i < N * K; i += 32) {
+    const float2 v = sums[(((i / K) * G + g) * K + i % K) * cpg + cl];
+    sdz += v.x;
+    sdzx += v.y;
+  }
+  sdz = warp_sum(sdz);
+  sdzx = warp_sum(sdzx);
+  if (lane == 0) {
+    dw[c] = static_cast<out_t>(sdzx);
+    db[c] = static_cast<out_t>(sdz);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -2037,6 +2346,99 @@ bool forward_smem(const GNShape& s, int64_t F, const scalar_t* x, scalar_t* out,
   }
 }
 
+// Which backward runs: VD_GROUP_NORM_BACKWARD=twopass keeps version 1's kernels (benchmarks compare); unset:
+// version 7 where it applies.
+bool grad_twopass_only() {
+  const char* e = std::getenv("VD_GROUP_NORM_BACKWARD");
+  return e != nullptr && std::string(e) == "twopass";
+}
+
+// Version 7's launch plan: the smallest cluster (up to 16) whose parts of x and dy fit a stage; K = 0 where none
+// does or the device cannot place it.
+struct GradPlan {
+  int K = 0, stages = 0, max_runs = 0, clusters = 0;
+  int64_t part = 0, stage_bytes = 0;
+  size_t smem = 0;
+};
+
+template <typename scalar_t, typename Kernel>
+GradPlan plan_grad(Kernel kernel, int64_t cpg, int64_t S, int device) {
+  constexpr int kVec = max_vec<scalar_t>();
+  GradPlan p;
+  const int64_t Mv = cpg * S / kVec;
+  auto stage_of = [](int64_t part) { return 2 * ceil_div(part * 16, 128) * 128; };
+  int K = 1;
+  while (K < 16 && stage_of(ceil_div(Mv, K)) > kGradStageBytes) K *= 2;
+  p.part = ceil_div(Mv, K);
+  p.stage_bytes = stage_of(p.part);
+  if (p.stage_bytes > kGradStageBytes) return p;
+  p.stages = static_cast<int>(std::min<int64_t>(kGradMaxStages, kGradDataBytes / p.stage_bytes));
+  p.max_runs = static_cast<int>(ceil_div(p.part, int64_t{kGradRun}) + ceil_div(p.part, S / kVec) + 2);
+  p.smem = p.stages * p.stage_bytes + 2 * cpg * sizeof(float) + p.max_runs * sizeof(float2) + p.stages * sizeof(uint64_t);
+  p.clusters = resident_clusters(kernel, K, device, kSmemThreads, p.smem);
+  if (p.clusters > 0) p.K = K;
+  return p;
+}
+
+// Runs version 7 when the shape, dtype, alignment and device allow it, with grad_weight / grad_bias in the
+// parameters' dtypes (wdtype, bdtype); false (nothing launched) leaves the work to version 1.
+template <typename scalar_t>
+bool backward_smem(const GNShape& s, const scalar_t* x, const scalar_t* dy, scalar_t* dx, const scalar_t* w,
+                   const scalar_t* b, double eps, bool silu, bool vec, const at::Tensor& like, at::ScalarType wdtype,
+                   at::ScalarType bdtype, cudaStream_t stream, at::Tensor& dw, at::Tensor& db) {
+  if constexpr (std::is_same_v<scalar_t, double>) {
+    return false;
+  } else {
+    constexpr int kVec = max_vec<scalar_t>();
+    if (s.channels_last || !vec || grad_twopass_only()) return false;
+    const int64_t cpg = s.C / s.G;
+    if (s.S % kVec != 0 || cpg > kSmemThreads) return false;
+    auto kernel = silu ? smem_grad_kernel<scalar_t, true> : smem_grad_kernel<scalar_t, false>;
+    const GradPlan p = plan_grad<scalar_t>(kernel, cpg, s.S, like.get_device());
+    if (p.K == 0) return false;
+    const int K = p.K;
+
+    // The CTAs' per-channel sums and, for parameters of two dtypes, float grad_weight / grad_bias: one allocation.
+    const auto acc = at::kFloat;
+    const bool direct_x = wdtype == bdtype && wdtype == like.scalar_type();
+    const bool direct_acc = wdtype == bdtype && wdtype == acc && !direct_x;
+    const int64_t n_sums = s.N * s.G * K * cpg * 2, n_dwb = direct_x || direct_acc ? 0 : 2 * s.C;
+    at::Tensor ws = at::empty({n_sums + n_dwb}, like.options().dtype(acc));
+    SmemGradArgs<scalar_t> a{};
+    a.f = fused_args(s, 1, x, dx, w, b, eps, silu, kSmemThreads, K, p.part);
+    a.dy = dy;
+    a.sums = reinterpret_cast<float2*>(ws.mutable_data_ptr<float>());
+    a.groups = s.N * s.G;
+    a.stages = p.stages;
+    a.stage_bytes = static_cast<int>(p.stage_bytes);
+    a.dy_off = static_cast<int>(p.stage_bytes / 2);
+    a.max_runs = p.max_runs;
+    launch_clusters(kernel, a, std::min<int64_t>(a.groups, p.clusters), K, kSmemThreads, p.smem, stream);
+
+    const unsigned blocks = grid_of(ceil_div(s.C, int64_t{kWarps}), kOp);
+    auto params = [&](auto* dwp, auto* dbp) {
+      using out_t = std::remove_pointer_t<decltype(dwp)>;
+      grad_params_kernel<out_t><<<blocks, kThreads, 0, stream>>>(a.sums, s.N, s.G, K, static_cast<int>(cpg), dwp, dbp);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    };
+    if (direct_x) {
+      dw = at::empty({s.C}, like.options());
+      db = at::empty({s.C}, like.options());
+      params(dw.mutable_data_ptr<scalar_t>(), db.mutable_data_ptr<scalar_t>());
+    } else if (direct_acc) {
+      dw = at::empty({s.C}, like.options().dtype(acc));
+      db = at::empty({s.C}, like.options().dtype(acc));
+      params(dw.mutable_data_ptr<float>(), db.mutable_data_ptr<float>());
+    } else {  // mixed parameter dtypes: float sums in the workspace, then one conversion each
+      float* dwp = ws.mutable_data_ptr<float>() + n_sums;
+      params(dwp, dwp + s.C);
+      dw = ws.narrow(0, n_sums, s.C).to(wdtype, false, /*copy=*/true);
+      db = ws.narrow(0, n_sums + s.C, s.C).to(bdtype, false, /*copy=*/true);
+    }
+    return true;
+  }
+}
+
 // Runs version 5 (channels_last) when the shape, dtype and alignment allow it; false leaves the work to
 // version 1's cols kernels.
 template <typename scalar_t>
@@ -2227,6 +2629,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_silu_backward_cuda(
     }
     // In place, dx's rows move by whole rows of S: vectors need S a multiple of the vector.
     const bool vec = L::can_vectorize(a, s.channels_last, {a.x, a.dy, a.out}) && (!in_place || a.S % L::kVec == 0);
+    if (!in_place && backward_smem<scalar_t>(s, a.x, a.dy, a.out, a.w, a.b, eps, silu, vec, x, wdtype, bdtype, stream,
+                                             dw, db))
+      return;
     const int64_t NG = s.N * s.G;
     const at::Tensor stats = L::stats(a, s.channels_last, vec, eps, x.options(), x.get_device(), stream);
 
