@@ -97,15 +97,18 @@ def main():
                 g = torch.randn(B, F, C, H, W, device=dev, dtype=dtype).transpose(1, 2)
                 w = torch.randn(C, device=dev, dtype=dtype)
                 torch.ops.vd.group_norm_silu_backward(g, x, 8, w, w, 1e-5, True)
-            # The backward on chip (version 7): one CTA with runs shorter than 32 and stages reused, clusters of 4
-            # to 16 (parts straddling channels, a short last rank), without SiLU or affine.
-            for shape, silu in [((40, 256, 9, 16), True), ((4, 640, 36, 64), True), ((2, 320, 70, 100), False),
-                                ((1, 512, 72, 128), True)]:
-                x = torch.randn(shape, device=dev, dtype=dtype)
-                g = torch.randn(shape, device=dev, dtype=dtype)
-                w = torch.randn(shape[1], device=dev, dtype=dtype)
-                torch.ops.vd.group_norm_silu_backward(g, x, 32, w, w, 1e-5, silu)
-                torch.ops.vd.group_norm_silu_backward(g, x, 32, None, None, 1e-5, silu)
+            # The backward on chip (version 7), as chosen and at two CTAs an SM: one CTA with runs shorter than
+            # 32 and stages reused, clusters of 4 to 16 (parts straddling channels, a short last rank; three CTAs an
+            # SM at 16), without SiLU or affine.
+            for variant in ("", "smem2"):
+                with env_var("VD_GROUP_NORM_BACKWARD", variant):  # "": as chosen
+                    for shape, silu in [((40, 256, 9, 16), True), ((4, 640, 36, 64), True), ((2, 320, 70, 100), False),
+                                        ((1, 512, 72, 128), True)]:
+                        x = torch.randn(shape, device=dev, dtype=dtype)
+                        g = torch.randn(shape, device=dev, dtype=dtype)
+                        w = torch.randn(shape[1], device=dev, dtype=dtype)
+                        torch.ops.vd.group_norm_silu_backward(g, x, 32, w, w, 1e-5, silu)
+                        torch.ops.vd.group_norm_silu_backward(g, x, 32, None, None, 1e-5, silu)
             # channels_last two-pass statistics over two column tiles (a group in both, groups in one only).
             for shape, groups in [((2, 2560, 3, 5), 32), ((1, 2112, 4, 4), 3)]:
                 x = torch.randn(shape, device=dev, dtype=dtype).to(memory_format=torch.channels_last)

@@ -439,11 +439,15 @@ def backward_on_chip(shape, groups, dtype):
 
 @pytest.mark.parametrize("device", CUDA)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_backward_on_chip(device, dtype, monkeypatch):
-    # dx, grad_weight, grad_bias against the float64 reference, with and without SiLU and affine; pins which
-    # kernel serves each case, and that VD_GROUP_NORM_BACKWARD=twopass keeps version 1.
+@pytest.mark.parametrize("variant", ["", "smem2"])
+def test_backward_on_chip(device, dtype, variant, monkeypatch):
+    # dx, grad_weight, grad_bias against the float64 reference, with and without SiLU and affine, as chosen
+    # (three CTAs an SM where the cluster need not grow, e.g. (1, 512, 72, 128)) and pinned to two CTAs an SM;
+    # pins which kernel serves each case, and that VD_GROUP_NORM_BACKWARD=twopass keeps version 1.
     if torch.cuda.get_device_capability(device)[0] < 9:
         pytest.skip("version 7 needs the bulk copy engine and clusters (sm_90+)")
+    if variant:
+        monkeypatch.setenv("VD_GROUP_NORM_BACKWARD", variant)
     torch.manual_seed(0)
     for shape, groups in BACKWARD_ON_CHIP_CASES:
         C = shape[1]

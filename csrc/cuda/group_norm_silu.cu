@@ -1542,10 +1542,15 @@ __global__ void __launch_bounds__(kSmemThreads, 2) smem_rows_kernel(const SmemAr
 //      its share of m1 = mean(dz * gamma) and m2 = mean(dz * gamma * xhat); a second exchange gives every
 //      CTA the group's;
 //   3. dx = rstd * (dz * gamma - m1 - xhat * m2), 16-byte stores.
-// grad_params_kernel then adds the CTAs' sums over samples and ranks (fixed order).
+// grad_params_kernel then adds the CTAs' sums over samples and ranks (fixed order). Two CTAs an SM with stages of
+// up to 48 KB, or three with up to 36 KB where that keeps the cluster as small (backward_smem).
 
-constexpr int64_t kGradStageBytes = 48 * 1024;  // a stage: x's part and dy's
-constexpr int64_t kGradDataBytes = 96 * 1024;   // stages * stage_bytes (two CTAs an SM)
+// A stage holds x's part and dy's; stages * stage_bytes <= 2 * grad_stage_bytes<BLOCKS>(), BLOCKS CTAs an SM:
+// 2 with stages of up to 48 KB, 3 with up to 36 KB (registers capped at 85 a thread).
+template <int BLOCKS>
+constexpr int64_t grad_stage_bytes() {
+  return BLOCKS == 3 ? 36 * 1024 : 48 * 1024;
+}
 constexpr int kGradMaxStages = 4;
 constexpr int kGradRun = 32;  // vectors a run at least (a vector a lane); two a lane for channels of >= 128
 
@@ -1576,8 +1581,8 @@ __device__ __forceinline__ float silu_grad_fast(float z) {
   return s * fmaf(z, 1.f - s, 1.f);
 }
 
-template <typename scalar_t, bool SILU>
-__global__ void __launch_bounds__(kSmemThreads, 2) smem_grad_kernel(const SmemGradArgs<scalar_t> sa) {
+template <typename scalar_t, bool SILU, int BLOCKS>
+__global__ void __launch_bounds__(kSmemThreads, BLOCKS) smem_grad_kernel(const SmemGradArgs<scalar_t> sa) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr int THREADS = kSmemThreads, WARPS = THREADS / 32;
   constexpr int VEC = max_vec<scalar_t>();
@@ -1654,21 +1659,6 @@ __global__ void __launch_bounds__(kSmemThreads, 2) smem_grad_kernel(const SmemGr
     else return dy * silu_grad(z);
   };
 
-  // Gamma and beta of iteration it's group, a thread a channel, loaded an iteration ahead (a load at the top of
-  // the iteration kept the L2 latency in front of the first block barrier).
-  auto load_params = [&](int64_t it, float& gw, float& gb) {
-    const int64_t ng = cluster + it * nclusters;
-    gw = 1.f;
-    gb = 0.f;
-    if (tid < a.cpg && ng < sa.groups) {
-      const int64_t c = (ng % a.G) * a.cpg + tid;
-      if (a.w) gw = static_cast<float>(a.w[c]);
-      if (a.b) gb = static_cast<float>(a.b[c]);
-    }
-  };
-  float gw_next, gb_next;
-  load_params(0, gw_next, gb_next);
-
   for (int64_t it = 0;; ++it) {
     const int stage = ring.stage;
     const int64_t ng = cluster + it * nclusters;
@@ -1677,11 +1667,12 @@ __global__ void __launch_bounds__(kSmemThreads, 2) smem_grad_kernel(const SmemGr
     const int64_t base = (ng / a.G) * a.nstride + g * a.seg + static_cast<int64_t>(v0) * VEC;
     const uint4* xb = reinterpret_cast<const uint4*>(smem + static_cast<size_t>(stage) * sa.stage_bytes);
     const uint4* db = reinterpret_cast<const uint4*>(smem + static_cast<size_t>(stage) * sa.stage_bytes + sa.dy_off);
-    if (tid < a.cpg) {  // the statistics' block barrier orders these before every read
-      sh_gamma[tid] = gw_next;
-      sh_beta[tid] = gb_next;
+    // This group's gamma and beta, a thread a channel (the statistics' block barrier orders the writes before
+    // every read). Loading them an iteration ahead measured 1 % slower on all four UNet / VAE shapes.
+    if (tid < a.cpg) {
+      sh_gamma[tid] = a.w ? static_cast<float>(a.w[g * a.cpg + tid]) : 1.f;
+      sh_beta[tid] = a.b ? static_cast<float>(a.b[g * a.cpg + tid]) : 0.f;
     }
-    load_params(it + 1, gw_next, gb_next);
     if (nv > 0) wgmma::mbar_wait(bar0 + 8 * stage, ring.parity);
 
     // 1. Statistics. Below, xd = x - pivot0 (exact for x near pivot0) and x - mean = xd - md: z = xd * sc + bd
@@ -2346,33 +2337,34 @@ bool forward_smem(const GNShape& s, int64_t F, const scalar_t* x, scalar_t* out,
   }
 }
 
-// Which backward runs: VD_GROUP_NORM_BACKWARD=twopass keeps version 1's kernels (benchmarks compare); unset:
-// version 7 where it applies.
-bool grad_twopass_only() {
+// Which backward runs: VD_GROUP_NORM_BACKWARD=twopass keeps version 1's kernels, smem2 pins two CTAs an SM
+// (benchmarks compare); unset: version 7 where it applies, three CTAs an SM where the cluster need not grow.
+int grad_backward_choice() {
   const char* e = std::getenv("VD_GROUP_NORM_BACKWARD");
-  return e != nullptr && std::string(e) == "twopass";
+  const std::string v = e ? e : "";
+  return v == "twopass" ? 0 : v == "smem2" ? 2 : 3;
 }
 
-// Version 7's launch plan: the smallest cluster (up to 16) whose parts of x and dy fit a stage; K = 0 where none
-// does or the device cannot place it.
+// Version 7's launch plan at BLOCKS CTAs an SM: the smallest cluster (up to 16) whose parts of x and dy fit a
+// stage; K = 0 where none does or the device cannot place it.
 struct GradPlan {
   int K = 0, stages = 0, max_runs = 0, clusters = 0;
   int64_t part = 0, stage_bytes = 0;
   size_t smem = 0;
 };
 
-template <typename scalar_t, typename Kernel>
+template <typename scalar_t, int BLOCKS, typename Kernel>
 GradPlan plan_grad(Kernel kernel, int64_t cpg, int64_t S, int device) {
   constexpr int kVec = max_vec<scalar_t>();
   GradPlan p;
   const int64_t Mv = cpg * S / kVec;
   auto stage_of = [](int64_t part) { return 2 * ceil_div(part * 16, 128) * 128; };
   int K = 1;
-  while (K < 16 && stage_of(ceil_div(Mv, K)) > kGradStageBytes) K *= 2;
+  while (K < 16 && stage_of(ceil_div(Mv, K)) > grad_stage_bytes<BLOCKS>()) K *= 2;
   p.part = ceil_div(Mv, K);
   p.stage_bytes = stage_of(p.part);
-  if (p.stage_bytes > kGradStageBytes) return p;
-  p.stages = static_cast<int>(std::min<int64_t>(kGradMaxStages, kGradDataBytes / p.stage_bytes));
+  if (p.stage_bytes > grad_stage_bytes<BLOCKS>()) return p;
+  p.stages = static_cast<int>(std::min<int64_t>(kGradMaxStages, 2 * grad_stage_bytes<BLOCKS>() / p.stage_bytes));
   p.max_runs = static_cast<int>(ceil_div(p.part, int64_t{kGradRun}) + ceil_div(p.part, S / kVec) + 2);
   p.smem = p.stages * p.stage_bytes + 2 * cpg * sizeof(float) + p.max_runs * sizeof(float2) + p.stages * sizeof(uint64_t);
   p.clusters = resident_clusters(kernel, K, device, kSmemThreads, p.smem);
@@ -2390,12 +2382,25 @@ bool backward_smem(const GNShape& s, const scalar_t* x, const scalar_t* dy, scal
     return false;
   } else {
     constexpr int kVec = max_vec<scalar_t>();
-    if (s.channels_last || !vec || grad_twopass_only()) return false;
+    const int choice = grad_backward_choice();
+    if (s.channels_last || !vec || choice == 0) return false;
     const int64_t cpg = s.C / s.G;
     if (s.S % kVec != 0 || cpg > kSmemThreads) return false;
-    auto kernel = silu ? smem_grad_kernel<scalar_t, true> : smem_grad_kernel<scalar_t, false>;
-    const GradPlan p = plan_grad<scalar_t>(kernel, cpg, s.S, like.get_device());
+    const int device = like.get_device();
+    auto kernel = silu ? smem_grad_kernel<scalar_t, true, 2> : smem_grad_kernel<scalar_t, false, 2>;
+    GradPlan p = plan_grad<scalar_t, 2>(kernel, cpg, s.S, device);
     if (p.K == 0) return false;
+    // Three CTAs an SM (36 KB stages) where the cluster stays as small: (14, 512, 72, 128) 0.209 vs 0.243 ms
+    // (H200, bf16); where it doubles, the exchanges cost more than the extra CTAs give (0.302 vs 0.250 ms at
+    // (28, 320, 72, 128)).
+    if (choice == 3) {
+      auto kernel3 = silu ? smem_grad_kernel<scalar_t, true, 3> : smem_grad_kernel<scalar_t, false, 3>;
+      const GradPlan p3 = plan_grad<scalar_t, 3>(kernel3, cpg, s.S, device);
+      if (p3.K == p.K) {
+        p = p3;
+        kernel = kernel3;
+      }
+    }
     const int K = p.K;
 
     // The CTAs' per-channel sums and, for parameters of two dtypes, float grad_weight / grad_bias: one allocation.
