@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -101,16 +102,17 @@ def test_gradients_match_reference_low_precision(device):
                                            (None, torch.float32), ("x", None)])
 def test_backward_parameter_dtypes(device, wdtype, bdtype):
     # grad_weight / grad_bias come back in the parameters' dtypes (x's where absent): written straight by
-    # the reduce kernel when both share x's dtype or float32, converted otherwise.
-    for dtype in (torch.bfloat16, torch.float16):
+    # the reduce kernel when both share x's dtype or float32, converted otherwise. H * W = 30 takes the two-pass
+    # backward on CUDA, 8 * 16 the on-chip one (sm_90).
+    for dtype, (H, W) in itertools.product((torch.bfloat16, torch.float16), ((6, 5), (8, 16))):
         def param(pd, seed):
             if pd is None:
                 return None
             g = torch.Generator().manual_seed(seed)
             return torch.randn(8, generator=g).to(device, dtype if pd == "x" else pd).requires_grad_()
-        x = torch.randn(2, 8, 6, 5, device=device, dtype=dtype, requires_grad=True)
+        x = torch.randn(2, 8, H, W, device=device, dtype=dtype, requires_grad=True)
         w, b = param(wdtype, 1), param(bdtype, 2)
-        g = torch.randn(2, 8, 6, 5, device=device, dtype=dtype)
+        g = torch.randn(2, 8, H, W, device=device, dtype=dtype)
         inputs = [t for t in (x, w, b) if t is not None]
         grads = torch.autograd.grad(group_norm_silu(x, 4, w, b), inputs, g)
         ref_in = [t.detach().double().requires_grad_() for t in inputs]

@@ -2064,6 +2064,36 @@ int stats_cols_rows(const A& a, int vec, int device) {
   return rows;
 }
 
+// grad_weight / grad_bias in the parameters' dtypes (x's where absent), for both backward paths. The reduce kernel
+// (write(dw, db), pointers of x's dtype or acc_t) writes them straight when both share one of those; otherwise it
+// writes acc_t sums into the scratch() elements the caller reserves in its workspace, converted afterwards.
+template <typename scalar_t, typename acc_t>
+struct ParamGrads {
+  at::ScalarType wdtype, bdtype;
+  bool direct_x() const { return wdtype == bdtype && wdtype == c10::CppTypeToScalarType<scalar_t>::value; }
+  bool direct_acc() const {
+    return wdtype == bdtype && wdtype == c10::CppTypeToScalarType<acc_t>::value && !direct_x();
+  }
+  int64_t scratch(int64_t C) const { return direct_x() || direct_acc() ? 0 : 2 * C; }
+  // ws: the caller's acc_t workspace, its scratch at element off.
+  template <typename Write>
+  void run(const at::Tensor& ws, int64_t off, int64_t C, Write&& write, at::Tensor& dw, at::Tensor& db) const {
+    if (direct_x() || direct_acc()) {
+      dw = at::empty({C}, ws.options().dtype(wdtype));
+      db = at::empty({C}, ws.options().dtype(bdtype));
+      if (direct_x()) write(dw.mutable_data_ptr<scalar_t>(), db.mutable_data_ptr<scalar_t>());
+      else write(dw.mutable_data_ptr<acc_t>(), db.mutable_data_ptr<acc_t>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    } else {
+      acc_t* p = ws.mutable_data_ptr<acc_t>() + off;
+      write(p, p + C);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      dw = ws.narrow(0, off, C).to(wdtype, false, /*copy=*/true);
+      db = ws.narrow(0, off + C, C).to(bdtype, false, /*copy=*/true);
+    }
+  }
+};
+
 template <typename scalar_t>
 struct Launcher {
   using acc_t = at::opmath_type<scalar_t>;
@@ -2403,12 +2433,10 @@ bool backward_smem(const GNShape& s, const scalar_t* x, const scalar_t* dy, scal
     }
     const int K = p.K;
 
-    // The CTAs' per-channel sums and, for parameters of two dtypes, float grad_weight / grad_bias: one allocation.
-    const auto acc = at::kFloat;
-    const bool direct_x = wdtype == bdtype && wdtype == like.scalar_type();
-    const bool direct_acc = wdtype == bdtype && wdtype == acc && !direct_x;
-    const int64_t n_sums = s.N * s.G * K * cpg * 2, n_dwb = direct_x || direct_acc ? 0 : 2 * s.C;
-    at::Tensor ws = at::empty({n_sums + n_dwb}, like.options().dtype(acc));
+    // The CTAs' per-channel sums and grad_weight / grad_bias's scratch: one allocation.
+    const ParamGrads<scalar_t, float> pg{wdtype, bdtype};
+    const int64_t n_sums = s.N * s.G * K * cpg * 2;
+    at::Tensor ws = at::empty({n_sums + pg.scratch(s.C)}, like.options().dtype(at::kFloat));
     SmemGradArgs<scalar_t> a{};
     a.f = fused_args(s, 1, x, dx, w, b, eps, silu, kSmemThreads, K, p.part);
     a.dy = dy;
@@ -2421,25 +2449,10 @@ bool backward_smem(const GNShape& s, const scalar_t* x, const scalar_t* dy, scal
     launch_clusters(kernel, a, std::min<int64_t>(a.groups, p.clusters), K, kSmemThreads, p.smem, stream);
 
     const unsigned blocks = grid_of(ceil_div(s.C, int64_t{kWarps}), kOp);
-    auto params = [&](auto* dwp, auto* dbp) {
+    pg.run(ws, n_sums, s.C, [&](auto* dwp, auto* dbp) {
       using out_t = std::remove_pointer_t<decltype(dwp)>;
       grad_params_kernel<out_t><<<blocks, kThreads, 0, stream>>>(a.sums, s.N, s.G, K, static_cast<int>(cpg), dwp, dbp);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    };
-    if (direct_x) {
-      dw = at::empty({s.C}, like.options());
-      db = at::empty({s.C}, like.options());
-      params(dw.mutable_data_ptr<scalar_t>(), db.mutable_data_ptr<scalar_t>());
-    } else if (direct_acc) {
-      dw = at::empty({s.C}, like.options().dtype(acc));
-      db = at::empty({s.C}, like.options().dtype(acc));
-      params(dw.mutable_data_ptr<float>(), db.mutable_data_ptr<float>());
-    } else {  // mixed parameter dtypes: float sums in the workspace, then one conversion each
-      float* dwp = ws.mutable_data_ptr<float>() + n_sums;
-      params(dwp, dwp + s.C);
-      dw = ws.narrow(0, n_sums, s.C).to(wdtype, false, /*copy=*/true);
-      db = ws.narrow(0, n_sums + s.C, s.C).to(bdtype, false, /*copy=*/true);
-    }
+    }, dw, db);
     return true;
   }
 }
@@ -2645,12 +2658,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_silu_backward_cuda(
     const int v = vec ? L::kVec : 1;
     plan(a, v, a.S, s.channels_last);
     const int64_t n_part = s.N * s.C * a.F * a.P * 2, n_sums = s.N * s.C * 2;
-    // dw / db in the parameters' dtype straight from the reduce kernel when both share x's dtype or float.
-    const auto acc_type = c10::CppTypeToScalarType<acc_t>::value;
-    const bool direct_x = wdtype == bdtype && wdtype == x.scalar_type();
-    const bool direct_acc = wdtype == bdtype && wdtype == acc_type && !direct_x;
-    const int64_t n_dwb = direct_x || direct_acc ? 0 : 2 * s.C;
-    at::Tensor ws = at::empty({n_part + n_sums + 2 * NG + n_dwb}, x.options().dtype(acc_type));
+    const ParamGrads<scalar_t, acc_t> pg{wdtype, bdtype};
+    at::Tensor ws = at::empty({n_part + n_sums + 2 * NG + pg.scratch(s.C)},
+                              x.options().dtype(c10::CppTypeToScalarType<acc_t>::value));
     acc_t* wp = ws.mutable_data_ptr<acc_t>();
     auto* pp = reinterpret_cast<Sum2<acc_t>*>(wp);
     auto* sp = reinterpret_cast<Sum2<acc_t>*>(wp + n_part);
@@ -2669,23 +2679,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_silu_backward_cuda(
         pp, s.N * s.C, s.C, a.F, a.P, sp);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     const unsigned reduce_blocks = grid_of(ceil_div(NG + s.C, kThreads), kOp);
-    if (direct_x) {
-      dw = at::empty({s.C}, x.options());
-      db = at::empty({s.C}, x.options());
-      grad_reduce_kernel<scalar_t, acc_t, scalar_t><<<reduce_blocks, kThreads, 0, stream>>>(
-          a, sp, m1, m2, dw.mutable_data_ptr<scalar_t>(), db.mutable_data_ptr<scalar_t>());
-    } else if (direct_acc) {
-      dw = at::empty({s.C}, x.options().dtype(acc_type));
-      db = at::empty({s.C}, x.options().dtype(acc_type));
-      grad_reduce_kernel<scalar_t, acc_t, acc_t><<<reduce_blocks, kThreads, 0, stream>>>(
-          a, sp, m1, m2, dw.mutable_data_ptr<acc_t>(), db.mutable_data_ptr<acc_t>());
-    } else {  // mixed parameter dtypes: float sums in the workspace, then one conversion each
-      acc_t* dwp = m2 + NG;
-      grad_reduce_kernel<scalar_t, acc_t, acc_t><<<reduce_blocks, kThreads, 0, stream>>>(a, sp, m1, m2, dwp, dwp + s.C);
-      dw = ws.narrow(0, n_part + n_sums + 2 * NG, s.C).to(wdtype, false, /*copy=*/true);
-      db = ws.narrow(0, n_part + n_sums + 2 * NG + s.C, s.C).to(bdtype, false, /*copy=*/true);
-    }
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    pg.run(ws, n_part + n_sums + 2 * NG, s.C, [&](auto* dwp, auto* dbp) {
+      using out_t = std::remove_pointer_t<decltype(dwp)>;
+      grad_reduce_kernel<scalar_t, acc_t, out_t><<<reduce_blocks, kThreads, 0, stream>>>(a, sp, m1, m2, dwp, dbp);
+    }, dw, db);
     a.m1 = m1;
     a.m2 = m2;
 
