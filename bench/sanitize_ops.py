@@ -60,6 +60,14 @@ def main():
                 _grad(lambda q, k, v: torch.ops.vd.strided_attention(q, k, v, 3, None), q, k, v)
                 qt = torch.randn(B, Lq, H, D, device=dev, dtype=dtype).transpose(1, 2)
                 torch.ops.vd.fused_attention(qt, k, v, None, None)
+            if dtype == torch.bfloat16:  # the copy-engine short kernel over several problems a warp (both tile
+                # heights, queries and keys in different tiles), and the cp.async kernel it replaces there
+                for B, H, Lq, Lk, D in [(300, 7, 25, 25, 64), (700, 3, 14, 14, 64), (90, 5, 14, 25, 56)]:
+                    q = torch.randn(B, H, Lq, D, device=dev, dtype=dtype)
+                    k, v = (torch.randn(B, H, Lk, D, device=dev, dtype=dtype) for _ in range(2))
+                    torch.ops.vd.fused_attention(q, k, v, None, None)
+                    with env_var("VD_ATTENTION_SHORT", "cpasync"):
+                        torch.ops.vd.fused_attention(q, k, v, None, None)
             if dtype == torch.float32:  # the fp32 FMA short kernel: head_dim % 8 == 4, a last key group of one key
                 q, k, v = (torch.randn(300, 3, n, 36, device=dev, dtype=dtype) for n in (29, 17, 17))
                 torch.ops.vd.fused_attention(q, k, v, torch.rand(29, 17, device=dev) > 0.3, None)

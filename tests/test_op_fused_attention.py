@@ -500,25 +500,38 @@ def check_cuda_against_reference(q, k, v, mask, dtype):
 needs_cuda = pytest.mark.skipif(not _CUDA, reason="vd::fused_attention has no CUDA kernel in this build, or no GPU")
 
 
-# The short-sequence CUDA kernel (fp16/bf16, q_len and kv_len <= 32, head_dim <= 128, multiple of 8):
+# The short-sequence CUDA kernels (fp16/bf16, q_len and kv_len <= 32, head_dim <= 128, multiple of 8):
 # both tile heights, padded head dims, the projections' strided views, masks, and more (b, h)
-# problems than the persistent grid has warps.
+# problems than the persistent grid has warps. On Hopper, unmasked problems at head_dim <= 64 take the
+# copy-engine kernel unless VD_ATTENTION_SHORT=cpasync pins the cp.async one; each case checks which ran.
 @needs_cuda
+@pytest.mark.parametrize("kernel", ["default", "cpasync"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("shape,layout,mask_kind", [
     ((1152, 20, 14, 14, 64), "bnhd", None),      # SVD temporal attention: 23040 problems
     ((64, 5, 14, 14, 64), "contiguous", "bool"),
     ((8, 4, 25, 25, 40), "bnhd", None),          # SVD-XT frames, AnimateDiff head_dim 40
+    ((300, 7, 25, 25, 64), "contiguous", None),  # SVD-XT: 2100 problems, several a warp
     ((4, 3, 16, 17, 128), "packed_kv", "float"),  # crosses the 16-row tile
     ((4, 3, 32, 32, 128), "contiguous", "float32"),
     ((3, 2, 1, 32, 8), "contiguous", None),
     ((3, 2, 32, 1, 96), "bnhd", None),
+    ((5, 3, 14, 25, 64), "packed_kv", None),     # q in the 16-row tile, keys past it
+    ((5, 3, 25, 9, 16), "bnhd", None),
+    ((7, 2, 32, 32, 64), "contiguous", None),
+    ((9, 2, 16, 16, 56), "packed_kv", None),
+    ((3, 2, 20, 9, 64), "d_strided", None),      # non-unit head_dim stride: copies first
 ])
-def test_short_kernel_cuda_matches_reference(dtype, shape, layout, mask_kind):
+def test_short_kernel_cuda_matches_reference(kernel, dtype, shape, layout, mask_kind, monkeypatch):
+    set_env(monkeypatch, "VD_ATTENTION_SHORT", "cpasync" if kernel == "cpasync" else None)
     B, H, Lq, Lk, D = shape
     gen = torch.Generator(device="cuda").manual_seed(sum(shape))
     q, k, v = make_qkv(B, H, Lq, Lk, D, dtype, layout, "cuda", gen)
     mask = make_mask(mask_kind, (B, H, Lq, Lk), [True, False, True, True], 0, dtype, "cuda", gen)
+    tma = kernel == "default" and mask is None and D <= 64 and torch.cuda.get_device_capability() == (9, 0)
+    expected = "attn_fwd_short_tma_kernel" if tma else "attn_fwd_short_kernel"
+    names = cuda_kernels_run(lambda: OP(q, k, v, mask))
+    assert any(expected + "<" in n for n in names), sorted(set(names))
     check_cuda_against_reference(q, k, v, mask, dtype)
 
 

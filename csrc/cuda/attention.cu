@@ -1124,6 +1124,215 @@ __global__ void __launch_bounds__(ShortTile<LP, DP>::warps * 32)
 }
 
 // ---------------------------------------------------------------------------------------------
+// Forward, short problems on Hopper (sm_90a): fp16 / bf16, q_len and kv_len <= 32, head_dim <= 64, no mask.
+// The cp.async kernel above spends ~1850 warp instructions on a 25-frame problem (loads and stores a
+// 16-byte chunk a lane at a time, with their index arithmetic and predicates) and is issue-bound there
+// (bench/notes/attention.md, version 14). Here the copy engine moves whole problems: one lane issues a
+// 4-D box of Q, K and V each (64 dims x LP rows, 128-byte swizzle, rows past the length read as zeros)
+// into one of the warp's two stages, completing on the stage's barrier, and stores O with one box from
+// the warp's own staging slot (rows past q_len are not written). Each warp runs its own pipeline (no
+// block barriers): the next problem loads while this one is computed as in the kernel above.
+// LP: q_len and kv_len padded to 16 or 32. Per warp: two stages of Q, K and V slots and an O slot, each LP
+// rows of 128 bytes starting on a 1024-byte boundary, so the copy engine's 128-byte swizzle puts 16-byte
+// chunk c of row r at c ^ (r % 8). Two stages at 8 (LP 32) or 16 (LP 16) warps an SM measured fastest
+// (bench/notes/attention.md, version 14: three or four stages with fewer warps, nine or ten warps with O
+// staged in Q's slot or slots of exactly q_len / kv_len rows were all slower).
+template <int LP>
+struct ShortTmaTile {
+  static constexpr int slot = LP * 128;                  // LP rows of 64 16-bit dims
+  static constexpr int warp_bytes = 7 * slot;            // Q, K, V of two stages; O
+  static constexpr int warps = std::min(16, 224 * 1024 / warp_bytes);  // one CTA an SM
+  static constexpr size_t smem_bytes = static_cast<size_t>(warps) * warp_bytes + 1024 + warps * 16;
+};
+
+template <typename scalar_t, int LP>
+__global__ void __launch_bounds__(ShortTmaTile<LP>::warps * 32, 1)
+    attn_fwd_short_tma_kernel(const AttnArgs<scalar_t, float> a, const __grid_constant__ CUtensorMap tq,
+                              const __grid_constant__ CUtensorMap tk, const __grid_constant__ CUtensorMap tv,
+                              const __grid_constant__ CUtensorMap to) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using T = ShortTmaTile<LP>;
+  constexpr int MT = LP / 16, NT = LP / 8, SLOT = T::slot;
+  using MT_ = MmaTraits<scalar_t>;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane >> 2, tig = lane & 3;
+  const int H = static_cast<int>(a.H), Lq = static_cast<int>(a.Lq), Lk = static_cast<int>(a.Lk);
+  const int P = static_cast<int>(a.B * a.H);  // the host keeps B * H below INT_MAX / 2
+
+  const uint32_t base = (smem_addr(dyn_smem()) + 1023u) & ~1023u;
+  const uint32_t wbase = base + warp * T::warp_bytes, sO = wbase + 6 * SLOT;
+  const uint32_t bar = base + T::warps * T::warp_bytes + warp * 16;
+  if (lane == 0) {
+    for (int st = 0; st < 2; ++st) wgmma::mbar_init(bar + 8 * st, 1);
+    wgmma::mbar_init_fence();
+  }
+  __syncwarp();
+
+  const int step = gridDim.x * T::warps;
+  auto issue = [&](int st, int b, int h) {  // lane 0: Q, K and V of problem (b, h) into stage st
+    const uint32_t q = wbase + st * 3 * SLOT, full = bar + 8 * st;
+    wgmma::mbar_expect_tx(full, 3 * SLOT);
+    wgmma::tma_load_4d(q, &tq, full, 0, 0, h, b);
+    wgmma::tma_load_4d(q + SLOT, &tk, full, 0, 0, h, b);
+    wgmma::tma_load_4d(q + 2 * SLOT, &tv, full, 0, 0, h, b);
+  };
+
+  // ldmatrix rows of a lane: Q and V rows 16 t + 8 mid + lane % 8, K rows 16 t + 8 hi + lane % 8; each is
+  // lane % 8 modulo 8, which is its swizzle key.
+  const int r7 = lane & 7, hi = lane >> 4, mid = (lane >> 3) & 1;
+  const uint32_t a_row = (8 * mid + r7) * 128, b_row = (8 * hi + r7) * 128;
+  auto at = [&](uint32_t row_addr, int chunk) { return row_addr + ((chunk ^ r7) << 4); };
+  // Scale, and -inf for keys past kv_len (zeros on chip), in one fma.
+  const float sl2 = a.scale * kLog2e;
+  float kbias[NT][2];
+#pragma unroll
+  for (int j = 0; j < NT; ++j)
+#pragma unroll
+    for (int c = 0; c < 2; ++c) kbias[j][c] = j * 8 + 2 * tig + c < Lk ? 0.f : neg_inf<float>();
+
+  // (b, h) of this problem and of the next: steps of `step` problems without a division.
+  int p = blockIdx.x * T::warps + warp;
+  int b = p / H, h = p - b * H;
+  const int step_b = step / H, step_h = step - step_b * H;
+  auto advance = [&](int& pb, int& ph) {
+    pb += step_b;
+    ph += step_h;
+    if (ph >= H) ph -= H, ++pb;
+  };
+  if (lane == 0 && p < P) issue(0, b, h);
+#pragma unroll 1
+  for (int it = 0; p < P; ++it, p += step) {
+    const int st = it & 1;
+    int nb = b, nh = h;
+    advance(nb, nh);
+    if (lane == 0 && p + step < P) issue(st ^ 1, nb, nh);  // that stage's reads ended last iteration
+    wgmma::mbar_wait(bar + 8 * st, (it >> 1) & 1);
+    const uint32_t sQ = wbase + st * 3 * SLOT, sK = sQ + SLOT, sV = sK + SLOT;
+
+    // S = Q K^T for every 16-row tile (rows past q_len are zeros; their output is never stored).
+    float s[MT][NT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int j = 0; j < NT; ++j) s[mt][j][0] = s[mt][j][1] = s[mt][j][2] = s[mt][j][3] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+      unsigned af[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(af[mt][0]), "=r"(af[mt][1]), "=r"(af[mt][2]), "=r"(af[mt][3])
+                     : "r"(at(sQ + mt * 16 * 128 + a_row, 2 * ks + hi)));
+#pragma unroll
+      for (int j = 0; j < NT; j += 2) {
+        unsigned bf[4];
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(bf[0]), "=r"(bf[1]), "=r"(bf[2]), "=r"(bf[3])
+                     : "r"(at(sK + j * 8 * 128 + b_row, 2 * ks + mid)));
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          MT_::mma(s[mt][j], af[mt], bf[0], bf[1]);
+          MT_::mma(s[mt][j + 1], af[mt], bf[2], bf[3]);
+        }
+      }
+    }
+
+    // A plain softmax a row (every key is on chip), in log2 units.
+    float mx[MT][2], l[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      mx[mt][0] = mx[mt][1] = neg_inf<float>();
+#pragma unroll
+      for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          s[mt][j][e] = fmaf(s[mt][j][e], sl2, kbias[j][e & 1]);
+          mx[mt][e >> 1] = fmaxf(mx[mt][e >> 1], s[mt][j][e]);
+        }
+#pragma unroll
+      for (int rr = 0; rr < 2; ++rr) {
+        mx[mt][rr] = fmaxf(mx[mt][rr], __shfl_xor_sync(kFullMask, mx[mt][rr], 1));
+        mx[mt][rr] = fmaxf(mx[mt][rr], __shfl_xor_sync(kFullMask, mx[mt][rr], 2));
+      }
+      l[mt][0] = l[mt][1] = 0.f;
+#pragma unroll
+      for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float m = mx[mt][e >> 1];
+          s[mt][j][e] = ex2_approx(s[mt][j][e] - (m == neg_inf<float>() ? 0.f : m));
+          l[mt][e >> 1] += s[mt][j][e];
+        }
+#pragma unroll
+      for (int rr = 0; rr < 2; ++rr) {
+        l[mt][rr] += __shfl_xor_sync(kFullMask, l[mt][rr], 1);
+        l[mt][rr] += __shfl_xor_sync(kFullMask, l[mt][rr], 2);
+      }
+    }
+
+    // O = P V: the S accumulators of key tiles 2kk, 2kk + 1 are the A fragment of k-step kk.
+    float o[MT][8][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int j = 0; j < 8; ++j) o[mt][j][0] = o[mt][j][1] = o[mt][j][2] = o[mt][j][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < LP / 16; ++kk) {
+      unsigned pa[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        pa[mt][0] = MT_::pack(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+        pa[mt][1] = MT_::pack(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+        pa[mt][2] = MT_::pack(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+        pa[mt][3] = MT_::pack(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+      }
+#pragma unroll
+      for (int j = 0; j < 8; j += 2) {
+        unsigned vb[4];
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(vb[0]), "=r"(vb[1]), "=r"(vb[2]), "=r"(vb[3])
+                     : "r"(at(sV + kk * 16 * 128 + a_row, j + hi)));
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          MT_::mma(o[mt][j], pa[mt], vb[0], vb[1]);
+          MT_::mma(o[mt][j + 1], pa[mt], vb[2], vb[3]);
+        }
+      }
+    }
+
+    if (lane == 0) wgmma::bulk_wait_read();  // the last problem's O store has read the staging slot
+    __syncwarp();
+    // Normalised rows into the staging slot (its rows past q_len are never stored); row % 8 = g.
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int rr = 0; rr < 2; ++rr) {
+        const int row = mt * 16 + g + rr * 8;
+        float inv;  // l >= 1 (the row's largest term is 1) unless the row is empty
+        asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(inv) : "f"(l[mt][rr]));
+        inv = l[mt][rr] > 0.f ? inv : 0.f;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const unsigned v = MT_::pack(o[mt][j][2 * rr] * inv, o[mt][j][2 * rr + 1] * inv);
+          asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sO + row * 128 + ((j ^ g) << 4) + tig * 4), "r"(v) : "memory");
+        }
+        if (tig == 0 && row < Lq)
+          a.lse_out[static_cast<int64_t>(p) * Lq + row] =
+              l[mt][rr] > 0.f ? (mx[mt][rr] + log2f(l[mt][rr])) * kLn2 : neg_inf<float>();
+      }
+    wgmma::fence_proxy_async();  // the staging writes, visible to the copy engine
+    __syncwarp();
+    if (lane == 0) {
+      wgmma::tma_store_4d(&to, sO, 0, 0, h, b);
+      wgmma::bulk_commit();
+    }
+    b = nb, h = nh;
+  }
+  if (lane == 0) wgmma::bulk_wait();
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------
 // Forward, fp32 on tensor cores (compute capability 8.0+; head_dim <= 128 and % 4 == 0): 3xTF32.
 // Each fp32 operand x is split into a TF32 head and tail, hi = tf32(x) and lo = tf32(x - hi), and a
 // product is lo*hi + hi*lo + hi*hi (lo*lo lies below fp32 rounding): fp32-level accuracy at a third
@@ -3345,6 +3554,45 @@ void dispatch_short(int64_t Lq, int64_t Lk, int64_t D, F&& f) {
   else f(std::integral_constant<int, 32>{}, std::integral_constant<int, 128>{});
 }
 
+// Which kernel serves fp16 / bf16 short problems on Hopper: the copy-engine one, or with
+// VD_ATTENTION_SHORT=cpasync the cp.async one (benchmarks compare the two in one process); read on every call.
+bool short_tma_allowed() {
+  const char* e = std::getenv("VD_ATTENTION_SHORT");
+  return e == nullptr || std::string(e) != "cpasync";
+}
+
+// The copy-engine short kernel (sm_90a): head_dim <= 64, no mask, B * H well within int (the kernel
+// steps its problem index in int). Returns false where the cp.async kernel is used instead.
+template <typename scalar_t>
+bool short_tma_forward(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                       const at::Tensor& mask, const AttnArgs<scalar_t, float>& a, at::Tensor& out, cudaStream_t stream) {
+#if defined(VD_SM90A)
+  const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), Lk = k.size(2), D = q.size(3);
+  if (mask.defined() || D > 64 || B * H > std::numeric_limits<int>::max() / 2 || !short_tma_allowed() ||
+      !device_is_sm90a()) {
+    return false;
+  }
+  auto run = [&](auto tile, auto kernel) {
+    using T = decltype(tile);
+    constexpr int LP = T::slot / 128;
+    CUtensorMap tq, tk, tv, to;
+    if (!make_tensor_map(&tq, q, LP) || !make_tensor_map(&tk, k, LP) || !make_tensor_map(&tv, v, LP) ||
+        !make_tensor_map(&to, out, LP)) {
+      return false;
+    }
+    set_smem(kernel, T::smem_bytes, op);
+    const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(sm_count(), ceil_div(B * H, T::warps)));
+    kernel<<<blocks, T::warps * 32, T::smem_bytes, stream>>>(a, tq, tk, tv, to);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return true;
+  };
+  if (Lq <= 16 && Lk <= 16) return run(ShortTmaTile<16>{}, attn_fwd_short_tma_kernel<scalar_t, 16>);
+  return run(ShortTmaTile<32>{}, attn_fwd_short_tma_kernel<scalar_t, 32>);
+#else
+  return false;
+#endif
+}
+
 // The short-sequence tensor-core kernel: fp16 / bf16, q_len and kv_len <= 32, head_dim <= 128 and a
 // multiple of 8. Returns false where another kernel is used.
 template <typename scalar_t>
@@ -3360,6 +3608,7 @@ bool short_forward(const char* op, const at::Tensor& q, const at::Tensor& k, con
     a.out = out.mutable_data_ptr<scalar_t>();
     a.lse_out = lse.mutable_data_ptr<float>();
     const int64_t P = B * H;
+    if (short_tma_forward<scalar_t>(op, q2, k2, v2, mask, a, out, stream)) return true;
     dispatch_short(Lq, Lk, D, [&](auto lp, auto dp) {
       constexpr int LP = decltype(lp)::value, DP = decltype(dp)::value;
       launch_persistent<ShortTile<LP, DP>>(attn_fwd_short_kernel<scalar_t, LP, DP>, a, P, op, stream);
