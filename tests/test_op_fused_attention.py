@@ -536,6 +536,25 @@ def test_short_kernel_cuda_matches_reference(kernel, dtype, shape, layout, mask_
 
 
 @needs_cuda
+@pytest.mark.parametrize("kernel", ["default", "cpasync"])
+@pytest.mark.parametrize("L", [14, 25])
+def test_short_kernels_cuda_propagate_nan(kernel, L, monkeypatch):
+    # A NaN in one query row makes that row's output and lse NaN (the lse was -inf before: an empty row's
+    # value) and leaves every other row as without it.
+    set_env(monkeypatch, "VD_ATTENTION_SHORT", "cpasync" if kernel == "cpasync" else None)
+    gen = torch.Generator(device="cuda").manual_seed(L)
+    q, k, v = make_qkv(40, 3, L, L, 64, torch.bfloat16, "contiguous", "cuda", gen)
+    clean_out, clean_lse = OP(q, k, v)
+    q[7, 1, 5, 3] = float("nan")
+    out, lse = OP(q, k, v)
+    bad = torch.zeros_like(lse, dtype=torch.bool)
+    bad[7, 1, 5] = True
+    assert lse[bad].isnan().all() and out[7, 1, 5].isnan().all()
+    torch.testing.assert_close(lse[~bad], clean_lse[~bad], atol=0, rtol=0)
+    torch.testing.assert_close(out[~bad], clean_out[~bad], atol=0, rtol=0)
+
+
+@needs_cuda
 @pytest.mark.parametrize("dtype,L,gib,tol", [(torch.bfloat16, 14, 24, 2e-2), (torch.float32, 14, 44, 1e-5),
                                               (torch.float32, 25, 44, 1e-5),
                                               (torch.bfloat16, 64, 24, 2e-2), (torch.float32, 64, 44, 1e-5)])

@@ -1107,7 +1107,7 @@ __global__ void __launch_bounds__(ShortTile<LP, DP>::warps * 32)
             *reinterpret_cast<unsigned*>(Qs + row * LDS + d) = MT_::pack(o[j][2 * rr] * inv, o[j][2 * rr + 1] * inv);
         }
         if (tig == 0)
-          a.lse_out[p * Lq + row] = l[rr] > 0.f ? (mx[rr] + log2f(l[rr])) * kLn2 : neg_inf<float>();
+          a.lse_out[p * Lq + row] = l[rr] == 0.f ? neg_inf<float>() : (mx[rr] + log2f(l[rr])) * kLn2;  // NaN stays
       }
     }
     __syncwarp();
@@ -1318,7 +1318,7 @@ __global__ void __launch_bounds__(ShortTmaTile<LP>::warps * 32, 1)
         }
         if (tig == 0 && row < Lq)
           a.lse_out[static_cast<int64_t>(p) * Lq + row] =
-              l[mt][rr] > 0.f ? (mx[mt][rr] + log2f(l[mt][rr])) * kLn2 : neg_inf<float>();
+              l[mt][rr] == 0.f ? neg_inf<float>() : (mx[mt][rr] + log2f(l[mt][rr])) * kLn2;  // NaN stays
       }
     wgmma::fence_proxy_async();  // the staging writes, visible to the copy engine
     __syncwarp();
