@@ -52,8 +52,9 @@ def _row(name, eager_ms, inductor_ms, ours_ms, work, unit, ceiling):
 # "smem" (version 6), "l2" (version 4; version 5 for channels_last), "onchip" (version 3) and "twopass"
 # (version 1), each where it applies.
 GN_VARIANTS = ("smem", "l2", "onchip", "twopass")
-# The backward's (VD_GROUP_NORM_BACKWARD): version 1's kernels alone.
-GN_BWD_VARIANTS = ("twopass",)
+# The backward's variants beside the default, each an environment setting the op reads on every call.
+GN_BWD_VARIANTS = {"twopass": ("VD_GROUP_NORM_BACKWARD", "twopass"),        # version 1
+                   "recompute": ("VD_GROUP_NORM_BACKWARD_DZ", "recompute")}  # version 7 evaluating dz twice
 
 
 def bench_group_norm_silu(dtype, dev, ceil, variants=False):
@@ -157,7 +158,7 @@ def bench_group_norm_silu_backward(dtype, dev, ceil, variants=False):
                 if key == "ours":
                     times["ours_device"] = device_time_per_call(bwd)
                     for v in GN_BWD_VARIANTS if variants else ():
-                        with env_var("VD_GROUP_NORM_BACKWARD", v):
+                        with env_var(*GN_BWD_VARIANTS[v]):
                             times[f"{v}_device"] = device_time_per_call(bwd)
                             times[v] = time_cuda(bwd)
                 del y

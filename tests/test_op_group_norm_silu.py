@@ -441,14 +441,17 @@ def backward_on_chip(shape, groups, dtype):
 
 @pytest.mark.parametrize("device", CUDA)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("variant", ["", "smem2"])
+@pytest.mark.parametrize("variant", ["", "smem2", "recompute"])
 def test_backward_on_chip(device, dtype, variant, monkeypatch):
     # dx, grad_weight, grad_bias against the float64 reference, with and without SiLU and affine, as chosen
-    # (three CTAs an SM where the cluster need not grow, e.g. (1, 512, 72, 128)) and pinned to two CTAs an SM;
+    # (three CTAs an SM where the cluster need not grow, e.g. (1, 512, 72, 128); dz kept from the sums' pass),
+    # pinned to two CTAs an SM, and with dz evaluated again for dx (VD_GROUP_NORM_BACKWARD_DZ=recompute);
     # pins which kernel serves each case, and that VD_GROUP_NORM_BACKWARD=twopass keeps version 1.
     if torch.cuda.get_device_capability(device)[0] < 9:
         pytest.skip("version 7 needs the bulk copy engine and clusters (sm_90+)")
-    if variant:
+    if variant == "recompute":
+        monkeypatch.setenv("VD_GROUP_NORM_BACKWARD_DZ", variant)
+    elif variant:
         monkeypatch.setenv("VD_GROUP_NORM_BACKWARD", variant)
     torch.manual_seed(0)
     for shape, groups in BACKWARD_ON_CHIP_CASES:

@@ -1540,7 +1540,7 @@ __global__ void __launch_bounds__(kSmemThreads, 2) smem_rows_kernel(const SmemAr
 //      run's sums to shared memory, then a thread a channel adds its runs in order (no atomics: the same
 //      bits every call). That thread writes the CTA's sums to the workspace (grad_weight / grad_bias) and
 //      its share of m1 = mean(dz * gamma) and m2 = mean(dz * gamma * xhat); a second exchange gives every
-//      CTA the group's;
+//      CTA the group's. With SiLU it also writes dz over dy in the stage (grad_keep_dz);
 //   3. dx = rstd * (dz * gamma - m1 - xhat * m2), 16-byte stores.
 // grad_params_kernel then adds the CTAs' sums over samples and ranks (fixed order). Two CTAs an SM with stages of
 // up to 48 KB, or three with up to 36 KB where that keeps the cluster as small (backward_smem).
@@ -1564,6 +1564,7 @@ struct SmemGradArgs {
   int stage_bytes;        // the stride between stages: x's part, then dy's at dy_off (multiples of 128)
   int dy_off;
   int max_runs;
+  bool keep_dz;           // SiLU: the sums' pass writes dz over dy in the stage; the dx pass reads it back
 };
 
 // A 16-byte store as one instruction (the compiler split a plain uint4 store into four 4-byte ones here).
@@ -1666,7 +1667,7 @@ __global__ void __launch_bounds__(kSmemThreads, BLOCKS) smem_grad_kernel(const S
     const int64_t g = ng % a.G;
     const int64_t base = (ng / a.G) * a.nstride + g * a.seg + static_cast<int64_t>(v0) * VEC;
     const uint4* xb = reinterpret_cast<const uint4*>(smem + static_cast<size_t>(stage) * sa.stage_bytes);
-    const uint4* db = reinterpret_cast<const uint4*>(smem + static_cast<size_t>(stage) * sa.stage_bytes + sa.dy_off);
+    uint4* db = reinterpret_cast<uint4*>(smem + static_cast<size_t>(stage) * sa.stage_bytes + sa.dy_off);
     // This group's gamma and beta, a thread a channel (the statistics' block barrier orders the writes before
     // every read). Loading them an iteration ahead measured 1 % slower on all four UNet / VAE shapes.
     if (tid < a.cpg) {
@@ -1689,12 +1690,19 @@ __global__ void __launch_bounds__(kSmemThreads, BLOCKS) smem_grad_kernel(const S
       for (int v = 0; v < 2; ++v, k += 32) {
         if (v < run_v && k < hi) {
           const uint4 xr = xb[k], dr = db[k];
+          float dz[VEC];
 #pragma unroll
           for (int e = 0; e < VEC; ++e) {
             const float xd = elt_to_float<scalar_t>(xr, e) - pivot0;
-            const float dz = dz_of(elt_to_float<scalar_t>(dr, e), fmaf(xd, sc, bd));
-            sdz += dz;
-            sdzx = fmaf(dz, xd, sdzx);
+            dz[e] = dz_of(elt_to_float<scalar_t>(dr, e), fmaf(xd, sc, bd));
+            sdz += dz[e];
+            sdzx = fmaf(dz[e], xd, sdzx);
+          }
+          if (SILU && sa.keep_dz) {  // dz in x's dtype, as eager's silu backward hands it on
+            uint4 o;
+#pragma unroll
+            for (int e = 0; e < VEC; e += 2) store_pair<scalar_t>(o, e / 2, dz[e], dz[e + 1]);
+            db[k] = o;
           }
         }
       }
@@ -1749,7 +1757,8 @@ __global__ void __launch_bounds__(kSmemThreads, BLOCKS) smem_grad_kernel(const S
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const float xd = elt_to_float<scalar_t>(xr, e + h) - pivot0;
-          const float dz = dz_of(elt_to_float<scalar_t>(dr, e + h), fmaf(xd, sc, bd));
+          const float dz = SILU && sa.keep_dz ? elt_to_float<scalar_t>(dr, e + h)
+                                              : dz_of(elt_to_float<scalar_t>(dr, e + h), fmaf(xd, sc, bd));
           d[h] = fmaf(dz, sc, fmaf(xd, D, Bd));
         }
         store_pair<scalar_t>(o, e / 2, d[0], d[1]);
@@ -1771,6 +1780,7 @@ __global__ void __launch_bounds__(kSmemThreads, BLOCKS) smem_grad_kernel(const S
         p.advance(a);
       }
     }
+    if (SILU && sa.keep_dz) wgmma::fence_proxy_async();  // dz's stores before the copy engine refills the stage
     ring.release(it, stages, issue);
   }
   cluster_arrive();  // no CTA leaves while another's sends to it may be in flight
@@ -2375,6 +2385,14 @@ int grad_backward_choice() {
   return v == "twopass" ? 0 : v == "smem2" ? 2 : 3;
 }
 
+// Whether version 7 keeps dz = dy * silu'(z) from its sums' pass for dx (in x's dtype, as eager's SiLU backward
+// hands it to the norm's: 13-18 % faster on the UNet / VAE shapes) or, with VD_GROUP_NORM_BACKWARD_DZ=recompute,
+// evaluates it again in float (half the dx rounding error); read on every call.
+bool grad_keep_dz() {
+  const char* e = std::getenv("VD_GROUP_NORM_BACKWARD_DZ");
+  return e == nullptr || std::string(e) != "recompute";
+}
+
 // Version 7's launch plan at BLOCKS CTAs an SM: the smallest cluster (up to 16) whose parts of x and dy fit a
 // stage; K = 0 where none does or the device cannot place it.
 struct GradPlan {
@@ -2446,6 +2464,7 @@ bool backward_smem(const GNShape& s, const scalar_t* x, const scalar_t* dy, scal
     a.stage_bytes = static_cast<int>(p.stage_bytes);
     a.dy_off = static_cast<int>(p.stage_bytes / 2);
     a.max_runs = p.max_runs;
+    a.keep_dz = grad_keep_dz();
     launch_clusters(kernel, a, std::min<int64_t>(a.groups, p.clusters), K, kSmemThreads, p.smem, stream);
 
     const unsigned blocks = grid_of(ceil_div(s.C, int64_t{kWarps}), kOp);
