@@ -6,9 +6,10 @@
 // gradient. strided_attention runs the same kernels on the k[:, :, ::stride] / v[:, :, ::stride]
 // views, and its backward writes dk / dv through the matching views of zero-filled gradients.
 //
-// Forward, four kernels:
+// Forward, these kernels:
 //   short: fp16/bf16 with q_len, kv_len <= 32 (temporal attention over frames): a warp per (b, h)
-//         problem, tensor cores, the next problem prefetched with cp.async; memory-bound by design.
+//         problem, tensor cores, the next problem prefetched with cp.async; memory-bound by design. On
+//         Hopper without a mask at head_dim <= 64 the copy engine moves the problems instead (short_tma).
 //   rows: a block per (b, h, 16 query rows), key/value tiles of 32 staged in shared memory, a warp
 //         per query row with one key per lane and the online softmax in registers. Serves
 //         float32/float64, head dims that are not multiples of 8 and the short cases above misses.
