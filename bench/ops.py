@@ -287,7 +287,7 @@ def main():
     p.add_argument("--ops", default="group_norm_silu,group_norm_silu_backward,scheduler_step,conv_bn_silu,temporal_conv")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     p.add_argument("--gn-variants", action="store_true",
-                   help="also time each group_norm_silu forward kernel family on its own, and the two-pass backward")
+                   help="also time each group_norm_silu forward kernel family on its own, and the backward's variants")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/ops.py needs a CUDA device")

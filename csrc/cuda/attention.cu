@@ -320,16 +320,19 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool vali
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 
-__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* p) {
+// From a shared-space address (the copy-engine kernels address their slots that way) or a pointer.
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], unsigned addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_addr(p)));
+               : "r"(addr));
 }
-__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const void* p) {
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], unsigned addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_addr(p)));
+               : "r"(addr));
 }
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* p) { ldmatrix_x4(r, smem_addr(p)); }
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const void* p) { ldmatrix_x4_trans(r, smem_addr(p)); }
 
 template <typename scalar_t>
 struct MmaTraits;
@@ -1220,16 +1223,11 @@ __global__ void __launch_bounds__(ShortTmaTile<LP>::warps * 32, 1)
     for (int ks = 0; ks < 4; ++ks) {
       unsigned af[MT][4];
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
-        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                     : "=r"(af[mt][0]), "=r"(af[mt][1]), "=r"(af[mt][2]), "=r"(af[mt][3])
-                     : "r"(at(sQ + mt * 16 * 128 + a_row, 2 * ks + hi)));
+      for (int mt = 0; mt < MT; ++mt) ldmatrix_x4(af[mt], at(sQ + mt * 16 * 128 + a_row, 2 * ks + hi));
 #pragma unroll
       for (int j = 0; j < NT; j += 2) {
         unsigned bf[4];
-        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                     : "=r"(bf[0]), "=r"(bf[1]), "=r"(bf[2]), "=r"(bf[3])
-                     : "r"(at(sK + j * 8 * 128 + b_row, 2 * ks + mid)));
+        ldmatrix_x4(bf, at(sK + j * 8 * 128 + b_row, 2 * ks + mid));
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
           MT_::mma(s[mt][j], af[mt], bf[0], bf[1]);
@@ -1290,9 +1288,7 @@ __global__ void __launch_bounds__(ShortTmaTile<LP>::warps * 32, 1)
 #pragma unroll
       for (int j = 0; j < 8; j += 2) {
         unsigned vb[4];
-        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                     : "=r"(vb[0]), "=r"(vb[1]), "=r"(vb[2]), "=r"(vb[3])
-                     : "r"(at(sV + kk * 16 * 128 + a_row, j + hi)));
+        ldmatrix_x4_trans(vb, at(sV + kk * 16 * 128 + a_row, j + hi));
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
           MT_::mma(o[mt][j], pa[mt], vb[0], vb[1]);
@@ -3573,22 +3569,23 @@ bool short_tma_forward(const char* op, const at::Tensor& q, const at::Tensor& k,
       !device_is_sm90a()) {
     return false;
   }
-  auto run = [&](auto tile, auto kernel) {
-    using T = decltype(tile);
-    constexpr int LP = T::slot / 128;
+  bool ran = false;
+  dispatch_short(Lq, Lk, D, [&](auto lp, auto) {  // the row bucket of the cp.async kernel (D <= 64 here)
+    constexpr int LP = decltype(lp)::value;
+    using T = ShortTmaTile<LP>;
     CUtensorMap tq, tk, tv, to;
     if (!make_tensor_map(&tq, q, LP) || !make_tensor_map(&tk, k, LP) || !make_tensor_map(&tv, v, LP) ||
         !make_tensor_map(&to, out, LP)) {
-      return false;
+      return;
     }
+    auto kernel = attn_fwd_short_tma_kernel<scalar_t, LP>;
     set_smem(kernel, T::smem_bytes, op);
     const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(sm_count(), ceil_div(B * H, T::warps)));
     kernel<<<blocks, T::warps * 32, T::smem_bytes, stream>>>(a, tq, tk, tv, to);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    return true;
-  };
-  if (Lq <= 16 && Lk <= 16) return run(ShortTmaTile<16>{}, attn_fwd_short_tma_kernel<scalar_t, 16>);
-  return run(ShortTmaTile<32>{}, attn_fwd_short_tma_kernel<scalar_t, 32>);
+    ran = true;
+  });
+  return ran;
 #else
   return false;
 #endif

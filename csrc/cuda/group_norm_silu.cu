@@ -2386,7 +2386,7 @@ int grad_backward_choice() {
 }
 
 // Whether version 7 keeps dz = dy * silu'(z) from its sums' pass for dx (in x's dtype, as eager's SiLU backward
-// hands it to the norm's: 13-18 % faster on the UNet / VAE shapes) or, with VD_GROUP_NORM_BACKWARD_DZ=recompute,
+// hands it to the norm's: 5-10 % faster on the UNet / VAE shapes) or, with VD_GROUP_NORM_BACKWARD_DZ=recompute,
 // evaluates it again in float (half the dx rounding error); read on every call.
 bool grad_keep_dz() {
   const char* e = std::getenv("VD_GROUP_NORM_BACKWARD_DZ");
