@@ -137,7 +137,8 @@ def bench_forward(shapes, dtype, dev, budget_bytes):
 
 def bench_backward(shapes, dtype, dev, rows_max_flops=4e11):
     """dq, dk, dv from one output gradient: every SDPA backend's backward, the naive path's (autograd
-    through matmul-softmax-matmul), vd's (default kernels), vd's deterministic Hopper pair
+    through matmul-softmax-matmul), vd's (default kernels), vd's fused Hopper kernel with each of its
+    tiles (VD_ATTENTION_BACKWARD=fused192 / fused128; head_dim <= 64), vd's deterministic Hopper pair
     (VD_ATTENTION_BACKWARD=pair; what torch.use_deterministic_algorithms gets), vd's mma.sync pair
     (VD_ATTENTION_BACKWARD=mma; the default off Hopper) and vd's CUDA-core kernels (VD_ATTENTION_BACKWARD=rows; only up to
     rows_max_flops, they are slow). FLOPs are counted as
@@ -170,6 +171,9 @@ def bench_backward(shapes, dtype, dev, rows_max_flops=4e11):
         vd = lambda q, k, v: torch.ops.vd.fused_attention(q, k, v, None, scale)[0]  # noqa: E731
         paths["vd"] = (vd, None)
         if L > 32:  # the short kernel serves every setting up to 32 tokens
+            if D <= 64:
+                paths["vd_fused192"] = (vd, ("VD_ATTENTION_BACKWARD", "fused192"))
+                paths["vd_fused128"] = (vd, ("VD_ATTENTION_BACKWARD", "fused128"))
             paths["vd_pair"] = (vd, ("VD_ATTENTION_BACKWARD", "pair"))
             paths["vd_mma"] = (vd, ("VD_ATTENTION_BACKWARD", "mma"))
         if 4 * B * H * L * L * D <= rows_max_flops:
@@ -271,7 +275,7 @@ def main():
     if args.backward or args.backward_only:
         bwd = bench_backward(shapes, dtype, dev)
         cols = [("shape", "shape", "")]
-        for pname in ["sdpa_default", "cudnn", "flash", "efficient", "naive", "vd_rows", "vd_mma", "vd_pair", "vd"]:
+        for pname in ["sdpa_default", "cudnn", "flash", "efficient", "naive", "vd_rows", "vd_mma", "vd_pair", "vd_fused192", "vd_fused128", "vd"]:
             cols.append((f"{pname}_bwd_ms", f"{pname} ms", ".3f"))
         cols += [("vd_bwd_tflops", "vd TFLOP/s", ".0f"), ("vd_bwd_gbps", "vd GB/s", ".0f"),
                  ("vd_bwd_x_default", "vd x default", ".2f"), ("vd_bwd_x_best_sdpa", "vd x best SDPA", ".2f"),

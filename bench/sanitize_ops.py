@@ -82,8 +82,9 @@ def main():
                 q, k, v = (torch.randn(B, H, n, D, device=dev, dtype=dtype) for n in (Lq, Lk, Lk))
                 mask = torch.rand(1, 1, Lq, Lk, device=dev) > 0.3
                 _grad(lambda q, k, v: torch.ops.vd.fused_attention(q, k, v, mask, None), q, k, v)
-                with env_var("VD_ATTENTION_BACKWARD", "pair"):  # the deterministic pair where the fused kernel runs
-                    _grad(lambda q, k, v: torch.ops.vd.fused_attention(q, k, v, mask, None), q, k, v)
+                for choice in ("fused192", "fused128", "pair"):  # both tiles of the fused kernel; the deterministic pair
+                    with env_var("VD_ATTENTION_BACKWARD", choice):
+                        _grad(lambda q, k, v: torch.ops.vd.fused_attention(q, k, v, mask, None), q, k, v)
             ran.append("attention_backward")
         if want("group_norm_silu"):
             for shape in [(2, 64, 9, 11), (1, 32, 3, 5, 7), (2, 16, 33)]:

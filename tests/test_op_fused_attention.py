@@ -726,12 +726,12 @@ def test_fp32_short_kernel_choice(monkeypatch):
 
 # The backward kernels for fp16/bf16: the tensor-core kernels (head_dim <= 128 and % 8 == 0; dq and
 # dk/dv kernels; on Hopper the fused wgmma kernel up to head_dim 64, the wgmma pair beyond) by default,
-# VD_ATTENTION_BACKWARD=pair the deterministic wgmma pair, =mma the mma.sync pair, =rows the CUDA-core
-# ones; each against the float64 reference. Lengths off the 64-row blocks and 64/32-row tiles, padded
+# VD_ATTENTION_BACKWARD=fused192 / fused128 the fused kernel with each of its tiles, =pair the deterministic
+# wgmma pair, =mma the mma.sync pair, =rows the CUDA-core ones; each against the float64 reference. Lengths off the 64-row blocks and 64/32-row tiles, padded
 # head dims, masks of every kind (with fully masked rows), the projections' views, a single key,
 # temporal lengths.
 @needs_cuda
-@pytest.mark.parametrize("family", ["default", "pair", "mma", "rows"])
+@pytest.mark.parametrize("family", ["default", "fused192", "fused128", "pair", "mma", "rows"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("shape,layout,mask_kind", [
     ((2, 3, 300, 517, 64), "contiguous", None),
@@ -742,6 +742,8 @@ def test_fp32_short_kernel_choice(monkeypatch):
     ((2, 1, 77, 1, 64), "bnhd", None),           # one key
     ((1, 2, 130, 260, 8), "contiguous", None),
     ((1, 1, 70, 40, 64), "d_strided", None),     # non-unit head_dim stride: copies first
+    ((1, 2, 192, 300, 64), "contiguous", "bool"),  # a query tile of 128 half padding, a partial key block
+    ((2, 2, 640, 256, 48), "bnhd", None),        # five 128-row query tiles (both dS^T buffers reused)
     # q_len, kv_len <= 32: the short-sequence kernel (a warp per problem), both tile heights
     ((1152, 5, 14, 14, 64), "bnhd", None),       # SVD temporal attention: more problems than warps
     ((64, 5, 14, 14, 64), "contiguous", "bool"),
@@ -798,9 +800,16 @@ def test_backward_kernel_choice(monkeypatch):
         ("attn_bwd_dq_kernel", "attn_bwd_dkdv_kernel")
     wgmma = ("attn_bwd_dq_wgmma_kernel", "attn_bwd_dkdv_wgmma_kernel")
     fused = ("attn_bwd_prep_kernel", "attn_bwd_fused_wgmma_kernel", "attn_bwd_dq_finish_kernel")
+    # Which tile the fused kernel ran: the one with less padded work (192 keys x 64 queries on a tie),
+    # or the one VD_ATTENTION_BACKWARD pins.
+    tiles = {(100, None): "WgFusedPairTile<", (300, None): "WgFusedTile<", (576, None): "WgFusedTile<",
+             (512, None): "WgFusedPairTile<", (300, "fused128"): "WgFusedPairTile<", (100, "fused192"): "WgFusedTile<"}
     hopper = torch.cuda.get_device_capability() == (9, 0)
     pair = wgmma if hopper else mma
     cases = [(torch.bfloat16, 100, 64, None, fused if hopper else mma), (torch.float16, 300, 40, None, fused if hopper else mma),
+             (torch.bfloat16, 576, 64, None, fused if hopper else mma), (torch.float16, 512, 64, None, fused if hopper else mma),
+             (torch.bfloat16, 300, 64, "fused128", fused if hopper else mma),
+             (torch.bfloat16, 100, 64, "fused192", fused if hopper else mma),
              (torch.float16, 100, 128, None, pair), (torch.bfloat16, 100, 64, "pair", pair),
              (torch.bfloat16, 100, 64, "deterministic", pair),
              (torch.bfloat16, 100, 64, "mma", mma), (torch.float16, 300, 96, "mma", mma),
@@ -816,6 +825,9 @@ def test_backward_kernel_choice(monkeypatch):
             names = cuda_kernels_run(lambda: torch.autograd.grad(out, q, torch.ones_like(out)))
         ran = {n for n in short + mma + wgmma + fused + rows if any(n + "<" in e for e in names)}
         assert ran == set(want), (dtype, L, D, env, sorted(set(names)))
+        if want is fused:
+            kernel = [e for e in names if "attn_bwd_fused_wgmma_kernel<" in e]
+            assert len(kernel) == 1 and tiles[L, env] in kernel[0], (L, env, kernel)
 
 
 @contextlib.contextmanager

@@ -24,9 +24,11 @@
 // Backward, recomputing P from lse:
 //   short: fp16/bf16 with q_len, kv_len <= 32 and head_dim <= 128, % 8 == 0: a warp per (b, h)
 //         problem, tensor cores, one launch;
-//   wgmma: fp16/bf16 with head_dim <= 128 and % 8 == 0 on Hopper: one kernel for dq (which also
-//         computes delta = rowsum(dO * O) - grad_lse) and one for dk / dv, warpgroup MMA fed by the
-//         bulk tensor copy engine;
+//   fused: fp16/bf16 with head_dim <= 64 on Hopper: a prep kernel (delta), one kernel for all five
+//         products (tiles of 192 keys x 64 queries or 128 x 128, whichever pads less), a finish kernel;
+//   wgmma: fp16/bf16 with head_dim <= 128 and % 8 == 0 on Hopper (the deterministic pair): one kernel
+//         for dq (which also computes delta = rowsum(dO * O) - grad_lse) and one for dk / dv, warpgroup
+//         MMA fed by the bulk tensor copy engine;
 // otherwise one kernel for delta, then
 //   mma:  fp16/bf16 with head_dim <= 128 and % 8 == 0: tensor cores, one kernel for dq (a block per
 //         64 query rows) and one for dk / dv (a block per 64 key rows);
@@ -154,7 +156,7 @@ struct AttnArgs {
   acc_t* delta;                   // backward: rowsum(dO * O) - grad_lse, (B, H, Lq)
   scalar_t* dq;                   // backward: contiguous (B, H, Lq, D)
   float* lse_delta;               // backward, Hopper pair: (lse in log2 units, delta) a query, (B * H, Lq_pad)
-  int64_t Lq_pad;                 // Lq rounded up to 64; the padding holds (+inf, 0)
+  int64_t Lq_pad;                 // Lq rounded up to 64 (128: WgFusedPairTile); the padding holds (+inf, 0)
   View4<scalar_t> dk, dv;         // backward: written through their strides
   int64_t B, H, Lq, Lk;
   int D;
@@ -2704,7 +2706,9 @@ __device__ __forceinline__ void wg_store_rows(scalar_t* base, int64_t sl, const 
 // from the S^T and dP^T accumulators (element 4j + e is (key key_base + 8 ((e >> 1) & 1), query
 // q0 + 8j + 2 tig + (e & 1))) and the tile's (lse2, delta) pairs lt. kill_keys: keys at or past Lk (zero
 // rows of K and V) get dS = 0, which the fused kernel's dQ needs (P there is exp(-lse), not 0).
-template <typename scalar_t, int BC>
+// kMask: the caller branches once a tile (a.mask.kind != kNoMask), so the unmasked code runs as one
+// contiguous block (a test per element spread it over the masked code's length: instruction-cache misses).
+template <typename scalar_t, int BC, bool kMask>
 __device__ __forceinline__ void wg_bwd_pt_dst(const AttnArgs<scalar_t, float>& a, const float (&s)[BC / 2],
                                               const float (&dp)[BC / 2], const float* lt, int64_t key_base, int64_t q0,
                                               int64_t moff, float sl2, int tig, bool kill_keys, unsigned (&pa)[BC / 16][4],
@@ -2719,7 +2723,7 @@ __device__ __forceinline__ void wg_bwd_pt_dst(const AttnArgs<scalar_t, float>& a
     for (int e = 0; e < 4; ++e) {
       const int64_t key = key_base + ((e >> 1) & 1) * 8;
       float x = s[4 * j + e] * sl2;
-      if (a.mask.kind != kNoMask) {
+      if constexpr (kMask) {
         const int64_t i = q0 + j * 8 + 2 * tig + (e & 1);
         if (key < a.Lk && i < a.Lq) x += mask_add<scalar_t, float>(a.mask, moff + i * a.mask.sq + key * a.mask.sk) * kLog2e;
       }
@@ -2731,6 +2735,57 @@ __device__ __forceinline__ void wg_bwd_pt_dst(const AttnArgs<scalar_t, float>& a
     pa[j / 2][(j % 2) * 2 + 1] = MT::pack(p[2], p[3]);
     da[j / 2][(j % 2) * 2] = MT::pack(ds[0], ds[1]);
     da[j / 2][(j % 2) * 2 + 1] = MT::pack(ds[2], ds[3]);
+  }
+}
+
+// This thread's dS^T values (key rows key_row and key_row + 8 of the block) into a [BC / 64][BR][128 B]
+// buffer at buf with the 128-byte swizzle (query chunk j of key row r at chunk j ^ (r % 8)), fenced for the
+// tensor cores' reads.
+template <int BR, int BC>
+__device__ __forceinline__ void wg_store_dst(uint32_t buf, const unsigned (&da)[BC / 16][4], int key_row, int tig) {
+#pragma unroll
+  for (int j = 0; j < BC / 8; ++j) {
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+      const uint32_t row = key_row + 8 * rr;
+      const uint32_t addr = buf + (j / 8) * BR * 128 + row * 128 + (((j % 8) ^ (row & 7)) << 4) + 4 * tig;
+      asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(da[j / 2][(j % 2) * 2 + rr]) : "memory");
+    }
+  }
+  wgmma::fence_proxy_async();
+}
+
+// dV += P^T dO, dK += dS^T Q over a stage's BC queries (K-steps of 16, 2048 bytes apart; B descriptors dom,
+// dqm of the stage's first step), issued and committed as one group, not waited for.
+template <bool kBf16, int DP, int BC>
+__device__ __forceinline__ void wg_issue_dvdk(float (&dv)[DP / 2], float (&dk)[DP / 2], const unsigned (&pa)[BC / 16][4],
+                                              const unsigned (&da)[BC / 16][4], uint64_t dom, uint64_t dqm, uint32_t stage) {
+  wgmma::fence_regs(dk);
+  wgmma::fence_regs(dv);
+  wgmma::fence();
+#pragma unroll
+  for (int kk = 0; kk < BC / 16; ++kk) {
+    const uint32_t off = stage + kk * 16 * 128;
+    wg_mma_rs<kBf16, DP>(dv, pa[kk], dom + (off >> 4));
+    wg_mma_rs<kBf16, DP>(dk, da[kk], dqm + (off >> 4));
+  }
+  wgmma::commit();
+}
+
+// A warpgroup's 64 x 64 float32 dQ part into its staging buffer (sdq; stage_dq its generic address) in
+// the accumulator's fragment order, once the previous bulk copy from it has read it, then added into the
+// global accumulator at dst by one bulk reduce-add of the copy engine (named barrier bar: this warpgroup).
+__device__ __forceinline__ void wg_reduce_dq(float* dst, float4* stage_dq, uint32_t sdq, const float (&dq)[32], int tw,
+                                             int bar) {
+  if (tw == 0) wgmma::bulk_wait_read();
+  wgmma::named_sync(bar, 128);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) stage_dq[j * 128 + tw] = make_float4(dq[4 * j], dq[4 * j + 1], dq[4 * j + 2], dq[4 * j + 3]);
+  wgmma::fence_proxy_async();
+  wgmma::named_sync(bar, 128);
+  if (tw == 0) {
+    wgmma::bulk_reduce_add_f32(dst, sdq, 64 * 64 * 4);
+    wgmma::bulk_commit();
   }
 }
 
@@ -2761,6 +2816,31 @@ struct WgFusedTile {
   // Named barrier ids: ready[WG], free[WG], then one per warpgroup.
   static constexpr int bar_ready = 1, bar_free = 1 + WG, bar_wg = 1 + 2 * WG;
   static_assert(bar_wg + WG <= 16, "named barriers");
+  static constexpr bool kDqAll = false;  // one reader warpgroup a tile
+};
+
+// The fused backward in FlashAttention-3's layout (head_dim <= 64): two consumer warpgroups with 240
+// registers, 128 keys a block, query tiles of 128 rows, so S^T / dP^T run at N = 128 (half the wgmma
+// instructions of 64-row tiles, each tile's fixed costs over twice the work). Each warpgroup computes dQ
+// for 64 of the tile's queries over the block's 128 keys (no reader hand-over): both write their dS^T rows
+// into the tile's buffer (two, alternating by tile parity), one named barrier of both, then dQ's product
+// runs on the tensor cores while dV / dK finish. The query rows are padded to 128 (Lq_pad).
+template <int DP, int S_>
+struct WgFusedPairTile {
+  static_assert(DP == 64, "two 64 x 128 S^T / dP^T accumulators and dK, dV, dQ fit 240 registers at head_dim 64");
+  static constexpr int WG = 2, threads = 128 * (WG + 1), BR = 128, BC = 128, kStages = S_;
+  static constexpr int regs_producer = 24, regs_consumer = 240;  // 24 * 128 + 240 * 256 <= 65536
+  static constexpr bool kDqAll = true;
+  static constexpr int r_bytes = BR * DP * 2, c_bytes = BC * DP * 2;
+  static constexpr int vec_off = 2 * r_bytes + 2 * kStages * c_bytes;  // (lse2, delta) [kStages][BC]
+  static constexpr int vec_bytes = BC * 8;
+  static constexpr int bar_off = vec_off + kStages * vec_bytes;
+  static constexpr int ds_off = (bar_off + 8 * (1 + 2 * kStages) + 1023) / 1024 * 1024;
+  static constexpr int ds_bytes = BR * BC * 2;  // one dS^T buffer: [BC / 64 query atoms][BR key rows][128 B]
+  static constexpr int dq_off = ds_off + 2 * ds_bytes;
+  static constexpr int dq_bytes = 64 * DP * 4;  // one warpgroup's dQ staging (float32)
+  static constexpr size_t smem_bytes = dq_off + WG * dq_bytes + 1024;
+  static constexpr int bar_ready = 1, bar_wg = 2;  // named barriers: both warpgroups; then one each
 };
 
 // The dQ accumulator's layout: per (b, h) and 64-row query tile, DP / 64 chunks of 64 x 64 floats, each
@@ -2775,6 +2855,11 @@ __device__ __forceinline__ void wg_dkdv_block(const AttnArgs<scalar_t, float>& a
                                               const CUtensorMap& tk, const CUtensorMap& tv, const CUtensorMap& tq,
                                               const CUtensorMap& tdo) {
   constexpr int BR = T::BR, BC = T::BC, S = T::kStages, WG = T::WG;
+  // dQ by every warpgroup each tile (WgFusedPairTile), else by one reader a tile.
+  constexpr bool kAll = [] {
+    if constexpr (kDq) return T::kDqAll;
+    else return false;
+  }();
   constexpr int NS = BC / 2, NA = DP / 2;  // S^T (dP^T) and dK (dV) accumulators a thread
   constexpr bool kBf16 = std::is_same_v<scalar_t, at::BFloat16>;
 
@@ -2793,7 +2878,7 @@ __device__ __forceinline__ void wg_dkdv_block(const AttnArgs<scalar_t, float>& a
   const int64_t bh = blockIdx.x / nkb, k0 = (blockIdx.x % nkb) * BR;
   const int b = static_cast<int>(bh / a.H), h = static_cast<int>(bh % a.H);
   const int tid = threadIdx.x, wg = tid / 128;
-  const int64_t nqt = kDq ? a.Lq_pad / BC : (a.Lq + BC - 1) / BC;  // the same count (fused: BC = 64)
+  const int64_t nqt = kDq ? a.Lq_pad / BC : (a.Lq + BC - 1) / BC;  // the same count (Lq_pad % BC == 0)
 
   if (tid == 0) {
     init_barriers<1>(bar, {1});
@@ -2809,7 +2894,7 @@ __device__ __forceinline__ void wg_dkdv_block(const AttnArgs<scalar_t, float>& a
         wgmma::tma_load_4d(sK + c * BR * 128, &tk, bar, c * 64, int(k0), h, b);
         wgmma::tma_load_4d(sV + c * BR * 128, &tv, bar, c * 64, int(k0), h, b);
       }
-      // With each tile its (lse2, delta) pairs: 16-byte aligned, inside the padded rows (Lq_pad % 64 == 0).
+      // With each tile its (lse2, delta) pairs: 16-byte aligned, inside the padded rows (Lq_pad % BC == 0).
       stream_tiles<DP, BC, S>(&tq, &tdo, sQ, sO, T::c_bytes, nqt, h, b, full, empty, T::vec_bytes, [&](int64_t t, int st) {
         wgmma::bulk_load(sL + st * T::vec_bytes, a.lse_delta + 2 * (bh * a.Lq_pad + static_cast<int>(t * BC)), T::vec_bytes,
                           full(st));
@@ -2848,46 +2933,60 @@ __device__ __forceinline__ void wg_dkdv_block(const AttnArgs<scalar_t, float>& a
     wg_paired_ss<kBf16, DP, BR, BC>(s, dp, dka, dqk, dva, dok, stage);
 
     unsigned pa[BC / 16][4], da[BC / 16][4];
-    wg_bwd_pt_dst<scalar_t, BC>(a, s, dp, ld_s + st * 2 * BC, key_base, t * BC, moff, sl2, tig, key_bound, pa, da);
+    if (a.mask.kind == kNoMask)
+      wg_bwd_pt_dst<scalar_t, BC, false>(a, s, dp, ld_s + st * 2 * BC, key_base, t * BC, moff, sl2, tig, key_bound, pa, da);
+    else
+      wg_bwd_pt_dst<scalar_t, BC, true>(a, s, dp, ld_s + st * 2 * BC, key_base, t * BC, moff, sl2, tig, key_bound, pa, da);
+
+    if constexpr (kAll) {
+      // dS^T into this tile's buffer ([BC / 64][BR][128 B], 128-byte swizzle: query chunk j of key row r
+      // at chunk j ^ (r % 8)). Its last readers, both warpgroups' dQ of tile t - 2, finished before they
+      // reached tile t - 1's barrier, which this warpgroup has passed.
+      const uint32_t buf = sK + T::ds_off + static_cast<uint32_t>(t & 1) * T::ds_bytes;
+      wg_store_dst<BR, BC>(buf, da, key_row, tig);
+      // dV += P^T dO, dK += dS^T Q, then, once both warpgroups' dS^T rows are in, dQ for this warpgroup's
+      // 64 queries: dS (A: the buffer's atom cw, MN-major) times K (B: MN-major) over the block's keys; both
+      // groups in flight together.
+      wg_issue_dvdk<kBf16, DP, BC>(dv, dk, pa, da, dom, dqm, stage);
+      wgmma::named_sync(T::bar_ready, 128 * WG);
+      float dq[32];
+      wgmma::fence();
+#pragma unroll
+      for (int kk = 0; kk < BR / 16; ++kk)
+        wgmma::mma_m64n64k16_ss_mn<kBf16>(dq, wgmma::desc_sw128(buf + cw * BR * 128 + kk * 2048, 16, 1024),
+                                          wgmma::desc_sw128(sK + kk * 2048, BR * 128, 1024), kk);
+      wgmma::commit();
+      wgmma::wait<1>();
+      wgmma::fence_regs(dk);
+      wgmma::fence_regs(dv);
+      wgmma::mbar_arrive(empty(st));  // the stage's last reader was dV / dK
+      wgmma::wait<0>();
+      wgmma::fence_regs(dq);
+      const uint32_t sdq = sK + T::dq_off + cw * T::dq_bytes;
+      wg_reduce_dq(dq_acc + (bh * a.Lq_pad + t * BC + cw * 64) * DP, reinterpret_cast<float4*>(raw + (sdq - raw_addr)), sdq,
+                   dq, tw, T::bar_wg + cw);
+      continue;
+    }
 
     const int rd = static_cast<int>(t % WG);  // fused: the warpgroup that reads this tile's dS^T buffer
     uint32_t ds_buf = 0;
-    if constexpr (kDq) {
+    if constexpr (kDq && !kAll) {
       ds_buf = sK + T::ds_off + rd * T::ds_bytes;
       // dS^T into the reader's buffer (128-byte swizzle: query chunk j of key row r at chunk j ^ (r % 8)),
       // once its reader has finished the tile WG earlier.
       if (t >= WG && cw != rd) wgmma::named_sync(T::bar_free + rd, 128 * WG);
-#pragma unroll
-      for (int j = 0; j < BC / 8; ++j) {
-#pragma unroll
-        for (int rr = 0; rr < 2; ++rr) {
-          const uint32_t row = key_row + 8 * rr;
-          const uint32_t addr = ds_buf + row * 128 + ((j ^ (row & 7)) << 4) + 4 * tig;
-          asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(da[j / 2][(j % 2) * 2 + rr]) : "memory");
-        }
-      }
-      wgmma::fence_proxy_async();
+      wg_store_dst<BR, BC>(ds_buf, da, key_row, tig);
       if (cw != rd) wgmma::named_arrive(T::bar_ready + rd, 128 * WG);
     }
 
-    // dV += P^T dO, dK += dS^T Q: K-steps of 16 queries, 2048 bytes apart.
-    wgmma::fence_regs(dk);
-    wgmma::fence_regs(dv);
-    wgmma::fence();
-#pragma unroll
-    for (int kk = 0; kk < BC / 16; ++kk) {
-      const uint32_t off = stage + kk * 16 * 128;
-      wg_mma_rs<kBf16, DP>(dv, pa[kk], dom + (off >> 4));
-      wg_mma_rs<kBf16, DP>(dk, da[kk], dqm + (off >> 4));
-    }
-    wgmma::commit();
+    wg_issue_dvdk<kBf16, DP, BC>(dv, dk, pa, da, dom, dqm, stage);
     wgmma::wait<0>();
     wgmma::fence_regs(dk);
     wgmma::fence_regs(dv);
     // Done with the stage. Every thread arrives: an arrival releases only the arriving thread's own
     // reads (here of the stage's (lse2, delta) pairs) before the copy engine rewrites them.
     wgmma::mbar_arrive(empty(st));
-    if constexpr (kDq) {
+    if constexpr (kDq && !kAll) {
       if (cw != rd) continue;
 
       // This warpgroup's tile: dQ_t = dS K over the block's BR keys (A = the dS^T buffer, rows = keys,
@@ -2907,19 +3006,9 @@ __device__ __forceinline__ void wg_dkdv_block(const AttnArgs<scalar_t, float>& a
         wgmma::wait<0>();
         wgmma::fence_regs(dq);
         if (c == DP / 64 - 1 && t + WG < nqt) wgmma::named_arrive(T::bar_free + rd, 128 * WG);
-        // Stage the chunk once the previous bulk copy has read the buffer, then add it into global memory.
         const uint32_t sdq = sK + T::dq_off + cw * T::dq_bytes + c * 64 * 64 * 4;
-        if (tw == 0) wgmma::bulk_wait_read();
-        wgmma::named_sync(T::bar_wg + cw, 128);
-        float4* stage_dq = reinterpret_cast<float4*>(raw + (sdq - raw_addr));
-#pragma unroll
-        for (int j = 0; j < 8; ++j) stage_dq[j * 128 + tw] = make_float4(dq[4 * j], dq[4 * j + 1], dq[4 * j + 2], dq[4 * j + 3]);
-        wgmma::fence_proxy_async();
-        wgmma::named_sync(T::bar_wg + cw, 128);
-        if (tw == 0) {
-          wgmma::bulk_reduce_add_f32(dq_acc + (bh * a.Lq_pad + t * BC) * DP + c * 64 * 64, sdq, 64 * 64 * 4);
-          wgmma::bulk_commit();
-        }
+        wg_reduce_dq(dq_acc + (bh * a.Lq_pad + t * BC) * DP + c * 64 * 64, reinterpret_cast<float4*>(raw + (sdq - raw_addr)),
+                     sdq, dq, tw, T::bar_wg + cw);
       }
     }
   }
@@ -2939,13 +3028,14 @@ __global__ void __launch_bounds__(WgBwdTile<DP, BC, WG, S_>::threads, 1)
 #endif
 }
 
-template <typename scalar_t, int DP, int WG, int S_>
-__global__ void __launch_bounds__(WgFusedTile<DP, WG, S_>::threads, 1)
+// T: WgFusedTile (one reader a tile) or WgFusedPairTile (FlashAttention-3's layout).
+template <typename scalar_t, int DP, typename T>
+__global__ void __launch_bounds__(T::threads, 1)
     attn_bwd_fused_wgmma_kernel(const AttnArgs<scalar_t, float> a, float* __restrict__ dq_acc,
                                 const __grid_constant__ CUtensorMap tk, const __grid_constant__ CUtensorMap tv,
                                 const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tdo) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  wg_dkdv_block<scalar_t, DP, WgFusedTile<DP, WG, S_>, true>(a, dq_acc, tk, tv, tq, tdo);
+  wg_dkdv_block<scalar_t, DP, T, true>(a, dq_acc, tk, tv, tq, tdo);
 #endif
 }
 
@@ -3759,9 +3849,20 @@ bool wgmma_backward(const char* op, const at::Tensor& grad_out, const at::Tensor
     const at::Tensor q2 = mma_ready(q), k2 = mma_ready(k), v2 = mma_ready(v), go2 = mma_ready(grad_out);
     const at::Tensor o2 = mma_ready(out);  // rows read in 16-byte vectors; kept alive past the launches
     auto a = tensor_core_backward_args<scalar_t>(go2, q2, k2, v2, mask, scale, lse, dq, dk, dv);
+    // head_dim <= 64: the fused kernel (five products, dQ summed by the copy engine's atomic adds),
+    // unless the caller asked for deterministic algorithms or VD_ATTENTION_BACKWARD=pair, with one of two
+    // tiles: 192 keys a block and 64-query tiles (three warpgroups, one dQ reader a tile), or 128 keys and
+    // 128-query tiles (two warpgroups, dQ by both). Both run at the same rate where neither pads
+    // (bench/notes/attention.md, version 15), so the one with less padded work runs, 192 on a tie (a few
+    // per cent ahead there over lengths 384-2304); VD_ATTENTION_BACKWARD=fused192 / fused128 pins one.
+    const std::string choice = backward_choice();
+    const bool fused = D <= 64 && !at::globalContext().deterministicAlgorithms() && choice != "pair";
+    const bool fused128 = choice == "fused128" ||
+                          (choice != "fused192" && ceil_div(Lk, 128) * 128 * ceil_div(Lq, 128) * 128 <
+                                                       ceil_div(Lk, 192) * 192 * ceil_div(Lq, 64) * 64);
     // (lse2, delta) pairs, written by the pair's dq kernel for its dk/dv kernel (BR of both tiles is a multiple
-    // of 64: dq's blocks cover the padding) or by the fused path's prep kernel.
-    a.Lq_pad = ceil_div(Lq, 64) * 64;
+    // of 64: dq's blocks cover the padding) or by the fused path's prep kernel (rows padded to its tile).
+    a.Lq_pad = ceil_div(Lq, fused && fused128 ? 128 : 64) * (fused && fused128 ? 128 : 64);
     at::Tensor lse_delta = at::empty({B * H * a.Lq_pad * 2}, q.options().dtype(at::kFloat));
     a.lse_delta = lse_delta.mutable_data_ptr<float>();
     a.o = view_of<const scalar_t>(o2);
@@ -3782,23 +3883,22 @@ bool wgmma_backward(const char* op, const at::Tensor& grad_out, const at::Tensor
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     };
     Maps mq, mk;
-    // head_dim <= 64: the fused kernel (five products, dQ summed by the copy engine's atomic adds),
-    // unless the caller asked for deterministic algorithms or VD_ATTENTION_BACKWARD=pair. Three consumer
-    // warpgroups (192 keys a block), two stages: measured on the H200 against two warpgroups (128 keys)
-    // and three stages (bench/notes/attention.md, version 8).
-    using F = WgFusedTile<64, 3, 2>;
-    if (D <= 64 && !at::globalContext().deterministicAlgorithms() && backward_choice() != "pair" &&
-        maps(F{}, mk, k2, v2, q2, go2)) {
+    // The fused path: prep, the kernel of tile F, finish. Version 8's three warpgroups and two stages were
+    // measured against two warpgroups (128 keys, 64-query tiles) and three stages.
+    auto fused_path = [&](auto tile) {
+      using F = decltype(tile);
+      if (!maps(F{}, mk, k2, v2, q2, go2)) return false;
       at::Tensor dq_acc = at::empty({B * H * a.Lq_pad * 64}, q.options().dtype(at::kFloat));
       float* acc = dq_acc.mutable_data_ptr<float>();
       const int64_t rows = B * H * a.Lq_pad;
       attn_bwd_prep_kernel<scalar_t, 64><<<grid_of(ceil_div(rows * 8, 256), op), 256, 0, stream>>>(a, acc);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
-      launch(F{}, attn_bwd_fused_wgmma_kernel<scalar_t, 64, F::WG, F::kStages>, Lk, mk, acc);
+      launch(F{}, attn_bwd_fused_wgmma_kernel<scalar_t, 64, F>, Lk, mk, acc);
       attn_bwd_dq_finish_kernel<scalar_t, 64><<<grid_of(ceil_div(rows * 16, 256), op), 256, 0, stream>>>(a, acc);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       return true;
-    }
+    };
+    if (fused && (fused128 ? fused_path(WgFusedPairTile<64, 2>{}) : fused_path(WgFusedTile<64, 3, 2>{}))) return true;
     // The deterministic pair. Measured on the H200 (bench/notes/attention.md, version 7): three consumer
     // warpgroups where the registers allow it. dq: 64 queries x 64 keys a warpgroup; dkdv at head_dim 64:
     // 32 queries a tile (dK + dV + S^T + dP^T within 160 registers), 4 stages; at 128 dK + dV alone take
