@@ -15,7 +15,7 @@ With the backend's default attention_kernels="auto", an SDPA call on the CPU is 
 are both <= 32 (vd's short-sequence kernels, forward and backward, are faster than every SDPA
 backend: temporal attention over frames) or, on a Hopper GPU with the sm_90a kernel built, both
 >= 2048 at head_dim <= 64 without a mask and no gradient needed (vd's wgmma kernel beats cuDNN there:
-SVD's spatial self-attention; vd's backward beyond 32 tokens is 0.76-0.82x SDPA's on Hopper, ~0.3x elsewhere). Elsewhere
+SVD's spatial self-attention; vd's backward beyond 32 tokens is 0.95-0.99x SDPA's on Hopper, ~0.3x elsewhere). Elsewhere
 PyTorch's cuDNN / flash kernels are faster (bench/attention.py; bench/notes/attention.md). fp32 SDPA
 calls on CUDA are rewritten up to 32 tokens or at head_dim <= 64: vd's 3xTF32 tensor-core kernels beat
 SDPA's fp32 paths there (1.8-2.0x on long sequences on Hopper, ~1.05x elsewhere, 2.8-7x on temporal
@@ -165,8 +165,9 @@ def _sdpa_faster(m: Match, q, k) -> str | None:
     if _at_most(lq, lk, SHORT_MAX):
         return None
     if _training(m):
-        # vd's long-sequence backward runs at 0.76-0.82x SDPA's on Hopper (the fused wgmma kernel; 0.62-0.70x
-        # with its deterministic pair), ~0.3x elsewhere (mma.sync): bench/notes/attention.md, versions 6-8.
+        # vd's long-sequence backward runs at 0.95-0.99x SDPA's on Hopper (the fused wgmma kernel; ~0.75x with
+        # its deterministic pair; forward + backward 0.97-1.01x on SVD's spatial shapes), ~0.3x elsewhere
+        # (mma.sync): bench/notes/attention.md, versions 6-8 and 15.
         return (f"SDPA kept: q, k or v requires grad and vd's backward beyond {SHORT_MAX} tokens is slower than "
                 "SDPA's (options={'attention_kernels': 'vd'} forces vd)")
     if (lq is not None and lk is not None and d is not None and min(lq, lk) >= HOPPER_MIN and d <= HOPPER_MAX_DIM
