@@ -562,6 +562,7 @@ def test_kernels_cuda_over_2_31_elements(dtype, L, gib, tol):
     # 64-bit offsets: q, k, v and out each hold more than 2^31 elements (4.3 GB apiece in bf16); 14
     # rows run the short kernels (25 rows in fp32 the CUDA-core one), 64 the long ones (on Hopper the
     # wgmma kernels).
+    torch.cuda.empty_cache()  # earlier tests' cached blocks count as used
     free, _ = torch.cuda.mem_get_info()
     if free < gib * 2**30:
         pytest.skip(f"needs {gib} GiB of free GPU memory")
@@ -893,6 +894,7 @@ def test_backward_cuda_is_deterministic(L, D):
 def test_short_backward_cuda_over_2_31_elements():
     # 64-bit offsets in the short backward: q, k, v, dO and the gradients each hold more than 2^31
     # elements (4.3 GB apiece in bf16).
+    torch.cuda.empty_cache()  # earlier tests' cached blocks count as used
     free, _ = torch.cuda.mem_get_info()
     if free < 48 * 2**30:
         pytest.skip("needs 48 GiB of free GPU memory")
