@@ -2630,14 +2630,11 @@ __global__ void __launch_bounds__(kMmaThreads) attn_bwd_dq_mma_kernel(const Attn
 // Q, dO (dkdv) and K (dq) serve as the K-major B operand of the first products and as the MN-major B
 // of the gradient products from the same swizzled tile. dq runs first and computes delta for its rows
 // from O and dO (no separate launch), and writes (lse in log2 units, delta) pairs for dkdv.
-template <int DP, int BC_, int WG_ = 2, int S_ = 2>
-struct WgBwdTile {
-  static constexpr int WG = WG_;                          // consumer warpgroups (2 or 3)
-  static constexpr int threads = 128 * (WG + 1);
-  // At launch 168 (WG 2) or 128 (WG 3) registers a thread; the producer gives most of its back.
-  static constexpr int regs_producer = WG == 2 ? 40 : 24;
-  static constexpr int regs_consumer = WG == 2 ? 232 : 160;  // producer * 128 + consumer * 128 WG <= 65536
-  static constexpr int BR = 64 * WG;                      // resident rows a block owns
+// Their shared-memory layout (the fused kernel's tiles add their buffers after it): [K][V] resident, BR rows
+// each, [Q stages][dO stages] of BC rows, (lse2, delta) per stage, then the mbarriers.
+template <int DP, int BR_, int BC_, int S_>
+struct WgBwdLayout {
+  static constexpr int BR = BR_;                          // resident rows a block owns
   static constexpr int BC = BC_;                          // rows of a streamed tile
   static constexpr int kStages = S_;
   static constexpr int r_bytes = BR * DP * 2;             // one resident operand
@@ -2645,8 +2642,17 @@ struct WgBwdTile {
   static constexpr int vec_off = 2 * r_bytes + 2 * kStages * c_bytes;  // dkdv: (lse2, delta) [kStages][BC]
   static constexpr int vec_bytes = BC * 8;                               // one stage of them
   static constexpr int bar_off = vec_off + kStages * vec_bytes;
+};
+
+template <int DP, int BC_, int WG_ = 2, int S_ = 2>
+struct WgBwdTile : WgBwdLayout<DP, 64 * WG_, BC_, S_> {
+  static constexpr int WG = WG_;                          // consumer warpgroups (2 or 3)
+  static constexpr int threads = 128 * (WG + 1);
+  // At launch 168 (WG 2) or 128 (WG 3) registers a thread; the producer gives most of its back.
+  static constexpr int regs_producer = WG == 2 ? 40 : 24;
+  static constexpr int regs_consumer = WG == 2 ? 232 : 160;  // producer * 128 + consumer * 128 WG <= 65536
   // + the mbarriers (resident, full[S], empty[S]) and slack to align to 1024.
-  static constexpr size_t smem_bytes = bar_off + 8 * (1 + 2 * kStages) + 1024;
+  static constexpr size_t smem_bytes = WgBwdLayout<DP, 64 * WG_, BC_, S_>::bar_off + 8 * (1 + 2 * S_) + 1024;
 };
 
 // d (64 x N) (+)= A B^T with both operands from shared memory (K-major); N = 32 / 64 / 128.
@@ -2828,13 +2834,12 @@ struct WgFusedTile {
 template <int DP, int S_>
 struct WgFusedPairTile {
   static_assert(DP == 64, "two 64 x 128 S^T / dP^T accumulators and dK, dV, dQ fit 240 registers at head_dim 64");
-  static constexpr int WG = 2, threads = 128 * (WG + 1), BR = 128, BC = 128, kStages = S_;
+  using Base = WgBwdLayout<DP, 128, 128, S_>;
+  static constexpr int WG = 2, threads = 128 * (WG + 1), BR = Base::BR, BC = Base::BC, kStages = S_;
   static constexpr int regs_producer = 24, regs_consumer = 240;  // 24 * 128 + 240 * 256 <= 65536
   static constexpr bool kDqAll = true;
-  static constexpr int r_bytes = BR * DP * 2, c_bytes = BC * DP * 2;
-  static constexpr int vec_off = 2 * r_bytes + 2 * kStages * c_bytes;  // (lse2, delta) [kStages][BC]
-  static constexpr int vec_bytes = BC * 8;
-  static constexpr int bar_off = vec_off + kStages * vec_bytes;
+  static constexpr int r_bytes = Base::r_bytes, c_bytes = Base::c_bytes, vec_off = Base::vec_off,
+                       vec_bytes = Base::vec_bytes, bar_off = Base::bar_off;
   static constexpr int ds_off = (bar_off + 8 * (1 + 2 * kStages) + 1023) / 1024 * 1024;
   static constexpr int ds_bytes = BR * BC * 2;  // one dS^T buffer: [BC / 64 query atoms][BR key rows][128 B]
   static constexpr int dq_off = ds_off + 2 * ds_bytes;
@@ -3855,14 +3860,17 @@ bool wgmma_backward(const char* op, const at::Tensor& grad_out, const at::Tensor
     // 128-query tiles (two warpgroups, dQ by both). Both run at the same rate where neither pads
     // (bench/notes/attention.md, version 15), so the one with less padded work runs, 192 on a tie (a few
     // per cent ahead there over lengths 384-2304); VD_ATTENTION_BACKWARD=fused192 / fused128 pins one.
+    using F192 = WgFusedTile<64, 3, 2>;
+    using F128 = WgFusedPairTile<64, 2>;
+    auto padded = [](int64_t n, int64_t tile) { return ceil_div(n, tile) * tile; };
     const std::string choice = backward_choice();
     const bool fused = D <= 64 && !at::globalContext().deterministicAlgorithms() && choice != "pair";
     const bool fused128 = choice == "fused128" ||
-                          (choice != "fused192" && ceil_div(Lk, 128) * 128 * ceil_div(Lq, 128) * 128 <
-                                                       ceil_div(Lk, 192) * 192 * ceil_div(Lq, 64) * 64);
+                          (choice != "fused192" && padded(Lk, F128::BR) * padded(Lq, F128::BC) <
+                                                       padded(Lk, F192::BR) * padded(Lq, F192::BC));
     // (lse2, delta) pairs, written by the pair's dq kernel for its dk/dv kernel (BR of both tiles is a multiple
     // of 64: dq's blocks cover the padding) or by the fused path's prep kernel (rows padded to its tile).
-    a.Lq_pad = ceil_div(Lq, fused && fused128 ? 128 : 64) * (fused && fused128 ? 128 : 64);
+    a.Lq_pad = padded(Lq, fused && fused128 ? F128::BC : 64);
     at::Tensor lse_delta = at::empty({B * H * a.Lq_pad * 2}, q.options().dtype(at::kFloat));
     a.lse_delta = lse_delta.mutable_data_ptr<float>();
     a.o = view_of<const scalar_t>(o2);
@@ -3898,7 +3906,7 @@ bool wgmma_backward(const char* op, const at::Tensor& grad_out, const at::Tensor
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       return true;
     };
-    if (fused && (fused128 ? fused_path(WgFusedPairTile<64, 2>{}) : fused_path(WgFusedTile<64, 3, 2>{}))) return true;
+    if (fused && (fused128 ? fused_path(F128{}) : fused_path(F192{}))) return true;
     // The deterministic pair. Measured on the H200 (bench/notes/attention.md, version 7): three consumer
     // warpgroups where the registers allow it. dq: 64 queries x 64 keys a warpgroup; dkdv at head_dim 64:
     // 32 queries a tile (dK + dV + S^T + dP^T within 160 registers), 4 stages; at 128 dK + dV alone take
