@@ -66,8 +66,10 @@ def main():
                     q = torch.randn(B, H, Lq, D, device=dev, dtype=dtype)
                     k, v = (torch.randn(B, H, Lk, D, device=dev, dtype=dtype) for _ in range(2))
                     torch.ops.vd.fused_attention(q, k, v, None, None)
+                    torch.ops.vd.fused_attention(q, k, v, None, None, False)  # without the lse stores
                     with env_var("VD_ATTENTION_SHORT", "cpasync"):
                         torch.ops.vd.fused_attention(q, k, v, None, None)
+                        torch.ops.vd.fused_attention(q, k, v, None, None, False)
             if dtype == torch.float32:  # the fp32 FMA short kernel: head_dim % 8 == 4, a last key group of one key
                 q, k, v = (torch.randn(300, 3, n, 36, device=dev, dtype=dtype) for n in (29, 17, 17))
                 torch.ops.vd.fused_attention(q, k, v, torch.rand(29, 17, device=dev) > 0.3, None)

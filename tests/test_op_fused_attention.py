@@ -106,6 +106,8 @@ def sample_inputs(device, requires_grad):
     ]
     k_bcast = torch.randn(2, 1, 23, 16, device=device).expand(2, 3, 23, 16)  # stride-0 heads
     samples.append((q.detach(), k_bcast, v.detach()))
+    if not requires_grad:  # no lse, no backward
+        samples += [(q, k, v, None, None, False), (*qkv(2, 3, 14, 14, 16, layout="bnhd"), bool_mask[:14, :14], 0.3, False)]
     return samples
 
 
@@ -395,6 +397,56 @@ def test_wrapper_returns_op_output():
     assert torch.equal(fused_attention(q, k, v, None, 0.3), OP(q, k, v, None, 0.3)[0])
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape,layout,mask_kind", [
+    ((3, 2, 14, 14, 64), "bnhd", None),        # the short kernels
+    ((2, 2, 25, 25, 40), "contiguous", "bool"),
+    ((1, 2, 70, 90, 64), "packed_kv", "float"),  # the long-sequence kernels
+])
+def test_compute_lse_false_returns_the_same_out_and_an_empty_lse(device, dtype, shape, layout, mask_kind):
+    B, H, Lq, Lk, D = shape
+    gen = torch.Generator(device=device).manual_seed(sum(shape))
+    q, k, v = make_qkv(B, H, Lq, Lk, D, dtype, layout, device, gen)
+    mask = make_mask(mask_kind, (B, H, Lq, Lk), [True, False, True, True], 0, dtype, device, gen)
+    out, lse = OP(q, k, v, mask, None)
+    out_only, no_lse = OP(q, k, v, mask, None, compute_lse=False)
+    assert torch.equal(out_only, out)
+    assert no_lse.shape == (B, H, 0) and no_lse.dtype == lse.dtype and no_lse.device == lse.device
+
+
+def test_compute_lse_false_has_no_backward():
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (t.requires_grad_() for t in make_qkv(1, 2, 5, 6, 8, gen=gen))
+    out, _ = OP(q, k, v, None, None, False)  # the forward itself is fine (inference on trainable tensors)
+    with pytest.raises(RuntimeError, match="compute_lse=False"):
+        out.sum().backward()
+
+
+class _RecordOps(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls.append((func, args, kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("grad_mode,requires_grad,expected", [
+    (True, True, True), (False, True, False), (True, False, False)])
+def test_wrapper_asks_for_the_lse_only_when_a_gradient_can_flow(grad_mode, requires_grad, expected):
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = make_qkv(1, 2, 5, 6, 8, gen=gen)
+    q.requires_grad_(requires_grad)
+    with torch.set_grad_enabled(grad_mode), _RecordOps() as rec:
+        fused_attention(q, k, v)
+    (call,) = [(a, kw) for f, a, kw in rec.calls if f is OP]
+    args, kwargs = call
+    compute_lse = args[5] if len(args) > 5 else kwargs.get("compute_lse", True)  # a default may be left out
+    assert compute_lse is expected
+
+
 def test_float64_precision():
     gen = torch.Generator().manual_seed(0)
     q, k, v = make_qkv(2, 2, 50, 90, 24, torch.float64, "bnhd", gen=gen)
@@ -533,6 +585,11 @@ def test_short_kernel_cuda_matches_reference(kernel, dtype, shape, layout, mask_
     names = cuda_kernels_run(lambda: OP(q, k, v, mask))
     assert any(expected + "<" in n for n in names), sorted(set(names))
     check_cuda_against_reference(q, k, v, mask, dtype)
+    # compute_lse=False: the same kernel without the lse stores, the same out.
+    names = cuda_kernels_run(lambda: OP(q, k, v, mask, None, False))
+    assert any(expected + "<" in n for n in names), sorted(set(names))
+    out_only, no_lse = OP(q, k, v, mask, None, False)
+    assert torch.equal(out_only, OP(q, k, v, mask)[0]) and no_lse.shape == (B, H, 0)
 
 
 @needs_cuda

@@ -81,7 +81,7 @@ def forward(hidden_states, to_k.weight, to_out.0.bias, to_out.0.weight, to_q.wei
     v6 = v5.transpose(1, 2)
     v7 = v2.view(2, -1, 4, 8)
     v8 = v7.transpose(1, 2)
-    v9 = vd.fused_attention(v4, v6, v8, None, None)
+    v9 = vd.fused_attention(v4, v6, v8, None, None, True)
     v10 = operator.getitem(v9, 0)
     v11 = v10.transpose(1, 2)
     v12 = v11.reshape(2, -1, 32)
@@ -155,7 +155,7 @@ def forward(hidden_states, to_k.weight, to_out.0.bias, to_out.0.weight, to_q.wei
     v6 = v5.transpose(1, 2)
     v7 = v2.view(2, 10, 4, 8)
     v8 = v7.transpose(1, 2)
-    v9 = vd.fused_attention(v4, v6, v8, None, 0.3535533905932738)
+    v9 = vd.fused_attention(v4, v6, v8, None, 0.3535533905932738, True)
     v10 = operator.getitem(v9, 0)
     v11 = v10.reshape(8, 10, 8)
     v12 = v11.reshape(2, 4, 10, 8)
@@ -212,9 +212,28 @@ class TestNaive(TestCase):
         assert_fired(out, {"attention": 1})
         self.assertExpectedInline(code(out), """\
 def forward(k, q, v):
-    v0 = vd.fused_attention(q, k, v, None, 0.35355339059327373)
+    v0 = vd.fused_attention(q, k, v, None, 0.35355339059327373, True)
     v1 = operator.getitem(v0, 0)
     return (v1,)""")
+
+    def test_lse_only_where_a_gradient_can_flow(self):
+        # No input of the op requires grad in dynamo's graph: no backward can run through it, so the
+        # rewrite asks it for no lse (the short kernels then skip its writes); with a gradient, it does.
+        # Under no_grad the projections' outputs require no grad although the weights do.
+        q, k, v = (torch.randn(2, 3, 6, 8) for _ in range(3))
+        for model in (Naive("div"), SDPA()):
+            out, graphs = rewrite(model, q, k, v)
+            assert_fired(out, {"attention": 1})
+            self.assertRegex(graphs[0], r"vd\.fused_attention\(.*, False\)")
+            out, graphs = rewrite(model, q, k, v.requires_grad_())
+            v.requires_grad_(False)
+            assert_fired(out, {"attention": 1})
+            self.assertRegex(graphs[0], r"vd\.fused_attention\(.*, True\)")
+        a = _attn(AttnProcessor()).eval()
+        with torch.no_grad():
+            out, graphs = rewrite(a, torch.randn(2, 10, 32))
+        assert_fired(out, {"attention": 1})
+        self.assertRegex(graphs[0], r"vd\.fused_attention\(.*, False\)")
 
     def test_probabilities_escape(self):
         q, k, v = self._qkv(4)

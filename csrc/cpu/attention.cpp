@@ -459,13 +459,14 @@ at::Tensor new_lse(const at::Tensor& q) {
 std::tuple<at::Tensor, at::Tensor> fused_attention_cpu(const at::Tensor& q, const at::Tensor& k,
                                                        const at::Tensor& v,
                                                        const std::optional<at::Tensor>& attn_mask,
-                                                       std::optional<double> scale) {
+                                                       std::optional<double> scale, bool compute_lse) {
   check_attention(q, k, v, kFusedOp);
   const double sc = attention_scale(scale, q.size(3), kFusedOp);
   const at::Tensor mask = expand_attention_mask(attn_mask, q, k, kFusedOp);
   at::Tensor out = new_output(q, q);
   at::Tensor lse = new_lse(q);
   attention_forward(q, k, v, mask, sc, out, lse);
+  if (!compute_lse) return {out, at::empty({q.size(0), q.size(1), 0}, lse.options())};  // the same math, lse dropped
   return {out, lse};
 }
 

@@ -1112,7 +1112,7 @@ __global__ void __launch_bounds__(ShortTile<LP, DP>::warps * 32)
           if (d < D)
             *reinterpret_cast<unsigned*>(Qs + row * LDS + d) = MT_::pack(o[j][2 * rr] * inv, o[j][2 * rr + 1] * inv);
         }
-        if (tig == 0)
+        if (tig == 0 && a.lse_out != nullptr)  // nullptr: compute_lse=False
           a.lse_out[p * Lq + row] = l[rr] == 0.f ? neg_inf<float>() : (mx[rr] + log2f(l[rr])) * kLn2;  // NaN stays
       }
     }
@@ -1315,7 +1315,7 @@ __global__ void __launch_bounds__(ShortTmaTile<LP>::warps * 32, 1)
           const unsigned v = MT_::pack(o[mt][j][2 * rr] * inv, o[mt][j][2 * rr + 1] * inv);
           asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sO + row * 128 + ((j ^ g) << 4) + tig * 4), "r"(v) : "memory");
         }
-        if (tig == 0 && row < Lq)
+        if (tig == 0 && row < Lq && a.lse_out != nullptr)  // nullptr: compute_lse=False
           a.lse_out[static_cast<int64_t>(p) * Lq + row] =
               l[mt][rr] == 0.f ? neg_inf<float>() : (mx[mt][rr] + log2f(l[mt][rr])) * kLn2;  // NaN stays
       }
@@ -3690,7 +3690,8 @@ bool short_tma_forward(const char* op, const at::Tensor& q, const at::Tensor& k,
 // multiple of 8. Returns false where another kernel is used.
 template <typename scalar_t>
 bool short_forward(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                   const at::Tensor& mask, double scale, at::Tensor& out, at::Tensor& lse, cudaStream_t stream) {
+                   const at::Tensor& mask, double scale, at::Tensor& out, at::Tensor& lse, bool compute_lse,
+                   cudaStream_t stream) {
   if constexpr (!std::is_same_v<scalar_t, at::Half> && !std::is_same_v<scalar_t, at::BFloat16>) {
     return false;
   } else {
@@ -3699,7 +3700,9 @@ bool short_forward(const char* op, const at::Tensor& q, const at::Tensor& k, con
     const at::Tensor q2 = mma_ready(q), k2 = mma_ready(k), v2 = mma_ready(v);
     auto a = base_args<scalar_t, float>(q2, k2, v2, mask, scale);
     a.out = out.mutable_data_ptr<scalar_t>();
-    a.lse_out = lse.mutable_data_ptr<float>();
+    // Without compute_lse these kernels skip the lse: at 25 frames its 4-byte row stores cost 2.5 % of
+    // the copy-engine kernel's time, three times their share of the bytes (bench/notes/attention.md, version 16).
+    a.lse_out = compute_lse ? lse.mutable_data_ptr<float>() : nullptr;
     const int64_t P = B * H;
     if (short_tma_forward<scalar_t>(op, q2, k2, v2, mask, a, out, stream)) return true;
     dispatch_short(Lq, Lk, D, [&](auto lp, auto dp) {
@@ -3952,16 +3955,20 @@ bool short_backward(const char* op, const at::Tensor& grad_out, const at::Tensor
 }
 
 // q, k, v already validated; mask undefined or expanded to (B, H, Lq, Lk).
+// Without compute_lse the returned lse is empty, (B, H, 0); kernels other than the short ones still write
+// theirs, into a buffer that is dropped.
 std::tuple<at::Tensor, at::Tensor> attention_forward(const char* op, const at::Tensor& q, const at::Tensor& k,
-                                                     const at::Tensor& v, const at::Tensor& mask, double scale) {
+                                                     const at::Tensor& v, const at::Tensor& mask, double scale,
+                                                     bool compute_lse = true) {
   const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), D = q.size(3);
   at::Tensor out = at::empty({B, H, Lq, D}, q.options());
   at::Tensor lse = at::empty({B, H, Lq}, q.options().dtype(attention_lse_dtype(q)));
-  if (B * H == 0) return {out, lse};
+  const at::Tensor no_lse = compute_lse ? at::Tensor() : at::empty({B, H, 0}, lse.options());
+  if (B * H == 0) return {out, compute_lse ? lse : no_lse};
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "fused_attention_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    if (short_forward<scalar_t>(op, q, k, v, mask, scale, out, lse, stream)) return;
+    if (short_forward<scalar_t>(op, q, k, v, mask, scale, out, lse, compute_lse, stream)) return;
     if (wgmma_forward<scalar_t>(op, q, k, v, mask, scale, out, lse, stream)) return;
     if (mma_forward<scalar_t>(op, q, k, v, mask, scale, out, lse, stream)) return;
     if (tf32_forward(op, q, k, v, mask, scale, out, lse, stream)) return;
@@ -3977,7 +3984,7 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(const char* op, const at::T
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   });
-  return {out, lse};
+  return {out, compute_lse ? lse : no_lse};
 }
 
 // Writes dq (returned, contiguous) and dk / dv into the given (B, H, Lk, D) views.
@@ -4029,11 +4036,11 @@ at::Tensor attention_backward(const char* op, const at::Tensor& grad_out, const 
 
 std::tuple<at::Tensor, at::Tensor> fused_attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                         const std::optional<at::Tensor>& attn_mask,
-                                                        std::optional<double> scale) {
+                                                        std::optional<double> scale, bool compute_lse) {
   check_attention(q, k, v, kFusedOp);
   const c10::cuda::CUDAGuard guard(q.device());
   const at::Tensor mask = expand_attention_mask(attn_mask, q, k, kFusedOp);
-  return attention_forward(kFusedOp, q, k, v, mask, attention_scale(scale, q.size(3), kFusedOp));
+  return attention_forward(kFusedOp, q, k, v, mask, attention_scale(scale, q.size(3), kFusedOp), compute_lse);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_attention_backward_cuda(

@@ -2,7 +2,10 @@ r"""vd ops of the attention family: fused (masked) attention and strided (key-su
 
 Both ops return ``(out, lse)``; ``torch.ops.vd.fused_attention(q, k, v)[0]`` (likewise for
 ``strided_attention``) is the attention output, ``[1]`` the log-sum-exp of each query row's scaled,
-masked scores. The Python wrappers below return the output only.
+masked scores. ``fused_attention(..., compute_lse=False)`` returns an empty (B, H, 0) lse instead (no
+backward is then possible): for inference, where the lse is not needed and the short-sequence kernels
+save its writes. The Python wrappers below return the output only, and ask for the lse only when a
+gradient may be needed.
 """
 from __future__ import annotations
 
@@ -52,9 +55,15 @@ def fused_attention(
 
     The underlying op ``torch.ops.vd.fused_attention`` returns ``(out, lse)`` with
     :math:`\mathrm{lse}_i = \log \sum_j \exp S_{ij}`, shape (B, H, Lq), float32 (float64 for
-    float64 inputs); its ``[0]`` is this function's result.
+    float64 inputs); its ``[0]`` is this function's result. This function passes
+    ``compute_lse=False`` when no gradient can flow (grad mode off, or no input requires grad).
     """
-    return torch.ops.vd.fused_attention.default(q, k, v, attn_mask, scale)[0]
+    return torch.ops.vd.fused_attention.default(q, k, v, attn_mask, scale, _lse_needed(q, k, v, attn_mask))[0]
+
+
+def _lse_needed(*tensors) -> bool:
+    """Whether a backward through the op may run: grad mode is on and a tensor input requires grad."""
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
 
 
 def strided_attention(
@@ -166,9 +175,9 @@ def _check_backward(grad_out, q, out, lse, grad_lse, op):
                      f"{list(lse_shape)}, got {list(t.shape)}")
 
 
-def _forward_outputs(q):
+def _forward_outputs(q, compute_lse=True):
     B, H, Lq, D = q.shape
-    return q.new_empty((B, H, Lq, D)), q.new_empty((B, H, Lq), dtype=compute_dtype(q.dtype))
+    return q.new_empty((B, H, Lq, D)), q.new_empty((B, H, Lq if compute_lse else 0), dtype=compute_dtype(q.dtype))
 
 
 def _backward_outputs(q, k):
@@ -178,12 +187,12 @@ def _backward_outputs(q, k):
 
 
 @torch.library.register_fake(_FUSED)
-def _fused_attention_fake(q, k, v, attn_mask=None, scale=None):
+def _fused_attention_fake(q, k, v, attn_mask=None, scale=None, compute_lse=True):
     _check_attention(q, k, v, _FUSED)
     _check_scale(scale, _FUSED)
     if attn_mask is not None:
         _check_mask(attn_mask, q, k, _FUSED)
-    return _forward_outputs(q)
+    return _forward_outputs(q, compute_lse)
 
 
 @torch.library.register_fake(_FUSED_BWD)
@@ -233,13 +242,18 @@ def _mask_grad(grad_out, q, k, v, out, lse, attn_mask, scale, grad_lse):
 
 
 def _fused_setup_context(ctx, inputs, output):
-    q, k, v, attn_mask, scale = pad_inputs(inputs, 3, (None, None))
+    q, k, v, attn_mask, scale, compute_lse = pad_inputs(inputs, 3, (None, None, True))
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, attn_mask)
     ctx.scale = scale
+    ctx.compute_lse = compute_lse
 
 
 def _fused_backward(ctx, grad_out, grad_lse):
+    if not ctx.compute_lse:
+        # Raised here, not in the forward: inference on tensors that require grad is fine.
+        raise RuntimeError("vd::fused_attention: the backward needs the lse, which this call did not compute "
+                           "(compute_lse=False); call the op with compute_lse=True when gradients are needed")
     q, k, v, out, lse, attn_mask = ctx.saved_tensors
     if grad_out is None:
         grad_out = torch.zeros_like(out)
@@ -249,7 +263,7 @@ def _fused_backward(ctx, grad_out, grad_lse):
     dmask = None
     if len(need) > 3 and need[3]:
         dmask = _mask_grad(grad_out, q, k, v, out, lse, attn_mask, ctx.scale, grad_lse)
-    return grads_for(ctx, dq, dk, dv, dmask, None)
+    return grads_for(ctx, dq, dk, dv, dmask, None, None)
 
 
 torch.library.register_autograd(_FUSED, _fused_backward, setup_context=_fused_setup_context)

@@ -49,8 +49,8 @@ def _pattern_sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
                                           is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
 
 
-def _replacement_sdpa(q, k, v, attn_mask, scale):
-    return torch.ops.vd.fused_attention.default(q, k, v, attn_mask, scale)[0]
+def _replacement_sdpa(q, k, v, attn_mask, scale, compute_lse):
+    return torch.ops.vd.fused_attention.default(q, k, v, attn_mask, scale, compute_lse)[0]
 
 
 def _sdpa_flags(m: Match) -> str | None:
@@ -107,8 +107,16 @@ def _mask_ok(mask, q, k) -> str | None:
 
 def _check_sdpa(m: Match):
     q, k, v, mask = m.val("q"), m.val("k"), m.val("v"), m.val("attn_mask")
+    _set_compute_lse(m, "q", "k", "v", "attn_mask")
     return (_sdpa_flags(m) or _shapes(q, k, v) or _mask_ok(mask, q, k)
             or kernel_missing(_OP, q, k, v) or _same_device(mask, q) or _sdpa_faster(m, q, k))
+
+
+def _set_compute_lse(m: Match, *names):
+    """The replacement asks for the lse only where the graph needs a gradient through the op (an input
+    requires grad in dynamo's graph); inference graphs call compute_lse=False, which spares the
+    short-sequence kernels its writes."""
+    m.extra["compute_lse"] = any(requires_grad(m[n]) for n in names)
 
 
 SHORT_MAX = 32  # q_len and kv_len up to which vd's short-sequence CUDA kernel is used
@@ -247,11 +255,11 @@ def _pattern_bmm_split(q, k, v, bias, beta, alpha, dtype, b, h, d, bh, lq, lk):
     return torch.bmm(scores.softmax(dim=-1).to(dtype), v3)
 
 
-def _replacement_bmm_split(q, k, v, alpha, b, h, d, bh, lq, lk):
+def _replacement_bmm_split(q, k, v, alpha, b, h, d, bh, lq, lk, compute_lse):
     q4 = q.view(b, lq, h, d).transpose(1, 2)
     k4 = k.view(b, lk, h, d).transpose(1, 2)
     v4 = v.view(b, lk, h, d).transpose(1, 2)
-    return torch.ops.vd.fused_attention.default(q4, k4, v4, None, alpha)[0].reshape(bh, lq, d)
+    return torch.ops.vd.fused_attention.default(q4, k4, v4, None, alpha, compute_lse)[0].reshape(bh, lq, d)
 
 
 def _pattern_bmm(q, k, v, bias, beta, alpha, dtype):
@@ -259,8 +267,9 @@ def _pattern_bmm(q, k, v, bias, beta, alpha, dtype):
     return torch.bmm(scores.softmax(dim=-1).to(dtype), v)
 
 
-def _replacement_bmm(q, k, v, alpha):
-    out = torch.ops.vd.fused_attention.default(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), None, alpha)[0]
+def _replacement_bmm(q, k, v, alpha, compute_lse):
+    out = torch.ops.vd.fused_attention.default(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), None, alpha,
+                                               compute_lse)[0]
     return out.squeeze(0)
 
 
@@ -381,10 +390,10 @@ def _naive(scale_form: str, masked: bool, cast: bool):
             p = p.to(dtype)
         return torch.matmul(p, v)
 
-    def replacement(q, k, v, scale_value, squeeze):
+    def replacement(q, k, v, scale_value, squeeze, compute_lse):
         if squeeze:
             q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
-        out = torch.ops.vd.fused_attention.default(q, k, v, None, scale_value)[0]
+        out = torch.ops.vd.fused_attention.default(q, k, v, None, scale_value, compute_lse)[0]
         return out.squeeze(0) if squeeze else out
 
     def check(m: Match):
@@ -399,6 +408,7 @@ def _naive(scale_form: str, masked: bool, cast: bool):
         m.extra["scale_value"] = float(scale) if scale_form != "div" else 1.0 / float(scale)
         squeeze = q.dim() == 3
         m.extra["squeeze"] = squeeze
+        _set_compute_lse(m, "q", "k", "v")
         if cast and m["dtype"] != q.dtype:
             return "softmax output cast to another dtype"
         q4, k4, v4 = (t.unsqueeze(0) if squeeze else t for t in (q, k, v))
@@ -411,6 +421,7 @@ def _naive(scale_form: str, masked: bool, cast: bool):
 def _vd_bmm(check):
     """A bmm form's check for the vd rewrite (the single-key ones share the structural checks)."""
     def run(m: Match):
+        _set_compute_lse(m, "q", "k", "v")
         reason = check(m)
         return reason if reason is not None else _unfused_faster(m, m.val("q"))
     return run
