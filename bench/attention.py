@@ -64,8 +64,8 @@ def peers():
     except Exception:  # not installed, or no kernel for this GPU
         pass
     # Inference calls, as the backend's pass makes them where no gradient can flow (and as SDPA itself skips
-    # its log-sum-exp then): no lse. vd_lse: with the lse, as a training forward (short shapes only: beyond
-    # 32 tokens the kernels write it either way).
+    # its log-sum-exp then): no lse. vd_lse: with the lse, as a training forward (short shapes only: only the
+    # fp16 / bf16 short kernels skip it, the others write it either way).
     fns["vd"] = lambda q, k, v, s: torch.ops.vd.fused_attention(q, k, v, None, s, compute_lse=False)[0]
     fns["vd_lse"] = lambda q, k, v, s: torch.ops.vd.fused_attention(q, k, v, None, s)[0]
     fns["vd_mma"] = with_env("VD_ATTENTION_KERNEL", "mma", fns["vd"])  # the mma.sync kernel, also on Hopper

@@ -28,8 +28,8 @@ TORCH_LIBRARY(vd, m) {
   m.set_python_module("vdcompile.ops.attention");
   // softmax(q k^T * scale + mask) v over (B, H, L, D); returns (out, lse) where lse is the
   // log-sum-exp of the scaled, masked scores per query row, shape (B, H, Lq), float32 (float64 for
-  // float64 inputs). compute_lse=False (inference: no backward) returns an empty (B, H, 0) lse, which
-  // spares the short kernels its writes.
+  // float64 inputs). compute_lse=False (inference) returns an empty (B, H, 0) lse, which spares the fp16 /
+  // bf16 short-sequence CUDA kernels its writes; a backward then recomputes it.
   m.def("fused_attention(Tensor q, Tensor k, Tensor v, Tensor? attn_mask=None, float? scale=None, "
         "bool compute_lse=True) -> (Tensor, Tensor)");
   m.def("fused_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, "

@@ -415,12 +415,30 @@ def test_compute_lse_false_returns_the_same_out_and_an_empty_lse(device, dtype, 
     assert no_lse.shape == (B, H, 0) and no_lse.dtype == lse.dtype and no_lse.device == lse.device
 
 
-def test_compute_lse_false_has_no_backward():
+@pytest.mark.parametrize("compiled", [False, True])
+def test_compute_lse_false_backward_recomputes_the_lse(compiled):
+    # A gradient through a call without the lse (AOTAutograd traces one for any compiled call on inputs that
+    # require grad): the backward recomputes the lse; gradients as with it, also of a float mask.
     gen = torch.Generator().manual_seed(0)
-    q, k, v = (t.requires_grad_() for t in make_qkv(1, 2, 5, 6, 8, gen=gen))
-    out, _ = OP(q, k, v, None, None, False)  # the forward itself is fine (inference on trainable tensors)
-    with pytest.raises(RuntimeError, match="compute_lse=False"):
-        out.sum().backward()
+    q, k, v = make_qkv(2, 2, 5, 6, 8, gen=gen)
+    mask = torch.randn(5, 6, generator=gen)
+    g = torch.randn(2, 2, 5, 8, generator=gen)
+
+    def grads(compute_lse):
+        leaves = [t.detach().requires_grad_() for t in (q, k, v, mask)]
+        fn = lambda *a: OP(*a, None, compute_lse)[0]  # noqa: E731
+        out = (torch.compile(fn, backend="aot_eager", fullgraph=True) if compiled else fn)(*leaves)
+        return torch.autograd.grad(out, leaves, g)
+
+    for got, want in zip(grads(False), grads(True)):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("device", [*DEVICES, "meta"])
+def test_compute_lse_false_empty_batch(device):
+    q = torch.randn(0, 3, 5, 8, device=device, dtype=torch.float64)
+    out, lse = OP(q, q, q, None, None, False)
+    assert out.shape == (0, 3, 5, 8) and lse.shape == (0, 3, 0) and lse.dtype == torch.float64
 
 
 class _RecordOps(torch.utils._python_dispatch.TorchDispatchMode):

@@ -229,6 +229,9 @@ def forward(k, q, v):
             v.requires_grad_(False)
             assert_fired(out, {"attention": 1})
             self.assertRegex(graphs[0], r"vd\.fused_attention\(.*, True\)")
+        out, graphs = rewrite(SDPA(), q, k, v, torch.randn(1, 3, 6, 6).requires_grad_())  # only the mask
+        assert_fired(out, {"attention": 1})
+        self.assertRegex(graphs[0], r"vd\.fused_attention\(.*, True\)")
         a = _attn(AttnProcessor()).eval()
         with torch.no_grad():
             out, graphs = rewrite(a, torch.randn(2, 10, 32))

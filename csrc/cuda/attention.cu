@@ -150,7 +150,7 @@ struct AttnArgs {
   View4<const scalar_t> dout, o;  // backward: grad_out and the forward's out
   MaskView mask;
   scalar_t* out;                  // forward: contiguous (B, H, Lq, D)
-  acc_t* lse_out;                 // forward: (B, H, Lq)
+  acc_t* lse_out;                 // forward: (B, H, Lq); nullptr from short_forward when compute_lse=False
   const acc_t* lse;               // backward: contiguous (B, H, Lq)
   const acc_t* grad_lse;          // backward: contiguous (B, H, Lq) or nullptr
   acc_t* delta;                   // backward: rowsum(dO * O) - grad_lse, (B, H, Lq)
@@ -3955,8 +3955,8 @@ bool short_backward(const char* op, const at::Tensor& grad_out, const at::Tensor
 }
 
 // q, k, v already validated; mask undefined or expanded to (B, H, Lq, Lk).
-// Without compute_lse the returned lse is empty, (B, H, 0); kernels other than the short ones still write
-// theirs, into a buffer that is dropped.
+// Without compute_lse the returned lse is empty, (B, H, 0); the fp16 / bf16 short kernels skip it, every
+// other kernel (the fp32 short ones included) writes into a buffer that is dropped.
 std::tuple<at::Tensor, at::Tensor> attention_forward(const char* op, const at::Tensor& q, const at::Tensor& k,
                                                      const at::Tensor& v, const at::Tensor& mask, double scale,
                                                      bool compute_lse = true) {

@@ -2,9 +2,9 @@ r"""vd ops of the attention family: fused (masked) attention and strided (key-su
 
 Both ops return ``(out, lse)``; ``torch.ops.vd.fused_attention(q, k, v)[0]`` (likewise for
 ``strided_attention``) is the attention output, ``[1]`` the log-sum-exp of each query row's scaled,
-masked scores. ``fused_attention(..., compute_lse=False)`` returns an empty (B, H, 0) lse instead (no
-backward is then possible): for inference, where the lse is not needed and the short-sequence kernels
-save its writes. The Python wrappers below return the output only, and ask for the lse only when a
+masked scores. ``fused_attention(..., compute_lse=False)`` returns an empty (B, H, 0) lse instead: for
+inference, where the lse is not needed and the fp16 / bf16 short-sequence CUDA kernels save its writes (a
+backward through such a call still works, at the cost of recomputing the forward for the lse). The Python wrappers below return the output only, and ask for the lse only when a
 gradient may be needed.
 """
 from __future__ import annotations
@@ -250,11 +250,12 @@ def _fused_setup_context(ctx, inputs, output):
 
 
 def _fused_backward(ctx, grad_out, grad_lse):
-    if not ctx.compute_lse:
-        # Raised here, not in the forward: inference on tensors that require grad is fine.
-        raise RuntimeError("vd::fused_attention: the backward needs the lse, which this call did not compute "
-                           "(compute_lse=False); call the op with compute_lse=True when gradients are needed")
     q, k, v, out, lse, attn_mask = ctx.saved_tensors
+    if not ctx.compute_lse:
+        # compute_lse=False with a gradient after all (e.g. AOTAutograd traces the backward of any compiled
+        # call on inputs that require grad): recompute the lse, one more forward; the empty lse has no gradient.
+        lse = torch.ops.vd.fused_attention.default(q, k, v, attn_mask, ctx.scale)[1]
+        grad_lse = None
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     dq, dk, dv = torch.ops.vd.fused_attention_backward.default(
