@@ -2642,6 +2642,8 @@ struct WgBwdLayout {
   static constexpr int vec_off = 2 * r_bytes + 2 * kStages * c_bytes;  // dkdv: (lse2, delta) [kStages][BC]
   static constexpr int vec_bytes = BC * 8;                               // one stage of them
   static constexpr int bar_off = vec_off + kStages * vec_bytes;
+  static constexpr int bar_end = bar_off + 8 * (1 + 2 * kStages);      // mbarriers: resident, full[S], empty[S]
+  static constexpr bool kDqAll = false;  // fused tiles: whether every warpgroup computes dQ each tile
 };
 
 template <int DP, int BC_, int WG_ = 2, int S_ = 2>
@@ -2651,8 +2653,8 @@ struct WgBwdTile : WgBwdLayout<DP, 64 * WG_, BC_, S_> {
   // At launch 168 (WG 2) or 128 (WG 3) registers a thread; the producer gives most of its back.
   static constexpr int regs_producer = WG == 2 ? 40 : 24;
   static constexpr int regs_consumer = WG == 2 ? 232 : 160;  // producer * 128 + consumer * 128 WG <= 65536
-  // + the mbarriers (resident, full[S], empty[S]) and slack to align to 1024.
-  static constexpr size_t smem_bytes = WgBwdLayout<DP, 64 * WG_, BC_, S_>::bar_off + 8 * (1 + 2 * S_) + 1024;
+  // + slack to align to 1024.
+  static constexpr size_t smem_bytes = WgBwdLayout<DP, 64 * WG_, BC_, S_>::bar_end + 1024;
 };
 
 // d (64 x N) (+)= A B^T with both operands from shared memory (K-major); N = 32 / 64 / 128.
@@ -2808,21 +2810,16 @@ __device__ __forceinline__ void wg_reduce_dq(float* dst, float4* stage_dq, uint3
 // attn_bwd_prep_kernel computes the (lse2, delta) pairs and zeroes the accumulator first;
 // attn_bwd_dq_finish_kernel scales and converts it to dq.
 template <int DP, int WG_, int S_>
-struct WgFusedTile {
+struct WgFusedTile : WgBwdTile<DP, 64, WG_, S_> {  // one reader warpgroup a tile (kDqAll false)
   using Base = WgBwdTile<DP, 64, WG_, S_>;
-  static constexpr int WG = WG_, threads = Base::threads, BR = Base::BR, BC = 64, kStages = S_;
-  static constexpr int regs_producer = Base::regs_producer, regs_consumer = Base::regs_consumer;
-  static constexpr int r_bytes = Base::r_bytes, c_bytes = Base::c_bytes, vec_off = Base::vec_off,
-                       vec_bytes = Base::vec_bytes, bar_off = Base::bar_off;
-  static constexpr int ds_off = (bar_off + 8 * (1 + 2 * kStages) + 1023) / 1024 * 1024;
-  static constexpr int ds_bytes = BR * BC * 2;          // one dS^T buffer: BR key rows of 64 queries
-  static constexpr int dq_off = ds_off + WG * ds_bytes;
-  static constexpr int dq_bytes = BC * DP * 4;          // one warpgroup's dQ staging (float32)
-  static constexpr size_t smem_bytes = dq_off + WG * dq_bytes + 1024;
+  static constexpr int ds_off = (Base::bar_end + 1023) / 1024 * 1024;
+  static constexpr int ds_bytes = Base::BR * 64 * 2;    // one dS^T buffer: BR key rows of 64 queries
+  static constexpr int dq_off = ds_off + WG_ * ds_bytes;
+  static constexpr int dq_bytes = 64 * DP * 4;          // one warpgroup's dQ staging (float32)
+  static constexpr size_t smem_bytes = dq_off + WG_ * dq_bytes + 1024;
   // Named barrier ids: ready[WG], free[WG], then one per warpgroup.
-  static constexpr int bar_ready = 1, bar_free = 1 + WG, bar_wg = 1 + 2 * WG;
-  static_assert(bar_wg + WG <= 16, "named barriers");
-  static constexpr bool kDqAll = false;  // one reader warpgroup a tile
+  static constexpr int bar_ready = 1, bar_free = 1 + WG_, bar_wg = 1 + 2 * WG_;
+  static_assert(bar_wg + WG_ <= 16, "named barriers");
 };
 
 // The fused backward in FlashAttention-3's layout (head_dim <= 64): two consumer warpgroups with 240
@@ -2832,16 +2829,14 @@ struct WgFusedTile {
 // into the tile's buffer (two, alternating by tile parity), one named barrier of both, then dQ's product
 // runs on the tensor cores while dV / dK finish. The query rows are padded to 128 (Lq_pad).
 template <int DP, int S_>
-struct WgFusedPairTile {
+struct WgFusedPairTile : WgBwdLayout<DP, 128, 128, S_> {
   static_assert(DP == 64, "two 64 x 128 S^T / dP^T accumulators and dK, dV, dQ fit 240 registers at head_dim 64");
   using Base = WgBwdLayout<DP, 128, 128, S_>;
-  static constexpr int WG = 2, threads = 128 * (WG + 1), BR = Base::BR, BC = Base::BC, kStages = S_;
+  static constexpr int WG = 2, threads = 128 * (WG + 1);
   static constexpr int regs_producer = 24, regs_consumer = 240;  // 24 * 128 + 240 * 256 <= 65536
   static constexpr bool kDqAll = true;
-  static constexpr int r_bytes = Base::r_bytes, c_bytes = Base::c_bytes, vec_off = Base::vec_off,
-                       vec_bytes = Base::vec_bytes, bar_off = Base::bar_off;
-  static constexpr int ds_off = (bar_off + 8 * (1 + 2 * kStages) + 1023) / 1024 * 1024;
-  static constexpr int ds_bytes = BR * BC * 2;  // one dS^T buffer: [BC / 64 query atoms][BR key rows][128 B]
+  static constexpr int ds_off = (Base::bar_end + 1023) / 1024 * 1024;
+  static constexpr int ds_bytes = Base::BR * Base::BC * 2;  // one dS^T buffer: [BC / 64 query atoms][BR key rows][128 B]
   static constexpr int dq_off = ds_off + 2 * ds_bytes;
   static constexpr int dq_bytes = 64 * DP * 4;  // one warpgroup's dQ staging (float32)
   static constexpr size_t smem_bytes = dq_off + WG * dq_bytes + 1024;
@@ -2861,10 +2856,7 @@ __device__ __forceinline__ void wg_dkdv_block(const AttnArgs<scalar_t, float>& a
                                               const CUtensorMap& tdo) {
   constexpr int BR = T::BR, BC = T::BC, S = T::kStages, WG = T::WG;
   // dQ by every warpgroup each tile (WgFusedPairTile), else by one reader a tile.
-  constexpr bool kAll = [] {
-    if constexpr (kDq) return T::kDqAll;
-    else return false;
-  }();
+  constexpr bool kAll = kDq && T::kDqAll;
   constexpr int NS = BC / 2, NA = DP / 2;  // S^T (dP^T) and dK (dV) accumulators a thread
   constexpr bool kBf16 = std::is_same_v<scalar_t, at::BFloat16>;
 
@@ -3963,8 +3955,10 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(const char* op, const at::T
   const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), D = q.size(3);
   at::Tensor out = at::empty({B, H, Lq, D}, q.options());
   at::Tensor lse = at::empty({B, H, Lq}, q.options().dtype(attention_lse_dtype(q)));
-  const at::Tensor no_lse = compute_lse ? at::Tensor() : at::empty({B, H, 0}, lse.options());
-  if (B * H == 0) return {out, compute_lse ? lse : no_lse};
+  auto result = [&]() -> std::tuple<at::Tensor, at::Tensor> {
+    return {out, compute_lse ? lse : at::empty({B, H, 0}, lse.options())};
+  };
+  if (B * H == 0) return result();
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "fused_attention_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
@@ -3984,7 +3978,7 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(const char* op, const at::T
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   });
-  return {out, compute_lse ? lse : no_lse};
+  return result();
 }
 
 // Writes dq (returned, contiguous) and dk / dv into the given (B, H, Lk, D) views.

@@ -4,8 +4,8 @@ Both ops return ``(out, lse)``; ``torch.ops.vd.fused_attention(q, k, v)[0]`` (li
 ``strided_attention``) is the attention output, ``[1]`` the log-sum-exp of each query row's scaled,
 masked scores. ``fused_attention(..., compute_lse=False)`` returns an empty (B, H, 0) lse instead: for
 inference, where the lse is not needed and the fp16 / bf16 short-sequence CUDA kernels save its writes (a
-backward through such a call still works, at the cost of recomputing the forward for the lse). The Python wrappers below return the output only, and ask for the lse only when a
-gradient may be needed.
+backward through such a call still works, at the cost of recomputing the forward for the lse). The
+Python wrappers below return the output only, and ask for the lse only when a gradient may be needed.
 """
 from __future__ import annotations
 

@@ -107,16 +107,16 @@ def _mask_ok(mask, q, k) -> str | None:
 
 def _check_sdpa(m: Match):
     q, k, v, mask = m.val("q"), m.val("k"), m.val("v"), m.val("attn_mask")
-    _set_compute_lse(m, "q", "k", "v", "attn_mask")
+    _set_compute_lse(m, mask=True)
     return (_sdpa_flags(m) or _shapes(q, k, v) or _mask_ok(mask, q, k)
             or kernel_missing(_OP, q, k, v) or _same_device(mask, q) or _sdpa_faster(m, q, k))
 
 
-def _set_compute_lse(m: Match, *names):
-    """The replacement asks for the lse only where the graph needs a gradient through the op (an input
-    requires grad in dynamo's graph); inference graphs call compute_lse=False, which spares the
-    short-sequence kernels its writes."""
-    m.extra["compute_lse"] = any(requires_grad(m[n]) for n in names)
+def _set_compute_lse(m: Match, mask: bool = False):
+    """The replacement asks for the lse only where the graph needs a gradient through the op (q, k, v or,
+    with mask, the SDPA mask requires grad in dynamo's graph); inference graphs call compute_lse=False,
+    which spares the fp16 / bf16 short-sequence kernels its writes."""
+    m.extra["compute_lse"] = _training(m) or (mask and requires_grad(m["attn_mask"]))
 
 
 SHORT_MAX = 32  # q_len and kv_len up to which vd's short-sequence CUDA kernel is used
@@ -408,7 +408,7 @@ def _naive(scale_form: str, masked: bool, cast: bool):
         m.extra["scale_value"] = float(scale) if scale_form != "div" else 1.0 / float(scale)
         squeeze = q.dim() == 3
         m.extra["squeeze"] = squeeze
-        _set_compute_lse(m, "q", "k", "v")
+        _set_compute_lse(m)
         if cast and m["dtype"] != q.dtype:
             return "softmax output cast to another dtype"
         q4, k4, v4 = (t.unsqueeze(0) if squeeze else t for t in (q, k, v))
@@ -421,7 +421,7 @@ def _naive(scale_form: str, masked: bool, cast: bool):
 def _vd_bmm(check):
     """A bmm form's check for the vd rewrite (the single-key ones share the structural checks)."""
     def run(m: Match):
-        _set_compute_lse(m, "q", "k", "v")
+        _set_compute_lse(m)
         reason = check(m)
         return reason if reason is not None else _unfused_faster(m, m.val("q"))
     return run
