@@ -55,14 +55,17 @@ def _check(m: Match):
     if pad is None or not all(isinstance(p, int) for p in pad) or pad[1:] != (0, 0):
         return "padding is not (p, 0, 0)"
     m.extra["pad"] = pad[0]
-    reason = kernel_missing("temporal_conv", x, w, b)
-    if (reason is None and x.device.type == "cuda" and x.dtype == torch.float32 and torch.backends.cudnn.allow_tf32
+    return kernel_missing("temporal_conv", x, w, b) or _tf32_mismatch(x)
+
+
+def _tf32_mismatch(x) -> str | None:
+    # Eager's float32 Conv3d runs TF32 on cuDNN (its default), the op's float32 GEMMs follow the matmul flag
+    # (IEEE by default): 3-5x slower than the convolution it would replace (H200, bench/notes/conv.md).
+    if (x.device.type == "cuda" and x.dtype == torch.float32 and torch.backends.cudnn.allow_tf32
             and not torch.backends.cuda.matmul.allow_tf32):
-        # Eager's float32 Conv3d runs TF32 on cuDNN (its default), the op's float32 GEMMs follow the matmul flag
-        # (IEEE by default): 3-5x slower than the convolution it would replace (H200, bench/notes/conv.md).
         return ("float32 on CUDA: the Conv3d runs TF32 (torch.backends.cudnn.allow_tf32) but the op's GEMMs "
                 "would not (torch.backends.cuda.matmul.allow_tf32 is off)")
-    return reason
+    return None
 
 
 REWRITES = [Rewrite(FAMILY, "conv3d_k11", _pattern_1, _replacement_1, _check)]
