@@ -125,6 +125,12 @@ def main():
                 x = torch.randn(shape, device=dev, dtype=dtype).to(memory_format=torch.channels_last)
                 with env_var("VD_GROUP_NORM_KERNEL", "twopass"):
                     torch.ops.vd.group_norm_silu(x, groups, None, None, 1e-5, True)
+            # NC* two-pass statistics: whole chunks (groups of 512 K elements), and groups of 8 * 2050 elements
+            # (most start off a 16-byte boundary; short last chunks of single vectors).
+            for shape, groups in [((1, 64, 256, 256), 8), ((2, 64, 50, 41), 8)]:
+                x = torch.randn(shape, device=dev, dtype=dtype)
+                with env_var("VD_GROUP_NORM_KERNEL", "twopass"):
+                    torch.ops.vd.group_norm_silu(x, groups, None, None, 1e-5, True)
             # Each forward kernel family on its own: one block, a cluster of 4, a cluster of 16 (bf16;
             # two-pass in fp32), frames-major over a cluster of 8 / 16.
             for family in ("smem", "l2", "onchip"):

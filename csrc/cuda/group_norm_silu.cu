@@ -47,7 +47,7 @@ constexpr int kWarps = kThreads / 32;
 // Vectors each lane handles per chunk in the "rows" kernels, and rows each thread walks per block in
 // the "cols" kernels: enough work per partial state that the partial buffers stay small.
 constexpr int kVecsPerLane = 8;
-// The 16-bit statistics kernel's chunks: kStatBatches batches of kVecsPerLane vectors a lane (fewer,
+// The 16-bit and float statistics kernel's chunks: kStatBatches batches of kVecsPerLane vectors a lane (fewer,
 // longer warps: the per-chunk Welford merges in double and the launch of each block weigh less).
 constexpr int kStatBatches = 4;
 // Rows a thread of the 16-bit "cols" statistics kernel loads at a time.
@@ -145,6 +145,49 @@ struct ShiftedSums {
       s2[j] = fmaf(d, d, s2[j]);
     }
     ++n;
+  }
+};
+
+// VEC Welford states (float input) that take a batch of up to U vectors at a time: the batch's loads are
+// independent, its mean and squared deviations are taken two-pass in registers, and one Chan merge a batch
+// joins them to the running state (one division a batch for all VEC slots). Welford's precision without
+// the push's chain of dependent updates, which held a lane to one load in flight (as it did for 16-bit input).
+template <int VEC>
+struct BatchWelford {
+  float mean[VEC], m2[VEC];
+  int n = 0;
+  __device__ BatchWelford() {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) mean[j] = m2[j] = 0.f;
+  }
+  // The first cnt (1 <= cnt <= U) of raw.
+  template <int U>
+  __device__ __forceinline__ void add(const Vec<float, VEC> (&raw)[U], int cnt) {
+    const float inv = 1.f / static_cast<float>(cnt);
+    const int nn = n + cnt;
+    const float wb = static_cast<float>(cnt) / static_cast<float>(nn), wq = static_cast<float>(n) * wb;
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      float sum = 0.f;
+#pragma unroll
+      for (int k = 0; k < U; ++k)
+        if (k < cnt) sum += raw[k].v[j];
+      const float bm = sum * inv;
+      float q = 0.f;
+#pragma unroll
+      for (int k = 0; k < U; ++k)
+        if (k < cnt) {
+          const float d = raw[k].v[j] - bm;
+          q = fmaf(d, d, q);
+        }
+      const float delta = bm - mean[j];
+      mean[j] = fmaf(delta, wb, mean[j]);
+      m2[j] += fmaf(delta * delta, wq, q);
+    }
+    n = nn;
+  }
+  __device__ __forceinline__ Welford<double> get(int j) const {
+    return {static_cast<double>(mean[j]), static_cast<double>(m2[j]), static_cast<double>(n)};
   }
 };
 
@@ -301,6 +344,34 @@ __global__ void __launch_bounds__(kThreads) stats_rows_kernel(GNArgs<scalar_t, a
         s = combine(s, Welford<double>{pivot + d1 / n, static_cast<double>(ss.s2[j]) - d1 * d1 / n, n});
       }
     }
+  } else if constexpr (std::is_same_v<scalar_t, float> && VEC > 1) {
+    // float input: the same batches of loads, merged by BatchWelford. Pivoted sums would do at this
+    // rate too, but their error grows with the pivot's distance from the mean (a spike as a chunk's
+    // first element), which float outputs would carry; BatchWelford keeps Welford's bound.
+    BatchWelford<VEC> bw;
+    constexpr int64_t kBatch = 32 * VEC * kVecsPerLane;
+    int64_t i0 = lo;
+    if (lo % VEC == 0) {
+      for (; i0 + kBatch <= hi; i0 += kBatch) {
+        Vec<float, VEC> raw[kVecsPerLane];
+#pragma unroll
+        for (int k = 0; k < kVecsPerLane; ++k)
+          raw[k] = *reinterpret_cast<const Vec<float, VEC>*>(a.x + i0 + (k * 32 + lane) * VEC);
+        bw.add(raw, kVecsPerLane);
+      }
+    }
+    warp_visit<VEC>(
+        i0, hi, lane,
+        [&](int64_t i) {
+          const Vec<float, VEC> raw[1] = {*reinterpret_cast<const Vec<float, VEC>*>(a.x + i)};
+          bw.add(raw, 1);
+        },
+        push_single);
+    s = single;
+    if (bw.n > 0) {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) s = combine(s, bw.get(j));
+    }
   } else {
     LaneWelford<acc_t, VEC> lw;
     warp_visit<VEC>(
@@ -368,6 +439,31 @@ __global__ void __launch_bounds__(kThreads, 3) stats_cols_kernel(GNArgs<scalar_t
       sh_m2[tid * VEC + j] = ss.n > 0 ? fmaxf(ss.s2[j] - ss.s1[j] * mean_d, 0.f) : 0.f;
     }
     sh_n[tid] = ss.n;
+  } else if constexpr (std::is_same_v<scalar_t, float> && VEC > 1) {
+    // float input: rows loaded kColBatch at a time, merged by BatchWelford.
+    BatchWelford<VEC> bw;
+    if (cb.active) {
+      const float* base = a.x + cb.n * a.S * a.C + cb.cv * VEC;
+      for (int64_t s = cb.s0 + cb.rowlane; s < cb.s1; s += kColBatch * a.R) {
+        Vec<float, VEC> raw[kColBatch];
+        int cnt = 0;
+#pragma unroll
+        for (int k = 0; k < kColBatch; ++k) {
+          const int64_t r = s + k * a.R;
+          if (r < cb.s1) {
+            raw[k] = *reinterpret_cast<const Vec<float, VEC>*>(base + r * a.C);
+            ++cnt;
+          }
+        }
+        bw.add(raw, cnt);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      sh_mean[tid * VEC + j] = bw.mean[j];
+      sh_m2[tid * VEC + j] = bw.m2[j];
+    }
+    sh_n[tid] = bw.n;
   } else {
     LaneWelford<acc_t, VEC> lw;
     if (cb.active) {
@@ -2161,8 +2257,8 @@ struct Launcher {
                           int device, cudaStream_t stream) {
     const int v = vec ? kVec : 1;
     Args s = a;
-    // 16-bit "rows" statistics: chunks of kStatBatches batches (stats_rows_kernel)
-    plan(s, v, s.cpg * s.S, channels_last, sizeof(scalar_t) == 2 && vec ? kVecsPerLane * kStatBatches : kVecsPerLane,
+    // 16-bit and float "rows" statistics: chunks of kStatBatches batches (stats_rows_kernel)
+    plan(s, v, s.cpg * s.S, channels_last, sizeof(scalar_t) <= 4 && vec ? kVecsPerLane * kStatBatches : kVecsPerLane,
          channels_last ? stats_cols_rows(s, v, device) : kRowsPerThread);
     const int64_t K = channels_last ? s.P * s.ctiles : s.F * s.P;
     const int64_t NG = s.N * s.G;
@@ -2651,8 +2747,11 @@ at::Tensor group_norm_silu_cuda(const at::Tensor& x_in, int64_t num_groups, cons
     // Version 4 (NC*) keeps each group in L2 between its passes, but issue-bound it lost to the two-pass
     // kernels (16-bit statistics at the read rate) on every input larger than the L2: 0.434 vs 0.388 ms at
     // (28, 960, 72, 128), 0.099 vs 0.083 on 83 MB frames-major input; it still wins on 41 MB (0.046 vs 0.049).
-    const bool l2_first = s.channels_last || sizeof(scalar_t) != 2 ||
-                          x.numel() * static_cast<int64_t>(sizeof(scalar_t)) <= l2_cache_bytes(x.get_device());
+    // float input: it lost to the two-pass kernels (statistics by BatchWelford) in the L2 too: 1.018 vs 0.721
+    // ms at (28, 960, 72, 128), 0.091 vs 0.075 on 41 MB frames-major input (2, 1280, 14, 18, 32).
+    const bool l2_first = s.channels_last || sizeof(scalar_t) == 8 ||
+                          (sizeof(scalar_t) == 2 &&
+                           x.numel() * static_cast<int64_t>(sizeof(scalar_t)) <= l2_cache_bytes(x.get_device()));
     if (((any && l2_first) || use == GNKernels::kL2) && l2()) return;
     if (((any && !small) || use == GNKernels::kOnChip) && onchip()) return;
     const at::Tensor stats = L::stats(a, s.channels_last, vec, eps, x.options(), x.get_device(), stream);
