@@ -132,10 +132,11 @@ def main():
                 with env_var("VD_GROUP_NORM_KERNEL", "twopass"):
                     torch.ops.vd.group_norm_silu(x, groups, None, None, 1e-5, True)
             # Each forward kernel family on its own: one block, a cluster of 4, a cluster of 16 (bf16;
-            # two-pass in fp32), frames-major over a cluster of 8 / 16.
+            # two-pass in fp32), version 6 on clusters of 16 (fp32 / bf16), frames-major over a cluster of 8 / 16.
             for family in ("smem", "l2", "onchip"):
                 with env_var("VD_GROUP_NORM_KERNEL", family):
-                    for shape, groups in [((2, 64, 9, 11), 8), ((2, 640, 36, 64), 32), ((1, 64, 256, 256), 8)]:
+                    for shape, groups in [((2, 64, 9, 11), 8), ((2, 640, 36, 64), 32), ((1, 64, 256, 256), 8),
+                                          ((1, 512, 72, 128), 32), ((1, 960, 72, 128), 32)]:
                         x = torch.randn(shape, device=dev, dtype=dtype)
                         w, b = torch.randn(shape[1], device=dev, dtype=dtype), torch.randn(shape[1], device=dev, dtype=dtype)
                         torch.ops.vd.group_norm_silu(x, groups, w, b, 1e-5, True)

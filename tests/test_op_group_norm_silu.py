@@ -173,6 +173,7 @@ FORWARD_CASES = [
     ((2, 320, 72, 128), 32),     # M 92160: cluster of 8 with 8 (16-bit) or 12 (fp32) vectors a thread
     ((1, 512, 72, 128), 32),     # M 147456: cluster of 4 (16-bit), 8 (fp32)
     ((1, 64, 256, 256), 8),      # M 524288: cluster of 16 (16-bit); two-pass (fp32)
+    ((1, 960, 72, 128), 32),     # M 276480: version 6 on a cluster of 16 (16-bit, 553 KB; fp32 at M 147456 above)
     ((1, 64, 512, 512), 16),     # M 1048576: over 1.5 MB, two-pass
     ((2, 24, 5, 7), 3),          # M 280, S 35: vectors straddle two channels
     ((2, 16, 3), 2),             # M 24, S 3: a vector spans several channels
@@ -325,7 +326,7 @@ def test_version_6_persistent_loop(device, dtype, monkeypatch):
     # Version 6's clusters stay resident and walk many groups each, through a ring of shared-memory stages:
     # more groups than resident clusters times stages, so stages are reused and barrier phases flip; parts
     # that cross frames (several bulk copies a part). Pins that it is the kernel that runs, and where it
-    # does not (groups over 8 parts of 96 KB).
+    # does not (groups over 16 parts of 48 KB).
     if torch.cuda.get_device_capability(device)[0] < 9:
         pytest.skip("version 6 needs the bulk copy engine and clusters (sm_90+)")
     monkeypatch.setenv("VD_GROUP_NORM_KERNEL", "smem")
@@ -334,7 +335,9 @@ def test_version_6_persistent_loop(device, dtype, monkeypatch):
                                         ((20, 640, 36, 64), 32, 0, True),      # K 2 (16-bit), 4 (fp32)
                                         ((6, 640, 14, 9, 16), 32, 14, True),   # frames-major: K 2 / 4, 192 groups
                                         ((1, 64, 512, 512), 16, 0, False),     # 2 MB groups: two-pass
-                                        ((2, 1280, 14, 18, 32), 32, 14, False)]:  # 645 KB (bf16) groups
+                                        # frames-major 645 KB groups (16-bit): K 16; 1.3 MB (fp32): two-pass
+                                        ((2, 1280, 14, 18, 32), 32, 14, None)]:
+        want = dtype.itemsize == 2 if want is None else want
         C = shape[1]
         if frames:
             B, _, F, H, W = shape

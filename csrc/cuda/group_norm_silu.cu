@@ -1370,7 +1370,7 @@ __global__ void __launch_bounds__(kL2Threads, 2) l2_rows_kernel(FusedArgs<scalar
 // Two CTAs an SM of 256 threads (512 threads, or four CTAs with half the parts: measured no faster).
 constexpr int kSmemThreads = 256;
 constexpr int kSmemMaxStages = 4;
-constexpr int64_t kSmemPartBytes = 48 * 1024;  // the part size K (up to 8) grows to stay under
+constexpr int64_t kSmemPartBytes = 48 * 1024;  // the part size K (up to 16) grows to stay under
 constexpr int64_t kSmemDataBytes = 96 * 1024;  // stages * stage stride
 constexpr int64_t kSmemMaxCpg = kSmemThreads;  // a thread a channel: gamma and beta held in registers
 
@@ -2487,10 +2487,11 @@ bool forward_smem(const GNShape& s, int64_t F, const scalar_t* x, scalar_t* out,
     if (s.channels_last || !vec) return false;
     const int64_t cpg = s.C / s.G, seg = cpg * (s.S / F), M = F * seg, Mv = M / kVec;
     if (seg % kVec != 0) return false;
-    // The smallest cluster (up to 8: portable, easy to place) whose parts fit kSmemPartBytes; a part of
-    // >= 1536 vectors once K > 1, so every rank holds some of the group.
+    // The smallest cluster whose parts fit kSmemPartBytes; a part of >= 1536 vectors once K > 1, so every
+    // rank holds some of the group. Clusters of 16 (not portable; resident_clusters allows them) take groups
+    // of 384-768 KB, which otherwise go to the two-pass kernels.
     int K = 1;
-    while (K < 8 && ceil_div(Mv, K) * 16 > kSmemPartBytes) K *= 2;
+    while (K < 16 && ceil_div(Mv, K) * 16 > kSmemPartBytes) K *= 2;
     const int64_t part = ceil_div(Mv, K);
     if (part * 16 > kSmemPartBytes || cpg > kSmemMaxCpg) return false;
     const int64_t stage_bytes = ceil_div(part * 16, 128) * 128;
