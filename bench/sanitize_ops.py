@@ -132,7 +132,8 @@ def main():
                 with env_var("VD_GROUP_NORM_KERNEL", "twopass"):
                     torch.ops.vd.group_norm_silu(x, groups, None, None, 1e-5, True)
             # Each forward kernel family on its own: one block, a cluster of 4, a cluster of 16 (bf16;
-            # two-pass in fp32), version 6 on clusters of 16 (fp32 / bf16), frames-major over a cluster of 8 / 16.
+            # two-pass in fp32), version 6 on clusters of 16 (fp32 / bf16; fp32 (1, 960, 72, 128) and the frames-major
+            # call below in one stage of over 48 KB a CTA), frames-major over a cluster of 8 / 16.
             for family in ("smem", "l2", "onchip"):
                 with env_var("VD_GROUP_NORM_KERNEL", family):
                     for shape, groups in [((2, 64, 9, 11), 8), ((2, 640, 36, 64), 32), ((1, 64, 256, 256), 8),

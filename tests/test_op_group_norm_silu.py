@@ -335,8 +335,12 @@ def test_version_6_persistent_loop(device, dtype, monkeypatch):
                                         ((20, 640, 36, 64), 32, 0, True),      # K 2 (16-bit), 4 (fp32)
                                         ((6, 640, 14, 9, 16), 32, 14, True),   # frames-major: K 2 / 4, 192 groups
                                         ((1, 64, 512, 512), 16, 0, False),     # 2 MB groups: two-pass
-                                        # frames-major 645 KB groups (16-bit): K 16; 1.3 MB (fp32): two-pass
-                                        ((2, 1280, 14, 18, 32), 32, 14, None)]:
+                                        # frames-major 645 KB groups (16-bit): K 16; 1.3 MB (fp32): K 16,
+                                        # 81 KB parts in one stage
+                                        ((2, 1280, 14, 18, 32), 32, 14, True),
+                                        # 1.3 MB (16-bit, one stage a CTA); 2.6 MB (fp32): two-pass
+                                        ((2, 640, 14, 36, 64), 32, 14, None),
+                                        ((4, 960, 72, 128), 32, 0, True)]:     # 553 KB (16-bit); 1.1 MB (fp32)
         want = dtype.itemsize == 2 if want is None else want
         C = shape[1]
         if frames:
@@ -384,7 +388,8 @@ def test_cluster_blocks_share_statistics(device, family, dtype, cl):
 
 
 @pytest.mark.parametrize("device", CUDA)
-@pytest.mark.parametrize("shape,groups", [((2, 320, 72, 128), 32), ((1, 512, 72, 128), 32), ((1, 64, 256, 256), 8)])
+@pytest.mark.parametrize("shape,groups", [((2, 320, 72, 128), 32), ((1, 512, 72, 128), 32), ((1, 960, 72, 128), 32),
+                                          ((1, 64, 256, 256), 8)])
 @pytest.mark.parametrize("cl", [False, True])
 def test_large_mean_small_spread_on_chip(device, family, shape, groups, cl):
     # As test_large_mean_small_spread, over a group split across a cluster (and, where a family does not
