@@ -423,28 +423,30 @@ def test_over_2_31_elements(device, shape, cl):
 
 
 # The backward of NC* input with each group on chip (version 7: persistent clusters, x's and dy's parts in a
-# shared-memory stage of up to 48 KB). Comments give the 16-bit plan (fp32 parts hold half as many elements).
+# shared-memory stage of up to 48 KB, or one of up to 96 KB at K 16). Comments give the 16-bit plan (fp32 parts
+# hold half as many elements).
 BACKWARD_ON_CHIP_CASES = [
     ((40, 256, 9, 16), 32),    # M 1152, S 144: K 1, 1280 groups (stages reused), runs shorter than 32
     ((20, 640, 36, 64), 32),   # K 4 (16-bit), 8 (fp32)
     ((2, 320, 72, 128), 32),   # K 8 (16-bit), 16 (fp32): parts straddle channels
     ((2, 320, 70, 100), 32),   # S 7000: K 8, the last rank holds fewer vectors
-    ((1, 512, 72, 128), 32),   # K 16 (16-bit); two-pass (fp32: parts over a stage)
+    ((1, 512, 72, 128), 32),   # K 16 (16-bit); K 16 in one 74 KB stage (fp32)
     ((2, 40, 4, 4, 3), 4),     # 5-D, M 480
     ((2, 64, 7, 9), 32),       # S 63: not whole vectors a channel, two-pass
-    ((1, 960, 72, 128), 32),   # 30 channels of 9216: over 16 stages, two-pass
+    ((1, 960, 72, 128), 32),   # 30 channels of 9216: K 16 in one 69 KB stage (16-bit); two-pass (fp32: 138 KB)
+    ((1, 64, 256, 256), 8),    # 1 MB groups (16-bit): two-pass
 ]
 
 
 def backward_on_chip(shape, groups, dtype):
     """Whether version 7 takes the case: whole vectors a channel, cpg <= 256, parts of x and dy that fit a stage
-    with at most 16 CTAs a group."""
+    (up to 96 KB, one a CTA, at 16 CTAs a group)."""
     vec = 16 // torch.tensor([], dtype=dtype).element_size()
     S = torch.Size(shape[2:]).numel()
     cpg = shape[1] // groups
     part = -(-cpg * S // vec // 16)
     stage = 2 * (-(-part * 16 // 128) * 128)
-    return S % vec == 0 and cpg <= 256 and stage <= 48 * 1024
+    return S % vec == 0 and cpg <= 256 and stage <= 96 * 1024
 
 
 @pytest.mark.parametrize("device", CUDA)

@@ -1680,7 +1680,8 @@ __global__ void __launch_bounds__(kSmemThreads, 2) smem_rows_kernel(const SmemAr
 //      CTA the group's. With SiLU it also writes dz over dy in the stage (grad_keep_dz);
 //   3. dx = rstd * (dz * gamma - m1 - xhat * m2), 16-byte stores.
 // grad_params_kernel then adds the CTAs' sums over samples and ranks (fixed order). Two CTAs an SM with stages of
-// up to 48 KB, or three with up to 36 KB where that keeps the cluster as small (backward_smem).
+// up to 48 KB (one of up to 96 KB at K = 16), or three with up to 36 KB where that keeps the cluster as small
+// (backward_smem).
 
 // A stage holds x's part and dy's; stages * stage_bytes <= 2 * grad_stage_bytes<BLOCKS>(), BLOCKS CTAs an SM:
 // 2 with stages of up to 48 KB, 3 with up to 36 KB (registers capped at 85 a thread).
@@ -2552,8 +2553,11 @@ GradPlan plan_grad(Kernel kernel, int64_t cpg, int64_t S, int device) {
   while (K < 16 && stage_of(ceil_div(Mv, K)) > grad_stage_bytes<BLOCKS>()) K *= 2;
   p.part = ceil_div(Mv, K);
   p.stage_bytes = stage_of(p.part);
-  if (p.stage_bytes > grad_stage_bytes<BLOCKS>()) return p;
-  p.stages = static_cast<int>(std::min<int64_t>(kGradMaxStages, 2 * grad_stage_bytes<BLOCKS>() / p.stage_bytes));
+  // At two CTAs an SM, a cluster of 16 takes one stage of up to twice the size (as version 6's big parts): x
+  // groups of up to 768 KB. Against version 1 (H200, same-process A/B): bf16 (28, 960, 72, 128) 703 vs 1031
+  // us, fp32 (14, 512, 72, 128) 306 vs 439.
+  if (p.stage_bytes > (BLOCKS == 2 ? 2 : 1) * grad_stage_bytes<BLOCKS>()) return p;
+  p.stages = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(kGradMaxStages, 2 * grad_stage_bytes<BLOCKS>() / p.stage_bytes)));
   p.max_runs = static_cast<int>(ceil_div(p.part, int64_t{kGradRun}) + ceil_div(p.part, S / kVec) + 2);
   p.smem = p.stages * p.stage_bytes + 2 * cpg * sizeof(float) + p.max_runs * sizeof(float2) + p.stages * sizeof(uint64_t);
   p.clusters = resident_clusters(kernel, K, device, kSmemThreads, p.smem);
