@@ -1702,7 +1702,7 @@ struct SmemGradArgs {
   int stage_bytes;        // the stride between stages: x's part, then dy's at dy_off (multiples of 128)
   int dy_off;
   int max_runs;
-  bool keep_dz;           // SiLU: the sums' pass writes dz over dy in the stage; the dx pass reads it back
+  bool keep_dz;           // kDzFlag kernels: SiLU's dz kept (grad_keep_dz)
 };
 
 // A 16-byte store as one instruction (the compiler split a plain uint4 store into four 4-byte ones here).
@@ -1720,10 +1720,18 @@ __device__ __forceinline__ float silu_grad_fast(float z) {
   return s * fmaf(z, 1.f - s, 1.f);
 }
 
-template <typename scalar_t, bool SILU, int BLOCKS>
+// With SiLU, dz kept (the sums' pass writes dz over dy in the stage, the dx pass reads it back; grad_keep_dz) or
+// evaluated again: fixed at compile time (kDzKeep / kDzRecompute) for 16-bit input, where that measured 5-7 %
+// faster than the run-time flag on the UNet / VAE shapes (H200, bf16); decided by sa.keep_dz (kDzFlag) for
+// float, whose kernel compiled with the choice fixed took 93 registers and ran 383 us against 306 at
+// (14, 512, 72, 128) (not profiled).
+enum GradDz { kDzRecompute = 0, kDzKeep = 1, kDzFlag = 2 };
+
+template <typename scalar_t, bool SILU, int BLOCKS, int DZ>
 __global__ void __launch_bounds__(kSmemThreads, BLOCKS) smem_grad_kernel(const SmemGradArgs<scalar_t> sa) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr int THREADS = kSmemThreads, WARPS = THREADS / 32;
+  const bool kKeep = SILU && (DZ == kDzKeep || (DZ == kDzFlag && sa.keep_dz));
   constexpr int VEC = max_vec<scalar_t>();
   const FusedArgs<scalar_t>& a = sa.f;
   // [stages][stage_bytes], then gamma_c and beta_c of the group, the runs' sums, the barriers.
@@ -1836,7 +1844,7 @@ __global__ void __launch_bounds__(kSmemThreads, BLOCKS) smem_grad_kernel(const S
             sdz += dz[e];
             sdzx = fmaf(dz[e], xd, sdzx);
           }
-          if (SILU && sa.keep_dz) {  // dz in x's dtype, as eager's silu backward hands it on
+          if (kKeep) {  // dz in x's dtype, as eager's silu backward hands it on
             uint4 o;
 #pragma unroll
             for (int e = 0; e < VEC; e += 2) store_pair<scalar_t>(o, e / 2, dz[e], dz[e + 1]);
@@ -1895,8 +1903,8 @@ __global__ void __launch_bounds__(kSmemThreads, BLOCKS) smem_grad_kernel(const S
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const float xd = elt_to_float<scalar_t>(xr, e + h) - pivot0;
-          const float dz = SILU && sa.keep_dz ? elt_to_float<scalar_t>(dr, e + h)
-                                              : dz_of(elt_to_float<scalar_t>(dr, e + h), fmaf(xd, sc, bd));
+          const float dz = kKeep ? elt_to_float<scalar_t>(dr, e + h)
+                                 : dz_of(elt_to_float<scalar_t>(dr, e + h), fmaf(xd, sc, bd));
           d[h] = fmaf(dz, sc, fmaf(xd, D, Bd));
         }
         store_pair<scalar_t>(o, e / 2, d[0], d[1]);
@@ -1918,7 +1926,7 @@ __global__ void __launch_bounds__(kSmemThreads, BLOCKS) smem_grad_kernel(const S
         p.advance(a);
       }
     }
-    if (SILU && sa.keep_dz) wgmma::fence_proxy_async();  // dz's stores before the copy engine refills the stage
+    if (kKeep) wgmma::fence_proxy_async();  // dz's stores before the copy engine refills the stage
     ring.release(it, stages, issue);
   }
   cluster_arrive();  // no CTA leaves while another's sends to it may be in flight
@@ -2535,6 +2543,18 @@ bool grad_keep_dz() {
   return e == nullptr || std::string(e) != "recompute";
 }
 
+// Version 7's kernel for SiLU or not, dz kept or not (see GradDz).
+template <typename scalar_t, int BLOCKS>
+auto grad_kernel(bool silu, bool keep) {
+  if constexpr (sizeof(scalar_t) > 2) {
+    return silu ? smem_grad_kernel<scalar_t, true, BLOCKS, kDzFlag> : smem_grad_kernel<scalar_t, false, BLOCKS, kDzFlag>;
+  } else {
+    return !silu ? smem_grad_kernel<scalar_t, false, BLOCKS, kDzRecompute>
+                 : (keep ? smem_grad_kernel<scalar_t, true, BLOCKS, kDzKeep>
+                         : smem_grad_kernel<scalar_t, true, BLOCKS, kDzRecompute>);
+  }
+}
+
 // Version 7's launch plan at BLOCKS CTAs an SM: the smallest cluster (up to 16) whose parts of x and dy fit a
 // stage; K = 0 where none does or the device cannot place it.
 struct GradPlan {
@@ -2580,14 +2600,15 @@ bool backward_smem(const GNShape& s, const scalar_t* x, const scalar_t* dy, scal
     const int64_t cpg = s.C / s.G;
     if (s.S % kVec != 0 || cpg > kSmemThreads) return false;
     const int device = like.get_device();
-    auto kernel = silu ? smem_grad_kernel<scalar_t, true, 2> : smem_grad_kernel<scalar_t, false, 2>;
+    const bool keep = grad_keep_dz();
+    auto kernel = grad_kernel<scalar_t, 2>(silu, keep);
     GradPlan p = plan_grad<scalar_t, 2>(kernel, cpg, s.S, device);
     if (p.K == 0) return false;
     // Three CTAs an SM (36 KB stages) where the cluster stays as small: (14, 512, 72, 128) 0.209 vs 0.243 ms
     // (H200, bf16); where it doubles, the exchanges cost more than the extra CTAs give (0.302 vs 0.250 ms at
     // (28, 320, 72, 128)).
     if (choice == 3) {
-      auto kernel3 = silu ? smem_grad_kernel<scalar_t, true, 3> : smem_grad_kernel<scalar_t, false, 3>;
+      auto kernel3 = grad_kernel<scalar_t, 3>(silu, keep);
       const GradPlan p3 = plan_grad<scalar_t, 3>(kernel3, cpg, s.S, device);
       if (p3.K == p.K) {
         p = p3;
@@ -2609,7 +2630,7 @@ bool backward_smem(const GNShape& s, const scalar_t* x, const scalar_t* dy, scal
     a.stage_bytes = static_cast<int>(p.stage_bytes);
     a.dy_off = static_cast<int>(p.stage_bytes / 2);
     a.max_runs = p.max_runs;
-    a.keep_dz = grad_keep_dz();
+    a.keep_dz = keep;
     launch_clusters(kernel, a, std::min<int64_t>(a.groups, p.clusters), K, kSmemThreads, p.smem, stream);
 
     const unsigned blocks = grid_of(ceil_div(s.C, int64_t{kWarps}), kOp);
