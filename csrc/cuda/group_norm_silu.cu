@@ -102,7 +102,10 @@ __device__ __forceinline__ T warp_sum(T v) {
 }
 
 // VEC running Welford states that see one value each per push: they share the count, so a push
-// costs one division for the whole vector.
+// costs one division for the whole vector. Float input takes a batch of up to U vectors at a time instead
+// (add): the batch's loads are independent, its mean and squared deviations are taken two-pass in registers,
+// and one Chan merge a batch joins them (one division a batch for all VEC slots): Welford's precision without
+// the push's chain of dependent updates, which held a lane to one load in flight (as it did for 16-bit input).
 template <typename T, int VEC>
 struct LaneWelford {
   T mean[VEC], m2[VEC];
@@ -121,46 +124,7 @@ struct LaneWelford {
       m2[j] += d * (v[j] - mean[j]);
     }
   }
-  __device__ __forceinline__ Welford<double> get(int j) const {
-    return {static_cast<double>(mean[j]), static_cast<double>(m2[j]), static_cast<double>(n)};
-  }
-};
-
-// VEC sums of x - pivot and of its square (16-bit input): the statistics kernels' per-thread state where
-// loads must stay independent (the Welford push above chains each update on the last). n counts pushes.
-template <int VEC>
-struct ShiftedSums {
-  float piv[VEC], s1[VEC], s2[VEC];
-  int n = 0;
-  __device__ ShiftedSums() {
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) piv[j] = s1[j] = s2[j] = 0.f;
-  }
-  template <typename scalar_t>
-  __device__ __forceinline__ void add(const Vec<scalar_t, VEC>& raw) {
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) {
-      const float d = static_cast<float>(raw.v[j]) - piv[j];
-      s1[j] += d;
-      s2[j] = fmaf(d, d, s2[j]);
-    }
-    ++n;
-  }
-};
-
-// VEC Welford states (float input) that take a batch of up to U vectors at a time: the batch's loads are
-// independent, its mean and squared deviations are taken two-pass in registers, and one Chan merge a batch
-// joins them to the running state (one division a batch for all VEC slots). Welford's precision without
-// the push's chain of dependent updates, which held a lane to one load in flight (as it did for 16-bit input).
-template <int VEC>
-struct BatchWelford {
-  float mean[VEC], m2[VEC];
-  int n = 0;
-  __device__ BatchWelford() {
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) mean[j] = m2[j] = 0.f;
-  }
-  // The first cnt (1 <= cnt <= U) of raw.
+  // The first cnt (1 <= cnt <= U) of raw (T = float).
   template <int U>
   __device__ __forceinline__ void add(const Vec<float, VEC> (&raw)[U], int cnt) {
     const float inv = 1.f / static_cast<float>(cnt);
@@ -188,6 +152,28 @@ struct BatchWelford {
   }
   __device__ __forceinline__ Welford<double> get(int j) const {
     return {static_cast<double>(mean[j]), static_cast<double>(m2[j]), static_cast<double>(n)};
+  }
+};
+
+// VEC sums of x - pivot and of its square (16-bit input): the statistics kernels' per-thread state where
+// loads must stay independent (the Welford push above chains each update on the last). n counts pushes.
+template <int VEC>
+struct ShiftedSums {
+  float piv[VEC], s1[VEC], s2[VEC];
+  int n = 0;
+  __device__ ShiftedSums() {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) piv[j] = s1[j] = s2[j] = 0.f;
+  }
+  template <typename scalar_t>
+  __device__ __forceinline__ void add(const Vec<scalar_t, VEC>& raw) {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      const float d = static_cast<float>(raw.v[j]) - piv[j];
+      s1[j] += d;
+      s2[j] = fmaf(d, d, s2[j]);
+    }
+    ++n;
   }
 };
 
@@ -345,10 +331,10 @@ __global__ void __launch_bounds__(kThreads) stats_rows_kernel(GNArgs<scalar_t, a
       }
     }
   } else if constexpr (std::is_same_v<scalar_t, float> && VEC > 1) {
-    // float input: the same batches of loads, merged by BatchWelford. Pivoted sums would do at this
-    // rate too, but their error grows with the pivot's distance from the mean (a spike as a chunk's
-    // first element), which float outputs would carry; BatchWelford keeps Welford's bound.
-    BatchWelford<VEC> bw;
+    // float input: the same batches of loads, merged a batch at a time (LaneWelford::add). Pivoted sums
+    // would do at this rate too, but their error grows with the pivot's distance from the mean (a spike as
+    // a chunk's first element), which float outputs would carry; the batched merge keeps Welford's bound.
+    LaneWelford<float, VEC> bw;
     constexpr int64_t kBatch = 32 * VEC * kVecsPerLane;
     int64_t i0 = lo;
     if (lo % VEC == 0) {
@@ -440,8 +426,8 @@ __global__ void __launch_bounds__(kThreads, 3) stats_cols_kernel(GNArgs<scalar_t
     }
     sh_n[tid] = ss.n;
   } else if constexpr (std::is_same_v<scalar_t, float> && VEC > 1) {
-    // float input: rows loaded kColBatch at a time, merged by BatchWelford.
-    BatchWelford<VEC> bw;
+    // float input: rows loaded kColBatch at a time, merged a batch at a time (LaneWelford::add).
+    LaneWelford<float, VEC> bw;
     if (cb.active) {
       const float* base = a.x + cb.n * a.S * a.C + cb.cv * VEC;
       for (int64_t s = cb.s0 + cb.rowlane; s < cb.s1; s += kColBatch * a.R) {
@@ -2778,7 +2764,7 @@ at::Tensor group_norm_silu_cuda(const at::Tensor& x_in, int64_t num_groups, cons
     // Version 4 (NC*) keeps each group in L2 between its passes, but issue-bound it lost to the two-pass
     // kernels (16-bit statistics at the read rate) on every input larger than the L2: 0.434 vs 0.388 ms at
     // (28, 960, 72, 128), 0.099 vs 0.083 on 83 MB frames-major input; it still wins on 41 MB (0.046 vs 0.049).
-    // float input: it lost to the two-pass kernels (statistics by BatchWelford) in the L2 too: 1.018 vs 0.721
+    // float input: it lost to the two-pass kernels (batched float statistics) in the L2 too: 1.018 vs 0.721
     // ms at (28, 960, 72, 128), 0.091 vs 0.075 on 41 MB frames-major input (2, 1280, 14, 18, 32).
     const bool l2_first = s.channels_last || sizeof(scalar_t) == 8 ||
                           (sizeof(scalar_t) == 2 &&
