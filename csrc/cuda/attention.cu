@@ -2643,7 +2643,6 @@ struct WgBwdLayout {
   static constexpr int vec_bytes = BC * 8;                               // one stage of them
   static constexpr int bar_off = vec_off + kStages * vec_bytes;
   static constexpr int bar_end = bar_off + 8 * (1 + 2 * kStages);      // mbarriers: resident, full[S], empty[S]
-  static constexpr bool kDqAll = false;  // fused tiles: whether every warpgroup computes dQ each tile
 };
 
 template <int DP, int BC_, int WG_ = 2, int S_ = 2>
@@ -2810,8 +2809,9 @@ __device__ __forceinline__ void wg_reduce_dq(float* dst, float4* stage_dq, uint3
 // attn_bwd_prep_kernel computes the (lse2, delta) pairs and zeroes the accumulator first;
 // attn_bwd_dq_finish_kernel scales and converts it to dq.
 template <int DP, int WG_, int S_>
-struct WgFusedTile : WgBwdTile<DP, 64, WG_, S_> {  // one reader warpgroup a tile (kDqAll false)
+struct WgFusedTile : WgBwdTile<DP, 64, WG_, S_> {
   using Base = WgBwdTile<DP, 64, WG_, S_>;
+  static constexpr bool kDqAll = false;  // one reader warpgroup a tile
   static constexpr int ds_off = (Base::bar_end + 1023) / 1024 * 1024;
   static constexpr int ds_bytes = Base::BR * 64 * 2;    // one dS^T buffer: BR key rows of 64 queries
   static constexpr int dq_off = ds_off + WG_ * ds_bytes;
@@ -2856,7 +2856,10 @@ __device__ __forceinline__ void wg_dkdv_block(const AttnArgs<scalar_t, float>& a
                                               const CUtensorMap& tdo) {
   constexpr int BR = T::BR, BC = T::BC, S = T::kStages, WG = T::WG;
   // dQ by every warpgroup each tile (WgFusedPairTile), else by one reader a tile.
-  constexpr bool kAll = kDq && T::kDqAll;
+  constexpr bool kAll = [] {  // only the fused tiles (kDq) have kDqAll
+    if constexpr (kDq) return T::kDqAll;
+    else return false;
+  }();
   constexpr int NS = BC / 2, NA = DP / 2;  // S^T (dP^T) and dK (dV) accumulators a thread
   constexpr bool kBf16 = std::is_same_v<scalar_t, at::BFloat16>;
 
