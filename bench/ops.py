@@ -241,10 +241,23 @@ def bench_conv_bn_silu(dtype, dev, mm_ceil):
             # Per call, eager's three modules and the op are host-bound at these sizes: also the device time
             # of each call's kernels (the convolution plus eager's BN and SiLU passes, or the op's epilogue).
             e_dev = device_time_per_call(lambda i: eager(x))
+            n_dev = device_time_per_call(lambda i: ind(x))
             o_dev = device_time_per_call(lambda i: torch.ops.vd.conv_bn_silu(x, *args))
+            d = [t.double() for t in (conv.weight, conv.bias, bn.running_mean, bn.running_var, bn.weight, bn.bias)]
+            ref = F.silu(F.batch_norm(F.conv2d(x.double(), d[0], d[1], padding=1), *d[2:], False, 0.0, bn.eps))
+            err = (torch.ops.vd.conv_bn_silu(x, *args).double() - ref).abs().max().item()
+            # The cuDNN convolution and the bias + SiLU pass (what non-Hopper GPUs run), side by side.
+            with env_var("VD_CONV_BN_SILU_KERNEL", "cudnn"):
+                oc = time_cuda(lambda i: torch.ops.vd.conv_bn_silu(x, *args))
+                oc_dev = device_time_per_call(lambda i: torch.ops.vd.conv_bn_silu(x, *args))
+                err_c = (torch.ops.vd.conv_bn_silu(x, *args).double() - ref).abs().max().item()
         flops = 2 * N * C * C * 9 * H * W
         r = _row(f"{N}x{C}x{H}x{W}", e, n, o, flops, "TFLOPs", mm_ceil)
-        r.update(eager_device_ms=e_dev, ours_device_ms=o_dev, x_eager_device=e_dev / o_dev)
+        r.update(eager_device_ms=e_dev, inductor_device_ms=n_dev, ours_device_ms=o_dev, x_eager_device=e_dev / o_dev,
+                 x_inductor_device=n_dev / o_dev, max_err=err, cudnn_ms=oc, cudnn_device_ms=oc_dev,
+                 cudnn_max_err=err_c, x_cudnn_device=oc_dev / o_dev)
+        if mm_ceil:
+            r["device_pct_ceiling"] = 100 * flops / o_dev / 1e9 / mm_ceil
         rows.append(r)
     return rows
 
@@ -335,8 +348,13 @@ def main():
                         + [(f"{v}_max_err", f"{v} err", ".1e") for v in GN_VARIANTS])
         if op == "conv_bn_silu":
             print_table(rows, [("shape", "shape", ""), ("eager_device_ms", "eager device ms", ".4f"),
+                               ("inductor_device_ms", "inductor device ms", ".4f"),
                                ("ours_device_ms", "ours device ms", ".4f"),
-                               ("x_eager_device", "x eager (device)", ".2f")])
+                               ("device_pct_ceiling", "device % ceil", ".0f"),
+                               ("x_eager_device", "x eager (device)", ".2f"),
+                               ("x_inductor_device", "x inductor (device)", ".2f"), ("max_err", "err", ".1e"),
+                               ("cudnn_device_ms", "vd cuDNN device ms", ".4f"), ("cudnn_max_err", "cuDNN err", ".1e"),
+                               ("x_cudnn_device", "x cuDNN (device)", ".2f")])
         if op == "temporal_conv":
             print_table(rows, [("shape", "shape", ""), ("cublas_ms", "vd cuBLAS ms", ".3f"),
                                ("cublas_max_err", "cuBLAS err", ".1e"), ("x_cublas", "x cuBLAS", ".2f")])

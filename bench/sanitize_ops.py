@@ -158,10 +158,31 @@ def main():
             w = torch.randn(24, 16, 3, 3, device=dev, dtype=dtype)
             bn = [torch.rand(24, device=dev, dtype=dtype) + 0.5 for _ in range(4)]
             _grad(lambda x, w: torch.ops.vd.conv_bn_silu(x, w, None, *bn, 1e-5, [1, 1], [1, 1], [1, 1], 1, True), x, w)
-            with torch.no_grad():  # the vector epilogue: 8 x 16 NCHW planes, then channels_last rows of 24
+            with torch.no_grad(), env_var("VD_CONV_BN_SILU_KERNEL", "cudnn"):
+                # the vector epilogue: 8 x 16 NCHW planes, then channels_last rows of 24
                 for fmt in (torch.contiguous_format, torch.channels_last):
                     xv = torch.randn(2, 16, 8, 16, device=dev, dtype=dtype).to(memory_format=fmt)
                     torch.ops.vd.conv_bn_silu(xv, w, None, *bn, 1e-5, [1, 1], [1, 1], [1, 1], 1, True)
+            if dtype != torch.float32:  # the Hopper kernel: every tile cut between CTAs, partial tiles
+                cl = torch.channels_last
+                xh = torch.randn(1, 72, 9, 16, device=dev, dtype=dtype).to(memory_format=cl)
+                wh = torch.randn(200, 72, 3, 3, device=dev, dtype=dtype)
+                bh = [torch.rand(200, device=dev, dtype=dtype) + 0.5 for _ in range(4)]
+                with torch.no_grad(), env_var("VD_CONV_BN_SILU_KERNEL", "wgmma"):  # small: pinned to the kernel
+                    torch.ops.vd.conv_bn_silu(xh, wh, None, *bh, 1e-5, [1, 1], [1, 1], [1, 1], 1, True)
+                    # 256-channel tiles
+                    w256 = torch.randn(256, 64, 3, 3, device=dev, dtype=dtype)
+                    b256 = [torch.rand(256, device=dev, dtype=dtype) + 0.5 for _ in range(4)]
+                    torch.ops.vd.conv_bn_silu(xh[:, :64].contiguous(memory_format=cl), w256, None, *b256, 1e-5,
+                                              [1, 1], [1, 1], [1, 1], 1, True)
+                    # 160-channel tiles (a 32-channel block in the epilogue)
+                    x160 = torch.randn(1, 64, 32, 32, device=dev, dtype=dtype).to(memory_format=cl)
+                    w160 = torch.randn(320, 64, 3, 3, device=dev, dtype=dtype)
+                    b160 = [torch.rand(320, device=dev, dtype=dtype) + 0.5 for _ in range(4)]
+                    torch.ops.vd.conv_bn_silu(x160, w160, None, *b160, 1e-5, [1, 1], [1, 1], [1, 1], 1, True)
+                    # no padding: 7 x 8 output, 8-pixel row segments
+                    torch.ops.vd.conv_bn_silu(xh[..., :10].contiguous(memory_format=cl), wh, None, *bh, 1e-5,
+                                              [1, 1], [0, 0], [1, 1], 1, False)
             ran.append("conv_bn_silu")
         if want("temporal_conv"):
             x = torch.randn(2, 8, 7, 5, 6, device=dev, dtype=dtype)

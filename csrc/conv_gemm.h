@@ -92,14 +92,17 @@ inline Folded forward_fold(const at::Tensor& x, const at::Tensor& weight, const 
 }
 
 // ---- conv_bn_silu: the device passes bias_act_(y, shift, silu, s) and grad_z_(y, g, shift, silu, s) ----
+// fused_(x, f, s, silu): the whole forward in one kernel where the device has one for this configuration
+// (an undefined tensor otherwise: then the convolution and the bias + SiLU pass).
 
-template <typename BiasAct>
+template <typename BiasAct, typename Fused>
 inline at::Tensor conv_bn_silu_forward(const at::Tensor& x_in, const at::Tensor& weight,
                             const std::optional<at::Tensor>& bias, const at::Tensor& bn_weight,
                             const at::Tensor& bn_bias, const at::Tensor& bn_mean,
                             const at::Tensor& bn_var, double eps, at::IntArrayRef stride,
                             at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups,
-                            bool silu, const BiasAct& bias_act_, const FoldCachePolicy& policy) {
+                            bool silu, const BiasAct& bias_act_, const Fused& fused_,
+                            const FoldCachePolicy& policy) {
   ConvShape s = check_conv_bn_silu(x_in, weight, bias, bn_weight, bn_bias, bn_mean, bn_var, eps,
                                    stride, padding, dilation, groups);
   const auto fmt = conv_format(s);
@@ -107,7 +110,9 @@ inline at::Tensor conv_bn_silu_forward(const at::Tensor& x_in, const at::Tensor&
     return at::empty({0, s.C_out, s.H_out, s.W_out}, x_in.options().memory_format(fmt));
   at::Tensor x = x_in.contiguous(fmt);
   Folded f = forward_fold(x_in, weight, bias, bn_weight, bn_bias, bn_mean, bn_var, eps, fmt, policy);
-  at::Tensor y = folded_conv(x, f, s);
+  at::Tensor y = fused_(x, f, s, silu);
+  if (y.defined()) return y;
+  y = folded_conv(x, f, s);
   bias_act_(y, f.shift, silu, s);
   return y;
 }

@@ -44,6 +44,10 @@ CASES = {
     "conv_bn_silu": (lambda: [_rand(2, 32, 18, 20, channels_last=True),
                               _rand(48, 32, 3, 3, channels_last=True)],
                      None),  # built below: the BatchNorm tensors are constants of the graph
+    # The Hopper kernel (W_out % 8 == 0), its tiles cut between CTAs (stream-K: partial sums and flags).
+    "conv_bn_silu_stream_k": (lambda: [_rand(2, 256, 32, 16, channels_last=True),
+                                       _rand(200, 256, 3, 3, channels_last=True) / 48],
+                              None),
     "temporal_conv": (lambda: [_rand(2, 32, 7, 9, 10), _rand(48, 32, 3, 1, 1), _rand(48)],
                       lambda x, w, b: torch.ops.vd.temporal_conv(x, w, b, 1)),
     "scheduler_step": (lambda: [_rand(2, 14, 4, 9, 16, dtype=torch.float32), _rand(2, 14, 4, 9, 16, dtype=torch.float32),
@@ -63,8 +67,8 @@ def _flat(out):
 def test_cuda_graph_capture_and_replay(case):
     torch.manual_seed(0)
     make, fn = CASES[case]
-    if case == "conv_bn_silu":
-        bn = _bn(48)
+    if case.startswith("conv_bn_silu"):
+        bn = _bn(48 if case == "conv_bn_silu" else 200)
         fn = lambda x, w: torch.ops.vd.conv_bn_silu(x, w, None, *bn, 1e-5, [1, 1], [1, 1], [1, 1], 1, True)  # noqa: E731
     static = make()
     s = torch.cuda.Stream()
@@ -84,7 +88,10 @@ def test_cuda_graph_capture_and_replay(case):
     expected = _flat(fn(*fresh))
     assert len(captured) == len(expected)
     for got, want in zip(captured, expected):
-        if case in LIBRARY_GEMMS:
+        # The Hopper conv kernel is vd's own (a fixed summation order); elsewhere that case runs cuDNN.
+        library = case in LIBRARY_GEMMS or (case == "conv_bn_silu_stream_k"
+                                            and torch.cuda.get_device_capability() != (9, 0))
+        if library:
             torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
         else:
             assert torch.equal(got, want), f"{case}: replay differs from a direct call (max {(got.float() - want.float()).abs().max()})"

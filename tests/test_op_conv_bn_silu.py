@@ -6,8 +6,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from tests.common import (assert_close_to, assert_fake_matches_real, device_params, opcheck_test, run_opcheck,
-                          sample_tensor)
+from tests.common import (assert_close_to, assert_fake_matches_real, cuda_kernels_run, device_params, opcheck_test,
+                          run_opcheck, sample_tensor)
 from vdcompile import built_backends
 from vdcompile.ops import conv_bn_silu, reference_conv_bn_silu
 
@@ -486,3 +486,122 @@ def test_cuda_bias_silu_vector_pass(device, dtype, cl, silu):
         out = OP(x, *args)
         ref = reference_conv_bn_silu(x.double(), *(t.double() for t in params), *args[6:])
         assert_close_to(out, ref, dtype, what=f"C_out {c_out}, {h}x{w}")
+
+
+# ---- the Hopper kernel (sm_90a, fp16 / bf16 channels_last x, groups 1, stride 1, C_in, C_out and W_out
+# multiples of 8) ----
+CUDA = [p for p in DEVICES if p.id == "cuda"]
+HOPPER_KERNEL = "conv_bn_silu_wgmma_kernel"
+
+
+def on_hopper(device) -> bool:
+    return torch.cuda.get_device_capability(device) == (9, 0)
+
+
+# (N, C_in, C_out, H, W, kernel, padding, dilation): row segments of 16, 64, 32 and 8 pixels; input channels
+# that are not whole 64-channel chunks; a partial channel tile (200 = 128 + 72) and a partial pixel tile
+# (80 pixels); 1x1, 3x5 and dilated kernels; a "valid" convolution (no padding: W_out = W - 2); K long
+# enough that each tile is cut between several CTAs (1280 channels at 9 x 16: 30 tiles of 180 K steps).
+HOPPER_CASES = [
+    (2, 64, 128, 8, 16, (3, 3), (1, 1), (1, 1)),
+    (1, 72, 200, 9, 64, (3, 3), (1, 1), (1, 1)),
+    (2, 16, 24, 5, 8, (3, 3), (1, 1), (1, 1)),
+    (1, 128, 320, 18, 32, (3, 3), (1, 1), (1, 1)),
+    (2, 64, 64, 6, 24, (1, 1), (0, 0), (1, 1)),
+    (1, 32, 48, 7, 40, (3, 5), (2, 2), (2, 1)),
+    (1, 64, 64, 10, 18, (3, 3), (0, 0), (1, 1)),
+    (2, 1280, 1280, 9, 16, (3, 3), (1, 1), (1, 1)),
+]
+
+
+@pytest.mark.parametrize("device", CUDA)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("tile", ["128", "160", "256"])
+@pytest.mark.parametrize("case", HOPPER_CASES, ids=lambda c: "x".join(map(str, c[:5])) + f"-k{c[5][0]}{c[5][1]}")
+def test_hopper_kernel_matches_reference(device, dtype, tile, case, monkeypatch):
+    """The kernel pinned (VD_CONV_BN_SILU_KERNEL=wgmma: no choice by shape) at both channel tiles."""
+    n, c_in, c_out, h, w, k, padding, dilation = case
+    monkeypatch.setenv("VD_CONV_BN_SILU_TILE", tile)
+    torch.manual_seed(0)
+    x = torch.randn(n, c_in, h, w, device=device).to(dtype).contiguous(memory_format=torch.channels_last)
+    for has_bias, silu in ((True, True), (False, False)):
+        params = make_params(c_in, c_out, k, bias=has_bias, device=device, dtype=dtype)
+        args = (*params, 1e-5, [1, 1], list(padding), list(dilation), 1, silu)
+        ref = reference_conv_bn_silu(x.double(), *(None if t is None else t.double() for t in params), *args[6:])
+        monkeypatch.setenv("VD_CONV_BN_SILU_KERNEL", "wgmma")
+        out = OP(x, *args)
+        ran = " ".join(cuda_kernels_run(lambda: OP(x, *args)))
+        assert (HOPPER_KERNEL in ran) == on_hopper(device), ran
+        assert not on_hopper(device) or f"{tile}>" in ran, ran
+        assert out.is_contiguous(memory_format=torch.channels_last)
+        assert_close_to(out, ref, dtype, what=f"bias={has_bias} silu={silu}")
+        assert torch.equal(OP(x, *args), out)  # the stream-K sums run in a fixed order
+        monkeypatch.setenv("VD_CONV_BN_SILU_KERNEL", "cudnn")  # the cuDNN path, for comparison
+        assert HOPPER_KERNEL not in " ".join(cuda_kernels_run(lambda: OP(x, *args)))
+        assert_close_to(OP(x, *args), ref, dtype, what="cuDNN path")
+
+
+@pytest.mark.parametrize("device", CUDA)
+def test_hopper_kernel_choice_by_channels(device, monkeypatch):
+    """Unpinned, with at least 8 pixel tiles: 256-channel tiles where C_out is a multiple of 256, 160 where it is
+    one of 160, else 128, and cuDNN where a last 128-channel tile would be at most half full (C_out 448); with
+    fewer pixel tiles cuDNN."""
+    monkeypatch.delenv("VD_CONV_BN_SILU_KERNEL", raising=False)
+    monkeypatch.delenv("VD_CONV_BN_SILU_TILE", raising=False)
+    torch.manual_seed(0)
+    cl = torch.channels_last
+    big = torch.randn(1, 64, 32, 32, device=device, dtype=torch.bfloat16).contiguous(memory_format=cl)
+    small = torch.randn(1, 64, 8, 16, device=device, dtype=torch.bfloat16).contiguous(memory_format=cl)
+    cases = [(big, 512, "256>"), (big, 320, "160>"), (big, 384, "128>"), (big, 200, "128>"), (big, 448, None),
+             (small, 512, None), (small, 320, None)]
+    for x, c_out, want in cases:
+        params = make_params(64, c_out, 3, device=device, dtype=torch.bfloat16)
+        args = (*params, 1e-5, [1, 1], [1, 1], [1, 1], 1, True)
+        ran = " ".join(cuda_kernels_run(lambda: OP(x, *args)))
+        if want is None or not on_hopper(device):
+            assert HOPPER_KERNEL not in ran, ran
+        else:
+            assert HOPPER_KERNEL in ran and want in ran, ran
+        ref = reference_conv_bn_silu(x.double(), *(t.double() for t in params), *args[6:])
+        assert_close_to(OP(x, *args), ref, torch.bfloat16, what=f"C_out {c_out}, {tuple(x.shape)}")
+
+
+@pytest.mark.parametrize("device", CUDA)
+def test_hopper_kernel_leaves_other_inputs_to_cudnn(device):
+    """NCHW x, stride 2, groups 2, fp32, and W_out not a multiple of 8 take the cuDNN path (and stay correct)."""
+    torch.manual_seed(0)
+    cl = torch.channels_last
+    cases = [  # (x, C_out, stride, groups)
+        (torch.randn(1, 16, 8, 16, device=device, dtype=torch.bfloat16), 24, 1, 1),
+        (torch.randn(1, 16, 8, 16, device=device, dtype=torch.bfloat16).contiguous(memory_format=cl), 24, 2, 1),
+        (torch.randn(1, 16, 8, 16, device=device, dtype=torch.bfloat16).contiguous(memory_format=cl), 24, 1, 2),
+        (torch.randn(1, 16, 8, 16, device=device).contiguous(memory_format=cl), 24, 1, 1),
+        (torch.randn(1, 16, 8, 12, device=device, dtype=torch.bfloat16).contiguous(memory_format=cl), 24, 1, 1),
+    ]
+    for x, c_out, stride, groups in cases:
+        params = make_params(16, c_out, 3, groups=groups, device=device, dtype=x.dtype)
+        args = (*params, 1e-5, [stride, stride], [1, 1], [1, 1], groups, True)
+        out = OP(x, *args)
+        assert HOPPER_KERNEL not in " ".join(cuda_kernels_run(lambda: OP(x, *args)))
+        ref = reference_conv_bn_silu(x.double(), *(t.double() for t in params), *args[6:])
+        assert_close_to(out, ref, x.dtype, what=f"{x.dtype} stride {stride} groups {groups}")
+
+
+@pytest.mark.parametrize("device", CUDA)
+def test_hopper_kernel_over_2_31_elements(device):
+    """x and the output of 2.4 G elements (bf16): pixel offsets of the last rows pass 2^31."""
+    if torch.cuda.get_device_properties(device).total_memory < 24 * 2**30:
+        pytest.skip("needs 24 GiB of GPU memory")
+    torch.manual_seed(0)
+    n, c, h, w = 1, 16, 8192, 18432
+    x = torch.empty(n, c, h, w, device=device, dtype=torch.bfloat16,
+                    memory_format=torch.channels_last).normal_()
+    params = make_params(c, c, 3, device=device, dtype=torch.bfloat16)
+    args = (*params, 1e-5, [1, 1], [1, 1], [1, 1], 1, True)
+    out = OP(x, *args)
+    for rows in (slice(0, 2), slice(h - 2, h)):
+        xr = x[:, :, max(rows.start - 1, 0):rows.stop + 1]
+        ref = reference_conv_bn_silu(xr.double(), *(t.double() for t in params), *args[6:])
+        ref = ref[:, :, 1:3] if rows.start > 0 else ref[:, :, 0:2]
+        assert_close_to(out[:, :, rows], ref, torch.bfloat16, what=f"rows {rows}")
+    del x, out

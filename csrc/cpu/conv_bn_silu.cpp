@@ -114,7 +114,9 @@ at::Tensor conv_bn_silu_cpu(const at::Tensor& x, const at::Tensor& weight,
                             at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups,
                             bool silu) {
   return conv_bn_silu_forward(x, weight, bias, bn_weight, bn_bias, bn_mean, bn_var, eps, stride,
-                              padding, dilation, groups, silu, bias_act_, FoldCachePolicy{true, 0});
+                              padding, dilation, groups, silu, bias_act_,
+                              [](const at::Tensor&, const Folded&, const ConvShape&, bool) { return at::Tensor(); },
+                              FoldCachePolicy{true, 0});
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> conv_bn_silu_backward_cpu(

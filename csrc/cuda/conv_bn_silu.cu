@@ -1,6 +1,7 @@
-// CUDA kernels for vd::conv_bn_silu: the folded convolution runs through ATen (cuDNN) with the shared
-// code of csrc/conv_gemm.h; the bias + SiLU epilogue is one in-place pass over the output, and the
-// backward's dz = g * silu'(z) another.
+// CUDA kernels for vd::conv_bn_silu. On Hopper (sm_90a), fp16 / bf16 channels_last input with stride 1:
+// one implicit-GEMM kernel (wgmma + TMA) with the bias and SiLU in its epilogue. Elsewhere the folded
+// convolution runs through ATen (cuDNN) with the shared code of csrc/conv_gemm.h and the bias + SiLU
+// epilogue is one in-place pass over the output; the backward's dz = g * silu'(z) is another.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
@@ -8,11 +9,19 @@
 #include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <torch/library.h>
+
+#include <cstdlib>
+#include <limits>
+#include <string>
 
 #include "../activation.h"
 #include "../conv_gemm.h"
+#include "hopper.h"
 #include "launch.h"
+#include "wgmma.h"
 
 namespace vd {
 namespace {
@@ -118,6 +127,381 @@ at::Tensor grad_z_cuda_(at::Tensor& y, const at::Tensor& g, const at::Tensor& sh
   return y.sum({0, 2, 3}, /*keepdim=*/false, acc);
 }
 
+// ---- Hopper: the folded convolution, bias and SiLU as one implicit GEMM ----
+// out[p, co] = silu(b'[co] + sum_{r, s, ci} x[n, h + r dil - pad, w + s dil - pad, ci] w'[co, r, s, ci]) for
+// each output pixel p = (n, h, w), NHWC. GEMM rows (M) are output pixels, columns (N) output channels, K
+// the taps times input channels, both operands K-major: a tile is 128 consecutive pixels x 128 channels,
+// its K loop one tap and 64 input channels a stage. The copy engine loads the weight rows (the folded
+// weight is channels_last: (C_out, kH, kW, C_in)) and, in its im2col mode, the tile's 128 input pixels for
+// the tap in one box (the walk over output positions crosses rows and images; positions in the padding read
+// zeros), so there is no im2col buffer and no bounds test in the loop. Two consumer warpgroups (64 pixels
+// each) run wgmma m64n128k16; one producer thread streams the stages (two copies a stage: with one box a row
+// segment its per-stage work was the bottleneck, the consumers waiting on it two thirds of the time).
+//
+// Work is split stream-K: the tiles' K steps, laid end to end, are cut into one even range per CTA (one
+// CTA an SM), so no last wave runs half empty (the UNet shapes have 90-432 tiles on 132 SMs). A tile cut
+// between CTAs is finished by the CTA that holds its first K step (its owner, which reaches it last in its
+// range): the others reach their part of it first, store their partial sums (fp32, one slot a CTA) and
+// count themselves in the tile's flag; the owner waits for the count, adds the slots and runs the epilogue.
+// Only owners wait, and on CTAs that run before any waiting, so every CTA must be resident at once: the
+// grid is at most one CTA an SM.
+#if defined(VD_SM90A)
+struct CbsArgs {
+  const float* shift;  // b', C_out floats
+  float* ws;           // partial sums: a slot of 128 x 128 floats a CTA
+  int* flags;          // 2 a tile (one a consumer warpgroup): partial slots stored so far; zeroed by the host
+  int64_t units;       // tiles x iters: the K steps of all tiles
+  int64_t P;           // output pixels, N x H_out x W_out
+  int n_nt, iters, chunks, kW;  // channel tiles; K steps a tile (taps x chunks); 64-channel chunks of C_in
+  int C_out, H_out, W_out, BW;  // BW: the row segment (pixels) of an output box; divides W_out and 64
+  int pad_h, pad_w, dil_h, dil_w;
+  int silu;
+};
+
+// BN: 128, 160 or 256 output channels a tile (256: m64n256k16 reads the warpgroup's pixel rows once for 256
+// channels, 10 KB of shared memory a 128-cycle product against 12 KB for two m64n128k16; and half the L2
+// reads a product).
+template <int BN_>
+struct CbsTile {
+  static constexpr int BM = 128, BN = BN_, BK = 64, kStages = BN == 256 ? 3 : 5;
+  static constexpr int a_bytes = BM * BK * 2;  // 128 pixel rows of 64 channels
+  static constexpr int b_bytes = BN * BK * 2;  // BN weight rows of 64 channels
+  static constexpr int stage_bytes = a_bytes + b_bytes;
+  // The epilogue's staging: per consumer warpgroup BN / 64 blocks of 64 pixels x 64 channels (128-byte
+  // rows, 128-byte swizzle) and, at BN = 160, a block of 64 pixels x 32 channels (64-byte rows and swizzle).
+  static constexpr int blk_bytes = 64 * 128, full_blks = BN / 64, tail = BN % 64;  // tail: 0 or 32 channels
+  static constexpr int wg_out_bytes = full_blks * blk_bytes + (tail ? 4096 : 0), out_off = kStages * stage_bytes;
+  static constexpr int bar_off = out_off + 2 * wg_out_bytes;
+  static constexpr size_t smem_bytes = bar_off + 16 * kStages + 1024;  // + slack to align to 1024
+  static constexpr int kAcc = BN / 2;  // accumulator floats a thread
+};
+
+// The CTA whose range holds K step v: ranges are [g U / G, (g + 1) U / G).
+__device__ __forceinline__ int cbs_cta_of(int64_t v, int64_t units, int G) {
+  int g = static_cast<int>(((v + 1) * G + units - 1) / units) - 1;
+  while (g + 1 < G && (static_cast<int64_t>(g + 1) * units) / G <= v) ++g;
+  while (g > 0 && (static_cast<int64_t>(g) * units) / G > v) --g;
+  return g;
+}
+
+// (n, h, w) of output pixel p.
+struct CbsPix {
+  int n, h, w;
+};
+__device__ __forceinline__ CbsPix cbs_pix(const CbsArgs& a, int64_t p) {
+  const int64_t hw = static_cast<int64_t>(a.H_out) * a.W_out;
+  const int64_t n = p / hw, r = p - n * hw;
+  const int h = static_cast<int>(r / a.W_out);
+  return {static_cast<int>(n), h, static_cast<int>(r - static_cast<int64_t>(h) * a.W_out)};
+}
+// The next row segment: BW pixels on.
+__device__ __forceinline__ void cbs_next(const CbsArgs& a, CbsPix& q) {
+  q.w += a.BW;
+  if (q.w == a.W_out) {
+    q.w = 0;
+    if (++q.h == a.H_out) q.h = 0, ++q.n;
+  }
+}
+
+__device__ __forceinline__ void red_release_add(int* p, int v) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ int ld_acquire(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+template <typename scalar_t, int BN>
+__global__ void __launch_bounds__(384, 1)
+    conv_bn_silu_wgmma_kernel(const CbsArgs a, const __grid_constant__ CUtensorMap tw,
+                              const __grid_constant__ CUtensorMap tx, const __grid_constant__ CUtensorMap to,
+                              const __grid_constant__ CUtensorMap to32) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using T = CbsTile<BN>;
+  constexpr int S = T::kStages, NACC = T::kAcc;
+  constexpr bool kBf16 = std::is_same_v<scalar_t, at::BFloat16>;
+  extern __shared__ __align__(16) unsigned char cbs_smem[];
+  const uint32_t base = (static_cast<uint32_t>(__cvta_generic_to_shared(cbs_smem)) + 1023u) & ~1023u;
+  const uint32_t bar = base + T::bar_off;
+  auto sA = [&](int st) { return base + st * T::stage_bytes; };
+  auto sB = [&](int st) { return base + st * T::stage_bytes + T::a_bytes; };
+  auto full = [&](int st) { return bar + 8 * st; };
+  auto empty = [&](int st) { return bar + 8 * (S + st); };
+  const int tid = threadIdx.x, wg = tid / 128, G = gridDim.x, g = blockIdx.x;
+  if (tid == 0) wgmma::init_stage_ring(bar, S, 8);  // empty: one arrival per consumer warp
+  __syncthreads();
+  const int64_t v0 = static_cast<int64_t>(g) * a.units / G, v1 = static_cast<int64_t>(g + 1) * a.units / G;
+
+  if (wg == 0) {
+    wgmma::setmaxnreg_dec<40>();  // the producer needs few registers; the consumers' accumulators many
+    if (tid == 0) {
+      uint32_t u = 0;  // stages filled so far (runs on across tiles)
+      for (int64_t v = v0; v < v1;) {
+        const int64_t t = v / a.iters;
+        const int k0 = static_cast<int>(v - t * a.iters);
+        const int k1 = static_cast<int>(min(static_cast<int64_t>(a.iters), k0 + (v1 - v)));
+        v += k1 - k0;
+        const int nt = static_cast<int>(t % a.n_nt);
+        const CbsPix q = cbs_pix(a, (t / a.n_nt) * T::BM);  // the tile's first output pixel
+        const int w0 = q.w - a.pad_w, h0 = q.h - a.pad_h;  // its position at tap (0, 0)
+        int tap = k0 / a.chunks, c = k0 - tap * a.chunks;
+        int r = tap / a.kW, s = tap - r * a.kW;
+        for (int k = k0; k < k1; ++k, ++u) {
+          const int st = static_cast<int>(u % S);
+          wgmma::mbar_wait(empty(st), ((u / S) & 1) ^ 1u);
+          wgmma::mbar_expect_tx(full(st), T::stage_bytes);
+          wgmma::tma_load_4d(sB(st), &tw, full(st), c * T::BK, tap, nt * T::BN, 0);
+          wgmma::tma_load_im2col_4d(sA(st), &tx, full(st), c * T::BK, w0, h0, q.n,
+                                    static_cast<uint16_t>(s * a.dil_w), static_cast<uint16_t>(r * a.dil_h));
+          if (++c == a.chunks) {
+            c = 0, ++tap;
+            if (++s == a.kW) s = 0, ++r;
+          }
+        }
+      }
+    }
+    return;
+  }
+
+  wgmma::setmaxnreg_inc<232>();
+  // The consumer warpgroup's index through a shuffle, so the compiler sees it uniform (ptxas C7518).
+  const int cw = __shfl_sync(kFullMask, wg - 1, 0), warp = (tid / 32) % 4, lane = tid % 32, tw_id = tid % 128;
+  const int gq = lane >> 2, tig = lane & 3;
+  const bool leader = warp == 0 && lane == 0;
+  const uint32_t sOut = base + T::out_off + cw * T::wg_out_bytes;
+  float4* ws = reinterpret_cast<float4*>(a.ws);
+  uint32_t u = 0;
+  for (int64_t v = v0; v < v1;) {
+    const int64_t t = v / a.iters;
+    const int k0 = static_cast<int>(v - t * a.iters);
+    const int k1 = static_cast<int>(min(static_cast<int64_t>(a.iters), k0 + (v1 - v)));
+    v += k1 - k0;
+    float acc[NACC];
+    int prev = -1;  // the stage whose products may still be reading shared memory
+    for (int k = k0; k < k1; ++k, ++u) {
+      const int st = static_cast<int>(u % S);
+      wgmma::mbar_wait(full(st), (u / S) & 1);
+      // K steps of 16 channels: +32 bytes in both operands' 128-byte rows.
+      const uint64_t da = wgmma::desc_sw128(sA(st) + cw * 64 * 128, 16, 1024);
+      const uint64_t db = wgmma::desc_sw128(sB(st), 16, 1024);
+      wgmma::fence();
+#pragma unroll
+      for (int kk = 0; kk < T::BK / 16; ++kk) {
+        if constexpr (BN == 256)
+          wgmma::mma_m64n256k16_ss<kBf16>(acc, da + ((kk * 32) >> 4), db + ((kk * 32) >> 4), k > k0 || kk > 0);
+        else if constexpr (BN == 160)
+          wgmma::mma_m64n160k16_ss<kBf16>(acc, da + ((kk * 32) >> 4), db + ((kk * 32) >> 4), k > k0 || kk > 0);
+        else
+          wgmma::mma_m64n128k16_ss<kBf16>(acc, da + ((kk * 32) >> 4), db + ((kk * 32) >> 4), k > k0 || kk > 0);
+      }
+      wgmma::commit();
+      wgmma::wait<1>();  // the previous stage's products are done: hand it back
+      if (prev >= 0 && lane == 0) wgmma::mbar_arrive(empty(prev));
+      prev = st;
+    }
+    wgmma::wait<0>();
+    wgmma::fence_regs(acc);
+    if (prev >= 0 && lane == 0) wgmma::mbar_arrive(empty(prev));
+
+    // This warpgroup's slot of this CTA's partial sums: float4 j of thread i at j * 128 + i.
+    auto slot = [&](int cta) { return ws + (static_cast<int64_t>(cta) * 2 + cw) * (NACC / 4) * 128 + tw_id; };
+    if (k0 > 0) {  // the tile's owner is an earlier CTA: hand it this part (only a CTA's first part can be)
+      float4* dst = slot(g);
+#pragma unroll
+      for (int j = 0; j < NACC / 4; ++j)
+        __stcg(dst + j * 128, make_float4(acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3]));
+      __threadfence();
+      wgmma::named_sync(1 + cw, 128);
+      if (leader) red_release_add(a.flags + 2 * t + cw, 1);
+      continue;
+    }
+    if (k1 < a.iters) {  // the owner of a tile cut between CTAs: the later ones' parts
+      const int last = cbs_cta_of(t * a.iters + a.iters - 1, a.units, G);
+      if (leader)
+        while (ld_acquire(a.flags + 2 * t + cw) < last - g) __nanosleep(64);
+      wgmma::named_sync(1 + cw, 128);
+      for (int c = g + 1; c <= last; ++c) {
+        const float4* src = slot(c);
+#pragma unroll
+        for (int j = 0; j < NACC / 4; ++j) {
+          const float4 p = __ldcg(src + j * 128);
+          acc[4 * j] += p.x, acc[4 * j + 1] += p.y, acc[4 * j + 2] += p.z, acc[4 * j + 3] += p.w;
+        }
+      }
+    }
+
+    // Epilogue: b' and SiLU on the warpgroup's 64 pixels x BN channels, staged as the output map's boxes
+    // (64 channels x BW pixels, 128-byte swizzle) and written by the copy engine while the warpgroup goes on
+    // to its next tile; the staging is refilled only after the copy engine has read the previous boxes.
+    const int nt = static_cast<int>(t % a.n_nt);
+    const int64_t mw = (t / a.n_nt) * T::BM + cw * 64;  // the warpgroup's first pixel
+    if (mw >= a.P) continue;
+    if (leader) wgmma::bulk_wait_read();
+    wgmma::named_sync(1 + cw, 128);
+#pragma unroll
+    for (int j = 0; j < T::BN / 8; ++j) {
+      const int co = nt * T::BN + 8 * j + 2 * tig;  // C_out % 8 == 0: the pair is whole or absent
+      const float2 b = co < a.C_out ? *reinterpret_cast<const float2*>(a.shift + co) : make_float2(0.f, 0.f);
+#pragma unroll
+      for (int rr = 0; rr < 2; ++rr) {
+        const int r = warp * 16 + gq + 8 * rr;  // the pixel row; r % 8 == gq
+        float x0 = acc[4 * j + 2 * rr] + b.x, x1 = acc[4 * j + 2 * rr + 1] + b.y;
+        if (a.silu) x0 = silu_fast(x0), x1 = silu_fast(x1);
+        uint32_t pk;
+        if constexpr (kBf16) {
+          const __nv_bfloat162 h = __floats2bfloat162_rn(x0, x1);
+          pk = *reinterpret_cast<const uint32_t*>(&h);
+        } else {
+          const __half2 h = __floats2half2_rn(x0, x1);
+          pk = *reinterpret_cast<const uint32_t*>(&h);
+        }
+        // 16-byte chunk j % 8 of the pixel's row, swizzled: 128-byte rows (chunk ^ row % 8), or in the 32-channel
+        // block 64-byte rows (chunk ^ (row / 2) % 4)
+        const uint32_t addr = j / 8 < T::full_blks
+                                  ? sOut + (j / 8) * T::blk_bytes + r * 128 + (((j % 8) ^ gq) << 4) + 4 * tig
+                                  : sOut + T::full_blks * T::blk_bytes + r * 64 + (((j % 8) ^ ((r >> 1) & 3)) << 4) + 4 * tig;
+        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(pk) : "memory");
+      }
+    }
+    wgmma::fence_proxy_async();  // the generic-proxy writes above, before the copy engine reads them
+    wgmma::named_sync(1 + cw, 128);
+    if (leader) {
+      const int segs = static_cast<int>(min(static_cast<int64_t>(64), a.P - mw)) / a.BW;
+      for (int blk = 0; blk < T::full_blks + (T::tail ? 1 : 0); ++blk) {
+        const int c0 = nt * T::BN + blk * 64;
+        if (c0 >= a.C_out) break;
+        CbsPix q = cbs_pix(a, mw);
+        for (int seg = 0; seg < segs; ++seg) {
+          if (blk < T::full_blks)
+            wgmma::tma_store_4d(&to, sOut + blk * T::blk_bytes + seg * a.BW * 128, c0, q.w, q.h, q.n);
+          else
+            wgmma::tma_store_4d(&to32, sOut + blk * T::blk_bytes + seg * a.BW * 64, c0, q.w, q.h, q.n);
+          cbs_next(a, q);
+        }
+      }
+      wgmma::bulk_commit();
+    }
+  }
+  // The copy engine must have finished with the staging buffers before the CTA's shared memory goes.
+  if (tid % 128 == 0) wgmma::bulk_wait();
+#endif
+}
+#endif
+
+// VD_CONV_BN_SILU_KERNEL: "cudnn" keeps the cuDNN convolution and the bias + SiLU pass on Hopper too,
+// "wgmma" takes the Hopper kernel wherever it applies (no choice by shape); benchmarks and tests compare
+// them. VD_CONV_BN_SILU_TILE=128|160|256 pins the channel tile.
+std::string env_str(const char* name) {
+  const char* e = std::getenv(name);
+  return e == nullptr ? std::string() : std::string(e);
+}
+
+#if defined(VD_SM90A)
+template <int BN>
+bool launch_conv_wgmma(const at::Tensor& x, const Folded& f, const ConvShape& s, bool silu, at::Tensor& y) {
+  using T = CbsTile<BN>;
+  const at::Tensor& w = f.weight;
+  const int64_t taps = s.kH * s.kW;
+  const int BW = s.W_out % 64 == 0 ? 64 : s.W_out % 32 == 0 ? 32 : s.W_out % 16 == 0 ? 16 : 8;
+  // The im2col walk: output position (w, h) reads input (w - pad + s dil, h - pad + r dil) at tap (r, s).
+  const int lower[2] = {static_cast<int>(-s.padding[1]), static_cast<int>(-s.padding[0])};
+  const int upper[2] = {static_cast<int>(s.padding[1] - (s.kW - 1) * s.dilation[1]),
+                        static_cast<int>(s.padding[0] - (s.kH - 1) * s.dilation[0])};
+  CUtensorMap tw, tx, to, to32;
+  if (!tensor_map_4d(&tw, w, {s.C_in, taps, s.C_out, 1}, {s.C_in, taps * s.C_in, s.C_out * taps * s.C_in},
+                     {T::BK, 1, T::BN, 1}) ||
+      !im2col_map_4d(&tx, x, {s.C_in, s.W, s.H, s.N}, {x.stride(3), x.stride(2), x.stride(0)}, lower, upper,
+                     T::BK, T::BM) ||
+      !tensor_map_4d(&to, y, {s.C_out, s.W_out, s.H_out, s.N}, {y.stride(3), y.stride(2), y.stride(0)},
+                     {64, static_cast<uint32_t>(BW), 1, 1}) ||
+      !tensor_map_4d(&to32, y, {s.C_out, s.W_out, s.H_out, s.N}, {y.stride(3), y.stride(2), y.stride(0)},
+                     {32, static_cast<uint32_t>(BW), 1, 1}, CU_TENSOR_MAP_SWIZZLE_64B))
+    return false;
+
+  CbsArgs a{};
+  const at::Tensor shift = f.shift.to(at::kFloat).contiguous();
+  a.shift = shift.const_data_ptr<float>();
+  a.P = s.N * s.H_out * s.W_out;
+  a.n_nt = static_cast<int>(ceil_div(s.C_out, T::BN));
+  a.chunks = static_cast<int>(ceil_div(s.C_in, T::BK));
+  a.iters = static_cast<int>(taps) * a.chunks;
+  a.kW = static_cast<int>(s.kW);
+  const int64_t tiles = ceil_div(a.P, T::BM) * a.n_nt;
+  a.units = tiles * a.iters;
+  a.C_out = static_cast<int>(s.C_out);
+  a.H_out = static_cast<int>(s.H_out);
+  a.W_out = static_cast<int>(s.W_out);
+  a.BW = BW;
+  a.pad_h = static_cast<int>(s.padding[0]);
+  a.pad_w = static_cast<int>(s.padding[1]);
+  a.dil_h = static_cast<int>(s.dilation[0]);
+  a.dil_w = static_cast<int>(s.dilation[1]);
+  a.silu = silu ? 1 : 0;
+
+  const size_t smem = T::smem_bytes;
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  auto launch = [&](auto kernel) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+    const unsigned G = persistent_blocks(kernel, 384, smem, a.units);
+    // One partial slot a CTA (128 x BN floats), then the tiles' flags (zeroed on the stream: graph-safe).
+    const int64_t slot_floats = static_cast<int64_t>(T::BM) * T::BN;
+    at::Tensor ws = at::empty({G * slot_floats + 2 * tiles}, x.options().dtype(at::kFloat));
+    a.ws = ws.mutable_data_ptr<float>();
+    a.flags = reinterpret_cast<int*>(a.ws + G * slot_floats);
+    C10_CUDA_CHECK(cudaMemsetAsync(a.flags, 0, 2 * tiles * sizeof(int), stream));
+    kernel<<<G, 384, smem, stream>>>(a, tw, tx, to, to32);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  };
+  if (x.scalar_type() == at::kBFloat16) launch(conv_bn_silu_wgmma_kernel<at::BFloat16, BN>);
+  else launch(conv_bn_silu_wgmma_kernel<at::Half, BN>);
+  return true;
+}
+#endif
+
+// The Hopper kernel for fp16 / bf16 channels_last x, groups 1, stride 1, C_in and C_out multiples of 8
+// (16-byte rows for the copy engine) and W_out a multiple of 8 (whole output boxes). Returns an undefined
+// tensor where the cuDNN path is used instead.
+at::Tensor conv_bn_silu_wgmma(const at::Tensor& x, const Folded& f, const ConvShape& s, bool silu) {
+#if defined(VD_SM90A)
+  const auto dt = x.scalar_type();
+  const std::string choice = env_str("VD_CONV_BN_SILU_KERNEL");
+  if ((dt != at::kHalf && dt != at::kBFloat16) || !s.channels_last || s.groups != 1 || s.stride[0] != 1 ||
+      s.stride[1] != 1 || s.C_in % 8 != 0 || s.C_out % 8 != 0 || s.W_out % 8 != 0 || choice == "cudnn" ||
+      !device_is_sm90a())
+    return {};
+  const at::Tensor& w = f.weight;
+  if (!x.is_contiguous(at::MemoryFormat::ChannelsLast) || !w.is_contiguous(at::MemoryFormat::ChannelsLast) ||
+      w.scalar_type() != dt || !aligned16(x.const_data_ptr()) || !aligned16(w.const_data_ptr()))
+    return {};
+  const int64_t kMax = std::numeric_limits<int>::max() / 2;
+  if (s.W + s.W_out > kMax || s.H + s.H_out > kMax || s.N > kMax || s.C_in > kMax || s.C_out > kMax ||
+      s.kH * s.kW * ceil_div(s.C_in, 64) > kMax || s.padding[0] > kMax || s.padding[1] > kMax ||
+      s.dilation[0] * s.kH > 65535 || s.dilation[1] * s.kW > 65535)
+    return {};  // the copy engine's coordinates and the loop counters are 32-bit, the im2col offsets 16-bit
+  // Chosen by shape unless pinned: fewer than 8 pixel tiles (2 x 1280 x 9 x 16: 3) cut each tile between
+  // several CTAs, and cuDNN's convolution with the bias + SiLU pass was as fast or faster there (37.9 vs
+  // 42.9 us on the H200). The channel tile: 256 where C_out fills it (m64n256k16: the least shared-memory
+  // traffic a product), else 160 where C_out is a multiple of 160 (320, 640: no empty columns), else 128;
+  // where a last 128-channel tile would be at most half full, cuDNN again.
+  const std::string tile = env_str("VD_CONV_BN_SILU_TILE");
+  if (choice != "wgmma" && ceil_div(s.N * s.H_out * s.W_out, 128) < 8) return {};
+  const int bn = tile == "128" || tile == "160" || tile == "256" ? std::stoi(tile)
+                 : s.C_out % 256 == 0                           ? 256
+                 : s.C_out % 160 == 0                           ? 160
+                                                                : 128;
+  if (choice != "wgmma" && bn == 128 && s.C_out > 128 && s.C_out % 128 != 0 && s.C_out % 128 <= 64) return {};
+  at::Tensor y = at::empty({s.N, s.C_out, s.H_out, s.W_out}, x.options().memory_format(at::MemoryFormat::ChannelsLast));
+  const bool ok = bn == 256   ? launch_conv_wgmma<256>(x, f, s, silu, y)
+                  : bn == 160 ? launch_conv_wgmma<160>(x, f, s, silu, y)
+                              : launch_conv_wgmma<128>(x, f, s, silu, y);
+  return ok ? y : at::Tensor();
+#else
+  (void)x, (void)f, (void)s, (void)silu;
+  return {};
+#endif
+}
+
 at::Tensor conv_bn_silu_cuda(const at::Tensor& x, const at::Tensor& weight,
                              const std::optional<at::Tensor>& bias, const at::Tensor& bn_weight,
                              const at::Tensor& bn_bias, const at::Tensor& bn_mean,
@@ -130,7 +514,7 @@ at::Tensor conv_bn_silu_cuda(const at::Tensor& x, const at::Tensor& weight,
                                    c10::cuda::CaptureStatus::None,
                                static_cast<int64_t>(stream.id())};
   return conv_bn_silu_forward(x, weight, bias, bn_weight, bn_bias, bn_mean, bn_var, eps, stride,
-                              padding, dilation, groups, silu, bias_act_cuda_, policy);
+                              padding, dilation, groups, silu, bias_act_cuda_, conv_bn_silu_wgmma, policy);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> conv_bn_silu_backward_cuda(

@@ -48,27 +48,25 @@ unsigned persistent_blocks(Kernel kernel, int threads, size_t smem, int64_t work
 }
 
 #if defined(VD_SM90A)
-// cuTensorMapEncodeTiled from the driver, found through the runtime (no link against libcuda).
+// A driver function (CUDA 12.0 ABI), found through the runtime (no link against libcuda); null if absent.
+template <typename Fn>
+inline Fn driver_entry(const char* name) {
+  void* p = nullptr;
+  cudaDriverEntryPointQueryResult q{};
+  C10_CUDA_CHECK(cudaGetDriverEntryPointByVersion(name, &p, 12000, cudaEnableDefault, &q));
+  return q == cudaDriverEntryPointSuccess ? reinterpret_cast<Fn>(p) : nullptr;
+}
+
 inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
-  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
-    void* p = nullptr;
-    cudaDriverEntryPointQueryResult q{};
-    C10_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q));
-    return q == cudaDriverEntryPointSuccess ? reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p) : nullptr;
-  }();
+  static const auto fn = driver_entry<PFN_cuTensorMapEncodeTiled_v12000>("cuTensorMapEncodeTiled");
   return fn;
 }
 
-// A 4-D tiled tensor map over t's data (fp16, bf16 or fp32): `dims` innermost first, element strides of
-// dims 1-3 (a size-1 dim's stride is never used: it gets the packed one), boxes `box`, the 128-byte
-// swizzle, zeros outside the tensor. False where the copy engine cannot take it (strides must be positive
-// multiples of 16 bytes) or the driver has no encoder.
-inline bool tensor_map_4d(CUtensorMap* m, const at::Tensor& t, const int64_t (&dims)[4], const int64_t (&strides)[3],
-                          const uint32_t (&box)[4]) {
-  auto encode = tensor_map_encoder();
-  if (encode == nullptr) return false;
+// A 4-D map's sizes and byte strides (dims 1-3) from element strides; a size-1 dim gets the packed stride
+// (never used). False where the copy engine cannot take them (strides must be positive multiples of 16 bytes).
+inline bool map_geometry(const at::Tensor& t, const int64_t (&dims)[4], const int64_t (&strides)[3],
+                         cuuint64_t (&gdims)[4], cuuint64_t (&bytes)[3]) {
   const int64_t es = t.element_size();
-  cuuint64_t gdims[4], bytes[3];
   for (int i = 0; i < 4; ++i) gdims[i] = static_cast<cuuint64_t>(dims[i]);
   int64_t packed = dims[0];
   for (int i = 0; i < 3; ++i) {
@@ -77,12 +75,50 @@ inline bool tensor_map_4d(CUtensorMap* m, const at::Tensor& t, const int64_t (&d
     bytes[i] = static_cast<cuuint64_t>(st * es);
     packed = st * dims[i + 1];
   }
+  return true;
+}
+
+// A 4-D tiled tensor map over t's data (fp16, bf16 or fp32): `dims` innermost first, element strides of
+// dims 1-3 (a size-1 dim's stride is never used: it gets the packed one), boxes `box`, the 128-byte
+// swizzle (or `swizzle`), zeros outside the tensor. False where the copy engine cannot take it (strides must be positive
+// multiples of 16 bytes) or the driver has no encoder.
+inline bool tensor_map_4d(CUtensorMap* m, const at::Tensor& t, const int64_t (&dims)[4], const int64_t (&strides)[3],
+                          const uint32_t (&box)[4], CUtensorMapSwizzle swizzle = CU_TENSOR_MAP_SWIZZLE_128B) {
+  auto encode = tensor_map_encoder();
+  cuuint64_t gdims[4], bytes[3];
+  if (encode == nullptr || !map_geometry(t, dims, strides, gdims, bytes)) return false;
   const cuuint32_t gbox[4] = {box[0], box[1], box[2], box[3]}, unit[4] = {1, 1, 1, 1};
   const CUtensorMapDataType type = t.scalar_type() == at::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
                                    : t.scalar_type() == at::kHalf   ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
                                                                     : CU_TENSOR_MAP_DATA_TYPE_FLOAT32;
   return encode(m, type, 4, const_cast<void*>(t.const_data_ptr()), gdims, bytes, gbox, unit,
-                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+inline PFN_cuTensorMapEncodeIm2col_v12000 im2col_map_encoder() {
+  static const auto fn = driver_entry<PFN_cuTensorMapEncodeIm2col_v12000>("cuTensorMapEncodeIm2col");
+  return fn;
+}
+
+// An im2col tensor map over a channels_last activation t (fp16 / bf16) seen as (C, W, H, N), innermost
+// first, with element strides `strides` of W, H and N: a load at coordinates (c, w, h, n) with offsets
+// (ow, oh) reads `pixels` consecutive output positions starting at (w, h, n), walking W, then H, then N
+// through the bounding box [lower, dim + upper) of W and H (corners in W, H order), each shifted by the
+// offsets, `channels` channels from c at each (zeros outside the tensor); 128-byte swizzle. False where
+// the copy engine cannot take it (16-byte strides, corners within [-128, 127]) or there is no encoder.
+inline bool im2col_map_4d(CUtensorMap* m, const at::Tensor& t, const int64_t (&dims)[4], const int64_t (&strides)[3],
+                          const int (&lower)[2], const int (&upper)[2], uint32_t channels, uint32_t pixels) {
+  auto encode = im2col_map_encoder();
+  cuuint64_t gdims[4], bytes[3];
+  if (encode == nullptr || !map_geometry(t, dims, strides, gdims, bytes)) return false;
+  for (int i = 0; i < 2; ++i)
+    if (lower[i] < -128 || lower[i] > 127 || upper[i] < -128 || upper[i] > 127) return false;
+  const cuuint32_t unit[4] = {1, 1, 1, 1};
+  const CUtensorMapDataType type =
+      t.scalar_type() == at::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  return encode(m, type, 4, const_cast<void*>(t.const_data_ptr()), gdims, bytes, lower, upper, channels, pixels,
+                unit, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 #endif

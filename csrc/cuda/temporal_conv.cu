@@ -260,13 +260,7 @@ __global__ void __launch_bounds__(384, 1)
   auto full = [&](int st) { return bar + 8 * st; };
   auto empty = [&](int st) { return bar + 8 * (S + st); };
   const int tid = threadIdx.x, wg = tid / 128;
-  if (tid == 0) {
-    for (int st = 0; st < S; ++st) {
-      wgmma::mbar_init(full(st), 1);
-      wgmma::mbar_init(empty(st), 8);  // one arrival per consumer warp
-    }
-    wgmma::mbar_init_fence();
-  }
+  if (tid == 0) wgmma::init_stage_ring(bar, S, 8);  // empty: one arrival per consumer warp
   __syncthreads();
 
   if (wg == 0) {

@@ -55,9 +55,17 @@ __device__ __forceinline__ void fence_regs(unsigned (&d)[M][N]) {
 #define VD_R32 VD_R16 ", %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
 #define VD_R64 VD_R32 ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
   "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+#define VD_R80 VD_R64 ", %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79"
+#define VD_R128 VD_R64 ", %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, " \
+  "%81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, "   \
+  "%102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, "   \
+  "%120, %121, %122, %123, %124, %125, %126, %127"
 #define VD_D16(d) VD_ACC8(d, 0), VD_ACC8(d, 8)
 #define VD_D32(d) VD_D16(d), VD_ACC8(d, 16), VD_ACC8(d, 24)
 #define VD_D64(d) VD_D32(d), VD_ACC8(d, 32), VD_ACC8(d, 40), VD_ACC8(d, 48), VD_ACC8(d, 56)
+#define VD_D80(d) VD_D64(d), VD_ACC8(d, 64), VD_ACC8(d, 72)
+#define VD_D128(d) VD_D64(d), VD_ACC8(d, 64), VD_ACC8(d, 72), VD_ACC8(d, 80), VD_ACC8(d, 88), VD_ACC8(d, 96), \
+      VD_ACC8(d, 104), VD_ACC8(d, 112), VD_ACC8(d, 120)
 // TY: bf16 or f16 (the A and B element type).
 // Both operands from shared memory (operands DA, DB): the transpose flags TR are "0, 0" for both K-major,
 // "1, 1" for both MN-major, "0, 1" for a K-major A and an MN-major B; scale-d from SC (0: d is overwritten).
@@ -81,6 +89,22 @@ template <bool kBf16>
 __device__ __forceinline__ void mma_m64n128k16_ss(float (&d)[64], uint64_t da, uint64_t db, int scale_d) {
   if constexpr (kBf16) VD_SS(128, bf16, VD_R64, VD_D64(d), "%64", "%65", "%66", "0, 0");
   else VD_SS(128, f16, VD_R64, VD_D64(d), "%64", "%65", "%66", "0, 0");
+}
+
+// d (64 x 160, f32) = (scale_d ? d : 0) + A (64 x 16, shared, K-major) * B (16 x 160, shared, K-major):
+// conv_bn_silu's 160-channel tiles (320, 640 and 1280 channels are whole multiples).
+template <bool kBf16>
+__device__ __forceinline__ void mma_m64n160k16_ss(float (&d)[80], uint64_t da, uint64_t db, int scale_d) {
+  if constexpr (kBf16) VD_SS(160, bf16, VD_R80, VD_D80(d), "%80", "%81", "%82", "0, 0");
+  else VD_SS(160, f16, VD_R80, VD_D80(d), "%80", "%81", "%82", "0, 0");
+}
+
+// d (64 x 256, f32) = (scale_d ? d : 0) + A (64 x 16, shared, K-major) * B (16 x 256, shared, K-major):
+// conv_bn_silu's 256-channel tiles (A read once for 256 columns: less shared-memory traffic a product).
+template <bool kBf16>
+__device__ __forceinline__ void mma_m64n256k16_ss(float (&d)[128], uint64_t da, uint64_t db, int scale_d) {
+  if constexpr (kBf16) VD_SS(256, bf16, VD_R128, VD_D128(d), "%128", "%129", "%130", "0, 0");
+  else VD_SS(256, f16, VD_R128, VD_D128(d), "%128", "%129", "%130", "0, 0");
 }
 
 // d (64 x N, f32) = (scale_d ? d : 0) + A (64 x 16, shared, K-major) * B (16 x N, shared, K-major),
@@ -153,9 +177,13 @@ __device__ __forceinline__ void mma_m64n64k8_tf32_rs(float (&d)[32], const unsig
 
 #undef VD_RS
 #undef VD_SS
+#undef VD_D128
+#undef VD_D80
 #undef VD_D64
 #undef VD_D32
 #undef VD_D16
+#undef VD_R128
+#undef VD_R80
 #undef VD_R64
 #undef VD_R32
 #undef VD_R16
@@ -169,6 +197,16 @@ __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
 // Makes initialized barriers visible to the other threads and to the copy engine.
 __device__ __forceinline__ void mbar_init_fence() {
   asm volatile("fence.mbarrier_init.release.cluster;\nfence.proxy.async.shared::cta;\n" ::: "memory");
+}
+// A producer / consumer ring of `stages` stages: full[st] at bar + 8 st (one arrival, the producer's, plus the
+// copies' bytes), empty[st] at bar + 8 (stages + st) (`consumers` arrivals); run by one thread before a
+// __syncthreads.
+__device__ __forceinline__ void init_stage_ring(uint32_t bar, int stages, uint32_t consumers) {
+  for (int st = 0; st < stages; ++st) {
+    mbar_init(bar + 8 * st, 1);
+    mbar_init(bar + 8 * (stages + st), consumers);
+  }
+  mbar_init_fence();
 }
 __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
@@ -193,6 +231,16 @@ __device__ __forceinline__ void tma_load_4d(uint32_t dst, const void* tmap, uint
       "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], "
       "[%6];\n" ::"r"(dst),
       "l"(tmap), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
+      : "memory");
+}
+// An im2col box of a 4-D tensor map (C, W, H, N) into shared memory, completing on the barrier: the map's
+// pixels-per-column positions from (w, h, n) on, each shifted by the offsets (ow, oh), c0 on in C.
+__device__ __forceinline__ void tma_load_im2col_4d(uint32_t dst, const void* tmap, uint32_t bar, int c0, int w, int h,
+                                                   int n, uint16_t ow, uint16_t oh) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.im2col.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, "
+      "%5}], [%6], {%7, %8};\n" ::"r"(dst),
+      "l"(tmap), "r"(c0), "r"(w), "r"(h), "r"(n), "r"(bar), "h"(ow), "h"(oh)
       : "memory");
 }
 // `bytes` (a multiple of 16) of contiguous global memory into shared memory, completing on the barrier.
