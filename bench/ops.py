@@ -237,20 +237,20 @@ def bench_conv_bn_silu(dtype, dev, mm_ceil):
             n = time_cuda(lambda i: ind(x))
             args = (conv.weight, conv.bias, bn.weight, bn.bias, bn.running_mean, bn.running_var, bn.eps,
                     [1, 1], [1, 1], [1, 1], 1, True)
-            o = time_cuda(lambda i: torch.ops.vd.conv_bn_silu(x, *args))
+
+            def ours(i=0):
+                return torch.ops.vd.conv_bn_silu(x, *args)
+            d = [t.double() for t in (conv.weight, conv.bias, bn.running_mean, bn.running_var, bn.weight, bn.bias)]
+            ref = F.silu(F.batch_norm(F.conv2d(x.double(), d[0], d[1], padding=1), *d[2:], False, 0.0, bn.eps))
             # Per call, eager's three modules and the op are host-bound at these sizes: also the device time
             # of each call's kernels (the convolution plus eager's BN and SiLU passes, or the op's epilogue).
             e_dev = device_time_per_call(lambda i: eager(x))
             n_dev = device_time_per_call(lambda i: ind(x))
-            o_dev = device_time_per_call(lambda i: torch.ops.vd.conv_bn_silu(x, *args))
-            d = [t.double() for t in (conv.weight, conv.bias, bn.running_mean, bn.running_var, bn.weight, bn.bias)]
-            ref = F.silu(F.batch_norm(F.conv2d(x.double(), d[0], d[1], padding=1), *d[2:], False, 0.0, bn.eps))
-            err = (torch.ops.vd.conv_bn_silu(x, *args).double() - ref).abs().max().item()
+            o, o_dev, err = time_cuda(ours), device_time_per_call(ours), (ours().double() - ref).abs().max().item()
             # The cuDNN convolution and the bias + SiLU pass (what non-Hopper GPUs run), side by side.
             with env_var("VD_CONV_BN_SILU_KERNEL", "cudnn"):
-                oc = time_cuda(lambda i: torch.ops.vd.conv_bn_silu(x, *args))
-                oc_dev = device_time_per_call(lambda i: torch.ops.vd.conv_bn_silu(x, *args))
-                err_c = (torch.ops.vd.conv_bn_silu(x, *args).double() - ref).abs().max().item()
+                oc, oc_dev = time_cuda(ours), device_time_per_call(ours)
+                err_c = (ours().double() - ref).abs().max().item()
         flops = 2 * N * C * C * 9 * H * W
         r = _row(f"{N}x{C}x{H}x{W}", e, n, o, flops, "TFLOPs", mm_ceil)
         r.update(eager_device_ms=e_dev, inductor_device_ms=n_dev, ours_device_ms=o_dev, x_eager_device=e_dev / o_dev,

@@ -130,12 +130,12 @@ at::Tensor grad_z_cuda_(at::Tensor& y, const at::Tensor& g, const at::Tensor& sh
 // ---- Hopper: the folded convolution, bias and SiLU as one implicit GEMM ----
 // out[p, co] = silu(b'[co] + sum_{r, s, ci} x[n, h + r dil - pad, w + s dil - pad, ci] w'[co, r, s, ci]) for
 // each output pixel p = (n, h, w), NHWC. GEMM rows (M) are output pixels, columns (N) output channels, K
-// the taps times input channels, both operands K-major: a tile is 128 consecutive pixels x 128 channels,
-// its K loop one tap and 64 input channels a stage. The copy engine loads the weight rows (the folded
+// the taps times input channels, both operands K-major: a tile is 128 consecutive pixels x BN channels
+// (CbsTile), its K loop one tap and 64 input channels a stage. The copy engine loads the weight rows (the folded
 // weight is channels_last: (C_out, kH, kW, C_in)) and, in its im2col mode, the tile's 128 input pixels for
 // the tap in one box (the walk over output positions crosses rows and images; positions in the padding read
 // zeros), so there is no im2col buffer and no bounds test in the loop. Two consumer warpgroups (64 pixels
-// each) run wgmma m64n128k16; one producer thread streams the stages (two copies a stage: with one box a row
+// each) run wgmma m64nBNk16; one producer thread streams the stages (two copies a stage: with one box a row
 // segment its per-stage work was the bottleneck, the consumers waiting on it two thirds of the time).
 //
 // Work is split stream-K: the tiles' K steps, laid end to end, are cut into one even range per CTA (one
@@ -175,6 +175,17 @@ struct CbsTile {
   static constexpr size_t smem_bytes = bar_off + 16 * kStages + 1024;  // + slack to align to 1024
   static constexpr int kAcc = BN / 2;  // accumulator floats a thread
 };
+
+// The part of a tile a CTA works on next: from K step v of its range [v, v1), tile t's steps [k0, k1).
+struct CbsPart {
+  int64_t t;
+  int k0, k1;
+};
+__device__ __forceinline__ CbsPart cbs_part(const CbsArgs& a, int64_t v, int64_t v1) {
+  const int64_t t = v / a.iters;
+  const int k0 = static_cast<int>(v - t * a.iters);
+  return {t, k0, static_cast<int>(min(static_cast<int64_t>(a.iters), k0 + (v1 - v)))};
+}
 
 // The CTA whose range holds K step v: ranges are [g U / G, (g + 1) U / G).
 __device__ __forceinline__ int cbs_cta_of(int64_t v, int64_t units, int G) {
@@ -238,9 +249,7 @@ __global__ void __launch_bounds__(384, 1)
     if (tid == 0) {
       uint32_t u = 0;  // stages filled so far (runs on across tiles)
       for (int64_t v = v0; v < v1;) {
-        const int64_t t = v / a.iters;
-        const int k0 = static_cast<int>(v - t * a.iters);
-        const int k1 = static_cast<int>(min(static_cast<int64_t>(a.iters), k0 + (v1 - v)));
+        const auto [t, k0, k1] = cbs_part(a, v, v1);
         v += k1 - k0;
         const int nt = static_cast<int>(t % a.n_nt);
         const CbsPix q = cbs_pix(a, (t / a.n_nt) * T::BM);  // the tile's first output pixel
@@ -273,9 +282,7 @@ __global__ void __launch_bounds__(384, 1)
   float4* ws = reinterpret_cast<float4*>(a.ws);
   uint32_t u = 0;
   for (int64_t v = v0; v < v1;) {
-    const int64_t t = v / a.iters;
-    const int k0 = static_cast<int>(v - t * a.iters);
-    const int k1 = static_cast<int>(min(static_cast<int64_t>(a.iters), k0 + (v1 - v)));
+    const auto [t, k0, k1] = cbs_part(a, v, v1);
     v += k1 - k0;
     float acc[NACC];
     int prev = -1;  // the stage whose products may still be reading shared memory
@@ -288,12 +295,11 @@ __global__ void __launch_bounds__(384, 1)
       wgmma::fence();
 #pragma unroll
       for (int kk = 0; kk < T::BK / 16; ++kk) {
-        if constexpr (BN == 256)
-          wgmma::mma_m64n256k16_ss<kBf16>(acc, da + ((kk * 32) >> 4), db + ((kk * 32) >> 4), k > k0 || kk > 0);
-        else if constexpr (BN == 160)
-          wgmma::mma_m64n160k16_ss<kBf16>(acc, da + ((kk * 32) >> 4), db + ((kk * 32) >> 4), k > k0 || kk > 0);
-        else
-          wgmma::mma_m64n128k16_ss<kBf16>(acc, da + ((kk * 32) >> 4), db + ((kk * 32) >> 4), k > k0 || kk > 0);
+        const uint64_t dak = da + ((kk * 32) >> 4), dbk = db + ((kk * 32) >> 4);
+        const int scale = k > k0 || kk > 0;
+        if constexpr (BN == 256) wgmma::mma_m64n256k16_ss<kBf16>(acc, dak, dbk, scale);
+        else if constexpr (BN == 160) wgmma::mma_m64n160k16_ss<kBf16>(acc, dak, dbk, scale);
+        else wgmma::mma_m64n128k16_ss<kBf16>(acc, dak, dbk, scale);
       }
       wgmma::commit();
       wgmma::wait<1>();  // the previous stage's products are done: hand it back
@@ -348,14 +354,7 @@ __global__ void __launch_bounds__(384, 1)
         const int r = warp * 16 + gq + 8 * rr;  // the pixel row; r % 8 == gq
         float x0 = acc[4 * j + 2 * rr] + b.x, x1 = acc[4 * j + 2 * rr + 1] + b.y;
         if (a.silu) x0 = silu_fast(x0), x1 = silu_fast(x1);
-        uint32_t pk;
-        if constexpr (kBf16) {
-          const __nv_bfloat162 h = __floats2bfloat162_rn(x0, x1);
-          pk = *reinterpret_cast<const uint32_t*>(&h);
-        } else {
-          const __half2 h = __floats2half2_rn(x0, x1);
-          pk = *reinterpret_cast<const uint32_t*>(&h);
-        }
+        const uint32_t pk = pack_pair<scalar_t>(x0, x1);
         // 16-byte chunk j % 8 of the pixel's row, swizzled: 128-byte rows (chunk ^ row % 8), or in the 32-channel
         // block 64-byte rows (chunk ^ (row / 2) % 4)
         const uint32_t addr = j / 8 < T::full_blks

@@ -146,15 +146,7 @@ __device__ __forceinline__ void tc_store_tma(const TcArgs& a, const TcWork& t, c
                          ? static_cast<float>(static_cast<const scalar_t*>(a.bias)[co]) : 0.f;
 #pragma unroll
     for (int j = 0; j < NP / 8; ++j) {
-      const float x0 = acc[4 * j + 2 * rr] + bv, x1 = acc[4 * j + 2 * rr + 1] + bv;
-      uint32_t v;
-      if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
-        const __nv_bfloat162 h = __floats2bfloat162_rn(x0, x1);
-        v = *reinterpret_cast<const uint32_t*>(&h);
-      } else {
-        const __half2 h = __floats2half2_rn(x0, x1);
-        v = *reinterpret_cast<const uint32_t*>(&h);
-      }
+      const uint32_t v = pack_pair<scalar_t>(acc[4 * j + 2 * rr] + bv, acc[4 * j + 2 * rr + 1] + bv);
       const uint32_t addr = sOut + (j / 8) * TcTile::box_bytes + r * 128 + (((j % 8) ^ g) << 4) + 4 * tig;
       asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
     }
