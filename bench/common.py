@@ -130,7 +130,7 @@ def rotation_sets(bytes_per_set: int, device: torch.device) -> int:
 
 
 def measure_ceilings(device: torch.device) -> dict:
-    """Device-to-device copy bandwidth (bytes read + written) and bf16 matmul rate, measured here."""
+    """Device-to-device copy bandwidth (bytes read + written), bf16 and TF32 matmul rates, measured here."""
     if device.type != "cuda":
         return {}
     n = 1 << 30  # 1 GiB each way
@@ -145,7 +145,15 @@ def measure_ceilings(device: torch.device) -> dict:
     y = torch.randn(m, m, device=device, dtype=torch.bfloat16)
     ms_mm = time_cuda(lambda i: x @ y, iters=20)
     tflops = 2 * m**3 / ms_mm / 1e9
-    return {"copy_GBps": copy_gbs, "bf16_matmul_TFLOPs": tflops}
+    # float32 on the tensor cores (TF32): the ceiling of float32 convolutions, which run TF32 by default
+    x, y = x.float(), y.float()
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        ms_tf32 = time_cuda(lambda i: x @ y, iters=20)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    return {"copy_GBps": copy_gbs, "bf16_matmul_TFLOPs": tflops, "tf32_matmul_TFLOPs": 2 * m**3 / ms_tf32 / 1e9}
 
 
 def environment(device: torch.device) -> dict:

@@ -322,7 +322,9 @@ def main():
             elif op == "scheduler_step":
                 rows = bench_scheduler_step(dtype, dev, ceil.get("copy_GBps"))
             elif op == "conv_bn_silu":
-                rows = bench_conv_bn_silu(dtype, dev, ceil.get("bf16_matmul_TFLOPs"))
+                # float32: TF32 on the tensor cores (cuDNN's switch, on by default), so the TF32 rate
+                tf32 = dtype == torch.float32 and torch.backends.cudnn.allow_tf32
+                rows = bench_conv_bn_silu(dtype, dev, ceil.get("tf32_matmul_TFLOPs" if tf32 else "bf16_matmul_TFLOPs"))
             elif op == "temporal_conv":
                 rows = bench_temporal_conv(dtype, dev, ceil.get("bf16_matmul_TFLOPs"))
             else:

@@ -163,14 +163,16 @@ def main():
                 for fmt in (torch.contiguous_format, torch.channels_last):
                     xv = torch.randn(2, 16, 8, 16, device=dev, dtype=dtype).to(memory_format=fmt)
                     torch.ops.vd.conv_bn_silu(xv, w, None, *bn, 1e-5, [1, 1], [1, 1], [1, 1], 1, True)
-            if dtype != torch.float32:  # the Hopper kernel: every tile cut between CTAs, partial tiles
+            # the Hopper kernel (float32 as TF32, under cuDNN's switch, on by default): every tile cut between CTAs,
+            # partial tiles
+            if dtype != torch.float32 or torch.backends.cudnn.allow_tf32:
                 cl = torch.channels_last
                 xh = torch.randn(1, 72, 9, 16, device=dev, dtype=dtype).to(memory_format=cl)
                 wh = torch.randn(200, 72, 3, 3, device=dev, dtype=dtype)
                 bh = [torch.rand(200, device=dev, dtype=dtype) + 0.5 for _ in range(4)]
                 with torch.no_grad(), env_var("VD_CONV_BN_SILU_KERNEL", "wgmma"):  # small: pinned to the kernel
                     torch.ops.vd.conv_bn_silu(xh, wh, None, *bh, 1e-5, [1, 1], [1, 1], [1, 1], 1, True)
-                    # 256-channel tiles
+                    # 256 channels (64-pixel tiles here)
                     w256 = torch.randn(256, 64, 3, 3, device=dev, dtype=dtype)
                     b256 = [torch.rand(256, device=dev, dtype=dtype) + 0.5 for _ in range(4)]
                     torch.ops.vd.conv_bn_silu(xh[:, :64].contiguous(memory_format=cl), w256, None, *b256, 1e-5,
@@ -183,6 +185,12 @@ def main():
                     # no padding: 7 x 8 output, 8-pixel row segments
                     torch.ops.vd.conv_bn_silu(xh[..., :10].contiguous(memory_format=cl), wh, None, *bh, 1e-5,
                                               [1, 1], [0, 0], [1, 1], 1, False)
+                    # pinned, small problems take 64-pixel tiles (above: 64 x 128); 128-pixel tiles with a partial
+                    # last pixel tile at 128 and 256 channels, and 64 x 256 (the second warpgroup's channels partly
+                    # absent)
+                    for tile in ("128", "256", "64x256"):
+                        with env_var("VD_CONV_BN_SILU_TILE", tile):
+                            torch.ops.vd.conv_bn_silu(xh, wh, None, *bh, 1e-5, [1, 1], [1, 1], [1, 1], 1, True)
             ran.append("conv_bn_silu")
         if want("temporal_conv"):
             x = torch.randn(2, 8, 7, 5, 6, device=dev, dtype=dtype)

@@ -48,6 +48,10 @@ CASES = {
     "conv_bn_silu_stream_k": (lambda: [_rand(2, 256, 32, 16, channels_last=True),
                                        _rand(200, 256, 3, 3, channels_last=True) / 48],
                               None),
+    # Its float32 build (TF32, where cuDNN's switch allows it: set in the test).
+    "conv_bn_silu_stream_k_fp32": (lambda: [_rand(2, 256, 32, 16, dtype=torch.float32, channels_last=True),
+                                            _rand(200, 256, 3, 3, dtype=torch.float32, channels_last=True) / 48],
+                                   None),
     "temporal_conv": (lambda: [_rand(2, 32, 7, 9, 10), _rand(48, 32, 3, 1, 1), _rand(48)],
                       lambda x, w, b: torch.ops.vd.temporal_conv(x, w, b, 1)),
     "scheduler_step": (lambda: [_rand(2, 14, 4, 9, 16, dtype=torch.float32), _rand(2, 14, 4, 9, 16, dtype=torch.float32),
@@ -64,8 +68,10 @@ def _flat(out):
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_cuda_graph_capture_and_replay(case):
+def test_cuda_graph_capture_and_replay(case, monkeypatch):
     torch.manual_seed(0)
+    if case == "conv_bn_silu_stream_k_fp32":
+        monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
     make, fn = CASES[case]
     if case.startswith("conv_bn_silu"):
         bn = _bn(48 if case == "conv_bn_silu" else 200)
@@ -89,7 +95,7 @@ def test_cuda_graph_capture_and_replay(case):
     assert len(captured) == len(expected)
     for got, want in zip(captured, expected):
         # The Hopper conv kernel is vd's own (a fixed summation order); elsewhere that case runs cuDNN.
-        library = case in LIBRARY_GEMMS or (case == "conv_bn_silu_stream_k"
+        library = case in LIBRARY_GEMMS or (case.startswith("conv_bn_silu_stream_k")
                                             and torch.cuda.get_device_capability() != (9, 0))
         if library:
             torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)

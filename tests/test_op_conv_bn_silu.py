@@ -488,8 +488,8 @@ def test_cuda_bias_silu_vector_pass(device, dtype, cl, silu):
         assert_close_to(out, ref, dtype, what=f"C_out {c_out}, {h}x{w}")
 
 
-# ---- the Hopper kernel (sm_90a, fp16 / bf16 channels_last x, groups 1, stride 1, C_in, C_out and W_out
-# multiples of 8) ----
+# ---- the Hopper kernel (sm_90a, fp16 / bf16 channels_last x, or float32 with cuDNN's TF32 switch on, groups 1,
+# stride 1, C_in, C_out and W_out multiples of 8) ----
 CUDA = [p for p in DEVICES if p.id == "cuda"]
 HOPPER_KERNEL = "conv_bn_silu_wgmma_kernel"
 
@@ -514,14 +514,23 @@ HOPPER_CASES = [
 ]
 
 
+def tf32_tol(dtype):
+    # float32 on the tensor cores is TF32 (10-bit mantissa, as fp16's), like eager's cuDNN convolution: held
+    # to fp16's bound.
+    return torch.float16 if dtype == torch.float32 else dtype
+
+
 @pytest.mark.parametrize("device", CUDA)
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("tile", ["128", "160", "256"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("tile", ["128", "160", "256", "64x128", "64x256"])
 @pytest.mark.parametrize("case", HOPPER_CASES, ids=lambda c: "x".join(map(str, c[:5])) + f"-k{c[5][0]}{c[5][1]}")
 def test_hopper_kernel_matches_reference(device, dtype, tile, case, monkeypatch):
-    """The kernel pinned (VD_CONV_BN_SILU_KERNEL=wgmma: no choice by shape) at both channel tiles."""
+    """The kernel pinned (VD_CONV_BN_SILU_KERNEL=wgmma: no choice by shape) at each tile (128 pixels x 128, 160
+    or 256 channels; 64 pixels x 128 or 256 channels); float32 with TF32 allowed, as in eager's default."""
+    bm, bn = tile.split("x") if "x" in tile else ("128", tile)
     n, c_in, c_out, h, w, k, padding, dilation = case
     monkeypatch.setenv("VD_CONV_BN_SILU_TILE", tile)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
     torch.manual_seed(0)
     x = torch.randn(n, c_in, h, w, device=device).to(dtype).contiguous(memory_format=torch.channels_last)
     for has_bias, silu in ((True, True), (False, False)):
@@ -532,28 +541,30 @@ def test_hopper_kernel_matches_reference(device, dtype, tile, case, monkeypatch)
         out = OP(x, *args)
         ran = " ".join(cuda_kernels_run(lambda: OP(x, *args)))
         assert (HOPPER_KERNEL in ran) == on_hopper(device), ran
-        assert not on_hopper(device) or f"{tile}>" in ran, ran
+        assert not on_hopper(device) or f"{bn}, {bm}>" in ran, ran
         assert out.is_contiguous(memory_format=torch.channels_last)
-        assert_close_to(out, ref, dtype, what=f"bias={has_bias} silu={silu}")
+        assert_close_to(out, ref, tf32_tol(dtype), what=f"bias={has_bias} silu={silu}")
         assert torch.equal(OP(x, *args), out)  # the stream-K sums run in a fixed order
         monkeypatch.setenv("VD_CONV_BN_SILU_KERNEL", "cudnn")  # the cuDNN path, for comparison
         assert HOPPER_KERNEL not in " ".join(cuda_kernels_run(lambda: OP(x, *args)))
-        assert_close_to(OP(x, *args), ref, dtype, what="cuDNN path")
+        assert_close_to(OP(x, *args), ref, tf32_tol(dtype), what="cuDNN path")
 
 
 @pytest.mark.parametrize("device", CUDA)
 def test_hopper_kernel_choice_by_channels(device, monkeypatch):
-    """Unpinned, with at least 8 pixel tiles: 256-channel tiles where C_out is a multiple of 256, 160 where it is
-    one of 160, else 128, and cuDNN where a last 128-channel tile would be at most half full (C_out 448); with
-    fewer pixel tiles cuDNN."""
+    """Unpinned, with at least 8 pixel tiles of 128: 256-channel tiles where C_out is a multiple of 256, 160 where
+    it is one of 160, else 128, and cuDNN where a last 128-channel tile would be at most half full (C_out 448);
+    with 3-4 of them, 64-pixel tiles of 256 channels where C_out is a multiple of 256, else cuDNN."""
     monkeypatch.delenv("VD_CONV_BN_SILU_KERNEL", raising=False)
     monkeypatch.delenv("VD_CONV_BN_SILU_TILE", raising=False)
     torch.manual_seed(0)
     cl = torch.channels_last
     big = torch.randn(1, 64, 32, 32, device=device, dtype=torch.bfloat16).contiguous(memory_format=cl)
-    small = torch.randn(1, 64, 8, 16, device=device, dtype=torch.bfloat16).contiguous(memory_format=cl)
-    cases = [(big, 512, "256>"), (big, 320, "160>"), (big, 384, "128>"), (big, 200, "128>"), (big, 448, None),
-             (small, 512, None), (small, 320, None)]
+    small = torch.randn(1, 64, 16, 24, device=device, dtype=torch.bfloat16).contiguous(memory_format=cl)  # 3 tiles
+    tiny = torch.randn(1, 64, 8, 16, device=device, dtype=torch.bfloat16).contiguous(memory_format=cl)  # 1 tile
+    cases = [(big, 512, "256, 128>"), (big, 320, "160, 128>"), (big, 384, "128, 128>"), (big, 200, "128, 128>"),
+             (big, 448, None),
+             (small, 512, "256, 64>"), (small, 320, None), (tiny, 512, None)]
     for x, c_out, want in cases:
         params = make_params(64, c_out, 3, device=device, dtype=torch.bfloat16)
         args = (*params, 1e-5, [1, 1], [1, 1], [1, 1], 1, True)
@@ -567,8 +578,27 @@ def test_hopper_kernel_choice_by_channels(device, monkeypatch):
 
 
 @pytest.mark.parametrize("device", CUDA)
+def test_hopper_kernel_float32_follows_the_tf32_switch(device, monkeypatch):
+    """float32 takes the kernel (TF32) where cuDNN's convolutions may run TF32, else cuDNN at full float32
+    precision, held to float32's bound."""
+    monkeypatch.delenv("VD_CONV_BN_SILU_KERNEL", raising=False)
+    monkeypatch.delenv("VD_CONV_BN_SILU_TILE", raising=False)
+    torch.manual_seed(0)
+    x = torch.randn(1, 64, 32, 32, device=device).contiguous(memory_format=torch.channels_last)
+    params = make_params(64, 320, 3, device=device)
+    args = (*params, 1e-5, [1, 1], [1, 1], [1, 1], 1, True)
+    ref = reference_conv_bn_silu(x.double(), *(t.double() for t in params), *args[6:])
+    for allow, dtype in ((True, torch.float16), (False, torch.float32)):
+        monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", allow)
+        ran = " ".join(cuda_kernels_run(lambda: OP(x, *args)))
+        assert (HOPPER_KERNEL in ran) == (allow and on_hopper(device)), ran
+        assert_close_to(OP(x, *args), ref, dtype, what=f"allow_tf32={allow}")
+
+
+@pytest.mark.parametrize("device", CUDA)
 def test_hopper_kernel_leaves_other_inputs_to_cudnn(device):
-    """NCHW x, stride 2, groups 2, fp32, and W_out not a multiple of 8 take the cuDNN path (and stay correct)."""
+    """NCHW x, stride 2, groups 2, fp32 with TF32 off (the tests' default), and W_out not a multiple of 8 take
+    the cuDNN path (and stay correct)."""
     torch.manual_seed(0)
     cl = torch.channels_last
     cases = [  # (x, C_out, stride, groups)
@@ -588,20 +618,22 @@ def test_hopper_kernel_leaves_other_inputs_to_cudnn(device):
 
 
 @pytest.mark.parametrize("device", CUDA)
-def test_hopper_kernel_over_2_31_elements(device):
-    """x and the output of 2.4 G elements (bf16): pixel offsets of the last rows pass 2^31."""
-    if torch.cuda.get_device_properties(device).total_memory < 24 * 2**30:
-        pytest.skip("needs 24 GiB of GPU memory")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_hopper_kernel_over_2_31_elements(device, dtype, monkeypatch):
+    """x and the output of 2.4 G elements: pixel offsets of the last rows pass 2^31 (float32: TF32, its epilogue
+    stores from registers)."""
+    if torch.cuda.get_device_properties(device).total_memory < 12 * dtype.itemsize * 2**30:
+        pytest.skip(f"needs {12 * dtype.itemsize} GiB of GPU memory")
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
     torch.manual_seed(0)
     n, c, h, w = 1, 16, 8192, 18432
-    x = torch.empty(n, c, h, w, device=device, dtype=torch.bfloat16,
-                    memory_format=torch.channels_last).normal_()
-    params = make_params(c, c, 3, device=device, dtype=torch.bfloat16)
+    x = torch.empty(n, c, h, w, device=device, dtype=dtype, memory_format=torch.channels_last).normal_()
+    params = make_params(c, c, 3, device=device, dtype=dtype)
     args = (*params, 1e-5, [1, 1], [1, 1], [1, 1], 1, True)
     out = OP(x, *args)
     for rows in (slice(0, 2), slice(h - 2, h)):
         xr = x[:, :, max(rows.start - 1, 0):rows.stop + 1]
         ref = reference_conv_bn_silu(xr.double(), *(t.double() for t in params), *args[6:])
         ref = ref[:, :, 1:3] if rows.start > 0 else ref[:, :, 0:2]
-        assert_close_to(out[:, :, rows], ref, torch.bfloat16, what=f"rows {rows}")
+        assert_close_to(out[:, :, rows], ref, tf32_tol(dtype), what=f"rows {rows}")
     del x, out

@@ -152,28 +152,42 @@ struct CbsArgs {
   int* flags;          // 2 a tile (one a consumer warpgroup): partial slots stored so far; zeroed by the host
   int64_t units;       // tiles x iters: the K steps of all tiles
   int64_t P;           // output pixels, N x H_out x W_out
-  int n_nt, iters, chunks, kW;  // channel tiles; K steps a tile (taps x chunks); 64-channel chunks of C_in
+  int n_nt, iters, chunks, kW;  // channel tiles; K steps a tile (taps x chunks); chunks of BK channels of C_in
   int C_out, H_out, W_out, BW;  // BW: the row segment (pixels) of an output box; divides W_out and 64
   int pad_h, pad_w, dil_h, dil_w;
   int silu;
+  float* out;  // the output where it is float32 (written from registers; fp16 / bf16 go through `to`)
 };
 
 // BN: 128, 160 or 256 output channels a tile (256: m64n256k16 reads the warpgroup's pixel rows once for 256
 // channels, 10 KB of shared memory a 128-cycle product against 12 KB for two m64n128k16; and half the L2
-// reads a product).
-template <int BN_>
+// reads a product). E: the element size. A stage is 128 bytes of channels a row (BK = 64 fp16 / bf16 or 32
+// float32, read as TF32), so both layouts and the four 32-byte K steps a stage are the same for all types.
+//
+// BM: 128 pixels a tile (each consumer warpgroup 64 of them, all BN channels) or 64 (both warpgroups on the
+// same 64 pixels, BN / 2 channels each; BN 128 or 256): small problems, where the 128-pixel tiles are few and
+// each is cut between several CTAs, waste fewer rows in a partial last tile and cut each tile fewer times.
+template <int BN_, int E, int BM_ = 128>
 struct CbsTile {
-  static constexpr int BM = 128, BN = BN_, BK = 64, kStages = BN == 256 ? 3 : 5;
-  static constexpr int a_bytes = BM * BK * 2;  // 128 pixel rows of 64 channels
-  static constexpr int b_bytes = BN * BK * 2;  // BN weight rows of 64 channels
+  static_assert(BM_ == 128 || BN_ != 160, "64-pixel tiles split 128 or 256 channels");
+  static constexpr int BM = BM_, BN = BN_, BK = 128 / E;
+  static constexpr int WN = BM == 128 ? BN : BN / 2;  // the channels of a consumer warpgroup (64 pixels)
+  static constexpr int a_bytes = BM * 128;  // BM pixel rows of BK channels
+  static constexpr int b_bytes = BN * 128;  // BN weight rows of BK channels
   static constexpr int stage_bytes = a_bytes + b_bytes;
-  // The epilogue's staging: per consumer warpgroup BN / 64 blocks of 64 pixels x 64 channels (128-byte
-  // rows, 128-byte swizzle) and, at BN = 160, a block of 64 pixels x 32 channels (64-byte rows and swizzle).
-  static constexpr int blk_bytes = 64 * 128, full_blks = BN / 64, tail = BN % 64;  // tail: 0 or 32 channels
-  static constexpr int wg_out_bytes = full_blks * blk_bytes + (tail ? 4096 : 0), out_off = kStages * stage_bytes;
+  // The epilogue's staging (fp16 / bf16; float32 is stored from registers: its boxes would not fit beside
+  // the stages): per consumer warpgroup WN / 64 blocks of 64 pixels x 64 channels (128-byte rows, 128-byte
+  // swizzle) and, at WN = 160, a block of 64 pixels x 32 channels (64-byte rows and swizzle).
+  static constexpr int blk_bytes = 64 * 128, full_blks = WN / 64, tail = WN % 64;  // tail: 0 or 32 channels
+  static constexpr int wg_out_bytes = E == 4 ? 0 : full_blks * blk_bytes + (tail ? 4096 : 0);
+  // As many stages as fit in the 227 KB beside the staging.
+  static constexpr int kStages = (227 * 1024 - 1024 - 2 * wg_out_bytes) / (stage_bytes + 16) < 8
+                                     ? (227 * 1024 - 1024 - 2 * wg_out_bytes) / (stage_bytes + 16)
+                                     : 8;
+  static constexpr int out_off = kStages * stage_bytes;
   static constexpr int bar_off = out_off + 2 * wg_out_bytes;
   static constexpr size_t smem_bytes = bar_off + 16 * kStages + 1024;  // + slack to align to 1024
-  static constexpr int kAcc = BN / 2;  // accumulator floats a thread
+  static constexpr int kAcc = WN / 2;  // accumulator floats a thread
 };
 
 // The part of a tile a CTA works on next: from K step v of its range [v, v1), tile t's steps [k0, k1).
@@ -223,15 +237,15 @@ __device__ __forceinline__ int ld_acquire(const int* p) {
   return v;
 }
 
-template <typename scalar_t, int BN>
+template <typename scalar_t, int BN, int BM>
 __global__ void __launch_bounds__(384, 1)
     conv_bn_silu_wgmma_kernel(const CbsArgs a, const __grid_constant__ CUtensorMap tw,
                               const __grid_constant__ CUtensorMap tx, const __grid_constant__ CUtensorMap to,
                               const __grid_constant__ CUtensorMap to32) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using T = CbsTile<BN>;
+  using T = CbsTile<BN, sizeof(scalar_t), BM>;
   constexpr int S = T::kStages, NACC = T::kAcc;
-  constexpr bool kBf16 = std::is_same_v<scalar_t, at::BFloat16>;
+  constexpr bool kBf16 = std::is_same_v<scalar_t, at::BFloat16>, kTf32 = std::is_same_v<scalar_t, float>;
   extern __shared__ __align__(16) unsigned char cbs_smem[];
   const uint32_t base = (static_cast<uint32_t>(__cvta_generic_to_shared(cbs_smem)) + 1023u) & ~1023u;
   const uint32_t bar = base + T::bar_off;
@@ -289,17 +303,25 @@ __global__ void __launch_bounds__(384, 1)
     for (int k = k0; k < k1; ++k, ++u) {
       const int st = static_cast<int>(u % S);
       wgmma::mbar_wait(full(st), (u / S) & 1);
-      // K steps of 16 channels: +32 bytes in both operands' 128-byte rows.
-      const uint64_t da = wgmma::desc_sw128(sA(st) + cw * 64 * 128, 16, 1024);
-      const uint64_t db = wgmma::desc_sw128(sB(st), 16, 1024);
+      // K steps of 32 bytes in both operands' 128-byte rows: 16 channels (k16) or 8 float32 (k8, TF32).
+      const uint64_t da = wgmma::desc_sw128(sA(st) + (BM == 128 ? cw * 64 * 128 : 0), 16, 1024);
+      const uint64_t db = wgmma::desc_sw128(sB(st) + (BM == 128 ? 0 : cw * T::WN * 128), 16, 1024);
       wgmma::fence();
 #pragma unroll
-      for (int kk = 0; kk < T::BK / 16; ++kk) {
+      for (int kk = 0; kk < 4; ++kk) {
         const uint64_t dak = da + ((kk * 32) >> 4), dbk = db + ((kk * 32) >> 4);
         const int scale = k > k0 || kk > 0;
-        if constexpr (BN == 256) wgmma::mma_m64n256k16_ss<kBf16>(acc, dak, dbk, scale);
-        else if constexpr (BN == 160) wgmma::mma_m64n160k16_ss<kBf16>(acc, dak, dbk, scale);
-        else wgmma::mma_m64n128k16_ss<kBf16>(acc, dak, dbk, scale);
+        if constexpr (kTf32) {
+          if constexpr (T::WN == 256) wgmma::mma_m64n256k8_tf32_ss(acc, dak, dbk, scale);
+          else if constexpr (T::WN == 160) wgmma::mma_m64n160k8_tf32_ss(acc, dak, dbk, scale);
+          else if constexpr (T::WN == 128) wgmma::mma_m64n128k8_tf32_ss(acc, dak, dbk, scale);
+          else wgmma::mma_m64n64k8_tf32_ss(acc, dak, dbk, scale);
+        } else {
+          if constexpr (T::WN == 256) wgmma::mma_m64n256k16_ss<kBf16>(acc, dak, dbk, scale);
+          else if constexpr (T::WN == 160) wgmma::mma_m64n160k16_ss<kBf16>(acc, dak, dbk, scale);
+          else if constexpr (T::WN == 128) wgmma::mma_m64n128k16_ss<kBf16>(acc, dak, dbk, scale);
+          else wgmma::mma_m64n64k16_ss<kBf16>(acc, dak, dbk, scale);
+        }
       }
       wgmma::commit();
       wgmma::wait<1>();  // the previous stage's products are done: hand it back
@@ -341,13 +363,30 @@ __global__ void __launch_bounds__(384, 1)
     // (64 channels x BW pixels, 128-byte swizzle) and written by the copy engine while the warpgroup goes on
     // to its next tile; the staging is refilled only after the copy engine has read the previous boxes.
     const int nt = static_cast<int>(t % a.n_nt);
-    const int64_t mw = (t / a.n_nt) * T::BM + cw * 64;  // the warpgroup's first pixel
+    const int64_t mw = (t / a.n_nt) * T::BM + (BM == 128 ? cw * 64 : 0);  // the warpgroup's first pixel
+    const int cn = nt * T::BN + (BM == 128 ? 0 : cw * T::WN);          // and channel
     if (mw >= a.P) continue;
+    if constexpr (kTf32) {  // float32: each quad's 8 channels are 32 contiguous bytes of a pixel's row
+#pragma unroll
+      for (int j = 0; j < T::WN / 8; ++j) {
+        const int co = cn + 8 * j + 2 * tig;
+        if (co >= a.C_out) continue;
+        const float2 b = *reinterpret_cast<const float2*>(a.shift + co);
+#pragma unroll
+        for (int rr = 0; rr < 2; ++rr) {
+          const int64_t p = mw + warp * 16 + gq + 8 * rr;
+          float x0 = acc[4 * j + 2 * rr] + b.x, x1 = acc[4 * j + 2 * rr + 1] + b.y;
+          if (a.silu) x0 = silu_fast(x0), x1 = silu_fast(x1);
+          if (p < a.P) *reinterpret_cast<float2*>(a.out + p * a.C_out + co) = make_float2(x0, x1);
+        }
+      }
+      continue;
+    }
     if (leader) wgmma::bulk_wait_read();
     wgmma::named_sync(1 + cw, 128);
 #pragma unroll
-    for (int j = 0; j < T::BN / 8; ++j) {
-      const int co = nt * T::BN + 8 * j + 2 * tig;  // C_out % 8 == 0: the pair is whole or absent
+    for (int j = 0; j < T::WN / 8; ++j) {
+      const int co = cn + 8 * j + 2 * tig;  // C_out % 8 == 0: the pair is whole or absent
       const float2 b = co < a.C_out ? *reinterpret_cast<const float2*>(a.shift + co) : make_float2(0.f, 0.f);
 #pragma unroll
       for (int rr = 0; rr < 2; ++rr) {
@@ -368,7 +407,7 @@ __global__ void __launch_bounds__(384, 1)
     if (leader) {
       const int segs = static_cast<int>(min(static_cast<int64_t>(64), a.P - mw)) / a.BW;
       for (int blk = 0; blk < T::full_blks + (T::tail ? 1 : 0); ++blk) {
-        const int c0 = nt * T::BN + blk * 64;
+        const int c0 = cn + blk * 64;
         if (c0 >= a.C_out) break;
         CbsPix q = cbs_pix(a, mw);
         for (int seg = 0; seg < segs; ++seg) {
@@ -390,16 +429,18 @@ __global__ void __launch_bounds__(384, 1)
 
 // VD_CONV_BN_SILU_KERNEL: "cudnn" keeps the cuDNN convolution and the bias + SiLU pass on Hopper too,
 // "wgmma" takes the Hopper kernel wherever it applies (no choice by shape); benchmarks and tests compare
-// them. VD_CONV_BN_SILU_TILE=128|160|256 pins the channel tile.
+// them. VD_CONV_BN_SILU_TILE=128|160|256 pins the channel tile (of 128 pixels), 64x128|64x256 64-pixel tiles.
 std::string env_str(const char* name) {
   const char* e = std::getenv(name);
   return e == nullptr ? std::string() : std::string(e);
 }
 
 #if defined(VD_SM90A)
-template <int BN>
+template <int BN, int BM>
 bool launch_conv_wgmma(const at::Tensor& x, const Folded& f, const ConvShape& s, bool silu, at::Tensor& y) {
-  using T = CbsTile<BN>;
+  using T = CbsTile<BN, 2, BM>;  // the tile geometry is the same for all element sizes
+  const int BK = 128 / static_cast<int>(x.element_size());
+  const bool f32 = x.scalar_type() == at::kFloat;
   const at::Tensor& w = f.weight;
   const int64_t taps = s.kH * s.kW;
   const int BW = s.W_out % 64 == 0 ? 64 : s.W_out % 32 == 0 ? 32 : s.W_out % 16 == 0 ? 16 : 8;
@@ -407,23 +448,26 @@ bool launch_conv_wgmma(const at::Tensor& x, const Folded& f, const ConvShape& s,
   const int lower[2] = {static_cast<int>(-s.padding[1]), static_cast<int>(-s.padding[0])};
   const int upper[2] = {static_cast<int>(s.padding[1] - (s.kW - 1) * s.dilation[1]),
                         static_cast<int>(s.padding[0] - (s.kH - 1) * s.dilation[0])};
-  CUtensorMap tw, tx, to, to32;
+  CUtensorMap tw, tx, to{}, to32{};
   if (!tensor_map_4d(&tw, w, {s.C_in, taps, s.C_out, 1}, {s.C_in, taps * s.C_in, s.C_out * taps * s.C_in},
-                     {T::BK, 1, T::BN, 1}) ||
+                     {static_cast<uint32_t>(BK), 1, T::BN, 1}) ||
       !im2col_map_4d(&tx, x, {s.C_in, s.W, s.H, s.N}, {x.stride(3), x.stride(2), x.stride(0)}, lower, upper,
-                     T::BK, T::BM) ||
-      !tensor_map_4d(&to, y, {s.C_out, s.W_out, s.H_out, s.N}, {y.stride(3), y.stride(2), y.stride(0)},
+                     BK, T::BM))
+    return false;
+  if (!f32 &&  // float32 output is written from registers
+      (!tensor_map_4d(&to, y, {s.C_out, s.W_out, s.H_out, s.N}, {y.stride(3), y.stride(2), y.stride(0)},
                      {64, static_cast<uint32_t>(BW), 1, 1}) ||
       !tensor_map_4d(&to32, y, {s.C_out, s.W_out, s.H_out, s.N}, {y.stride(3), y.stride(2), y.stride(0)},
-                     {32, static_cast<uint32_t>(BW), 1, 1}, CU_TENSOR_MAP_SWIZZLE_64B))
+                     {32, static_cast<uint32_t>(BW), 1, 1}, CU_TENSOR_MAP_SWIZZLE_64B)))
     return false;
 
   CbsArgs a{};
   const at::Tensor shift = f.shift.to(at::kFloat).contiguous();
   a.shift = shift.const_data_ptr<float>();
+  a.out = f32 ? y.mutable_data_ptr<float>() : nullptr;
   a.P = s.N * s.H_out * s.W_out;
   a.n_nt = static_cast<int>(ceil_div(s.C_out, T::BN));
-  a.chunks = static_cast<int>(ceil_div(s.C_in, T::BK));
+  a.chunks = static_cast<int>(ceil_div(s.C_in, BK));
   a.iters = static_cast<int>(taps) * a.chunks;
   a.kW = static_cast<int>(s.kW);
   const int64_t tiles = ceil_div(a.P, T::BM) * a.n_nt;
@@ -438,9 +482,8 @@ bool launch_conv_wgmma(const at::Tensor& x, const Folded& f, const ConvShape& s,
   a.dil_w = static_cast<int>(s.dilation[1]);
   a.silu = silu ? 1 : 0;
 
-  const size_t smem = T::smem_bytes;
   auto stream = c10::cuda::getCurrentCUDAStream();
-  auto launch = [&](auto kernel) {
+  auto launch = [&](auto kernel, size_t smem) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
     const unsigned G = persistent_blocks(kernel, 384, smem, a.units);
     // One partial slot a CTA (128 x BN floats), then the tiles' flags (zeroed on the stream: graph-safe).
@@ -452,20 +495,23 @@ bool launch_conv_wgmma(const at::Tensor& x, const Folded& f, const ConvShape& s,
     kernel<<<G, 384, smem, stream>>>(a, tw, tx, to, to32);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
-  if (x.scalar_type() == at::kBFloat16) launch(conv_bn_silu_wgmma_kernel<at::BFloat16, BN>);
-  else launch(conv_bn_silu_wgmma_kernel<at::Half, BN>);
+  if (f32) launch(conv_bn_silu_wgmma_kernel<float, BN, BM>, CbsTile<BN, 4, BM>::smem_bytes);
+  else if (x.scalar_type() == at::kBFloat16) launch(conv_bn_silu_wgmma_kernel<at::BFloat16, BN, BM>, T::smem_bytes);
+  else launch(conv_bn_silu_wgmma_kernel<at::Half, BN, BM>, T::smem_bytes);
   return true;
 }
 #endif
 
-// The Hopper kernel for fp16 / bf16 channels_last x, groups 1, stride 1, C_in and C_out multiples of 8
-// (16-byte rows for the copy engine) and W_out a multiple of 8 (whole output boxes). Returns an undefined
-// tensor where the cuDNN path is used instead.
+// The Hopper kernel for fp16 / bf16 channels_last x, or float32 where cuDNN's convolutions may run TF32
+// (torch.backends.cudnn.allow_tf32, on by default: eager's float32 convolution runs TF32 then too), groups
+// 1, stride 1, C_in and C_out multiples of 8 (16-byte rows for the copy engine) and W_out a multiple of 8
+// (whole output boxes). Returns an undefined tensor where the cuDNN path is used instead.
 at::Tensor conv_bn_silu_wgmma(const at::Tensor& x, const Folded& f, const ConvShape& s, bool silu) {
 #if defined(VD_SM90A)
   const auto dt = x.scalar_type();
   const std::string choice = env_str("VD_CONV_BN_SILU_KERNEL");
-  if ((dt != at::kHalf && dt != at::kBFloat16) || !s.channels_last || s.groups != 1 || s.stride[0] != 1 ||
+  const bool tf32 = dt == at::kFloat && at::globalContext().allowTF32CuDNN();
+  if ((dt != at::kHalf && dt != at::kBFloat16 && !tf32) || !s.channels_last || s.groups != 1 || s.stride[0] != 1 ||
       s.stride[1] != 1 || s.C_in % 8 != 0 || s.C_out % 8 != 0 || s.W_out % 8 != 0 || choice == "cudnn" ||
       !device_is_sm90a())
     return {};
@@ -475,25 +521,35 @@ at::Tensor conv_bn_silu_wgmma(const at::Tensor& x, const Folded& f, const ConvSh
     return {};
   const int64_t kMax = std::numeric_limits<int>::max() / 2;
   if (s.W + s.W_out > kMax || s.H + s.H_out > kMax || s.N > kMax || s.C_in > kMax || s.C_out > kMax ||
-      s.kH * s.kW * ceil_div(s.C_in, 64) > kMax || s.padding[0] > kMax || s.padding[1] > kMax ||
+      s.kH * s.kW * ceil_div(s.C_in, 32) > kMax || s.padding[0] > kMax || s.padding[1] > kMax ||
       s.dilation[0] * s.kH > 65535 || s.dilation[1] * s.kW > 65535)
     return {};  // the copy engine's coordinates and the loop counters are 32-bit, the im2col offsets 16-bit
-  // Chosen by shape unless pinned: fewer than 8 pixel tiles (2 x 1280 x 9 x 16: 3) cut each tile between
-  // several CTAs, and cuDNN's convolution with the bias + SiLU pass was as fast or faster there (37.9 vs
-  // 42.9 us on the H200). The channel tile: 256 where C_out fills it (m64n256k16: the least shared-memory
-  // traffic a product), else 160 where C_out is a multiple of 160 (320, 640: no empty columns), else 128;
-  // where a last 128-channel tile would be at most half full, cuDNN again.
+  // Chosen by shape unless pinned. Fewer than 8 pixel tiles of 128 cut each tile between several CTAs.
+  // With 3-4 of them (2 x 1280 x 9 x 16: 288 pixels), 64-pixel tiles of 256 channels (bf16 on the H200: 33.6
+  // us against 40.2 for cuDNN's convolution with the bias + SiLU pass; at 384 pixels 35.1 against 45.6); with
+  // fewer they tie with cuDNN, with more cuDNN was ahead (768 pixels: 37.4 against 45.7-51.4 us), and in
+  // float32 (9 x 16: 54.5 against 60.2 us): cuDNN there, and where C_out is not a multiple of 256.
+  // Otherwise the channel tile: 256 where C_out fills it (m64n256k16: the least shared-memory traffic a
+  // product), else 160 where C_out is a multiple of 160 (320, 640: no empty columns), else 128; where a last
+  // 128-channel tile would be at most half full, cuDNN again.
   const std::string tile = env_str("VD_CONV_BN_SILU_TILE");
-  if (choice != "wgmma" && ceil_div(s.N * s.H_out * s.W_out, 128) < 8) return {};
-  const int bn = tile == "128" || tile == "160" || tile == "256" ? std::stoi(tile)
-                 : s.C_out % 256 == 0                           ? 256
-                 : s.C_out % 160 == 0                           ? 160
-                                                                : 128;
+  const int64_t tiles128 = ceil_div(s.N * s.H_out * s.W_out, 128);
+  const bool few = tiles128 < 8;
+  if (choice != "wgmma" && tile.empty() && few && (tiles128 < 3 || tiles128 > 4 || tf32 || s.C_out % 256 != 0))
+    return {};
+  const bool small = tile.rfind("64x", 0) == 0 || (tile.empty() && few);  // 64-pixel tiles
+  const std::string tn = tile.rfind("64x", 0) == 0 ? tile.substr(3) : tile;
+  const int bn = tn == "128" || tn == "256" || (tn == "160" && !small) ? std::stoi(tn)
+                 : s.C_out % 256 == 0                                ? 256
+                 : s.C_out % 160 == 0 && !small                      ? 160
+                                                                     : 128;
   if (choice != "wgmma" && bn == 128 && s.C_out > 128 && s.C_out % 128 != 0 && s.C_out % 128 <= 64) return {};
   at::Tensor y = at::empty({s.N, s.C_out, s.H_out, s.W_out}, x.options().memory_format(at::MemoryFormat::ChannelsLast));
-  const bool ok = bn == 256   ? launch_conv_wgmma<256>(x, f, s, silu, y)
-                  : bn == 160 ? launch_conv_wgmma<160>(x, f, s, silu, y)
-                              : launch_conv_wgmma<128>(x, f, s, silu, y);
+  const bool ok = small       ? (bn == 256 ? launch_conv_wgmma<256, 64>(x, f, s, silu, y)
+                                           : launch_conv_wgmma<128, 64>(x, f, s, silu, y))
+                  : bn == 256 ? launch_conv_wgmma<256, 128>(x, f, s, silu, y)
+                  : bn == 160 ? launch_conv_wgmma<160, 128>(x, f, s, silu, y)
+                              : launch_conv_wgmma<128, 128>(x, f, s, silu, y);
   return ok ? y : at::Tensor();
 #else
   (void)x, (void)f, (void)s, (void)silu;

@@ -78,6 +78,13 @@ inline bool map_geometry(const at::Tensor& t, const int64_t (&dims)[4], const in
   return true;
 }
 
+// The copy engine's element type of t (fp16, bf16 or fp32).
+inline CUtensorMapDataType map_type(const at::Tensor& t) {
+  return t.scalar_type() == at::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+         : t.scalar_type() == at::kHalf   ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+                                          : CU_TENSOR_MAP_DATA_TYPE_FLOAT32;
+}
+
 // A 4-D tiled tensor map over t's data (fp16, bf16 or fp32): `dims` innermost first, element strides of
 // dims 1-3 (a size-1 dim's stride is never used: it gets the packed one), boxes `box`, the 128-byte
 // swizzle (or `swizzle`), zeros outside the tensor. False where the copy engine cannot take it (strides must be positive
@@ -88,10 +95,7 @@ inline bool tensor_map_4d(CUtensorMap* m, const at::Tensor& t, const int64_t (&d
   cuuint64_t gdims[4], bytes[3];
   if (encode == nullptr || !map_geometry(t, dims, strides, gdims, bytes)) return false;
   const cuuint32_t gbox[4] = {box[0], box[1], box[2], box[3]}, unit[4] = {1, 1, 1, 1};
-  const CUtensorMapDataType type = t.scalar_type() == at::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
-                                   : t.scalar_type() == at::kHalf   ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
-                                                                    : CU_TENSOR_MAP_DATA_TYPE_FLOAT32;
-  return encode(m, type, 4, const_cast<void*>(t.const_data_ptr()), gdims, bytes, gbox, unit,
+  return encode(m, map_type(t), 4, const_cast<void*>(t.const_data_ptr()), gdims, bytes, gbox, unit,
                 CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
@@ -101,7 +105,7 @@ inline PFN_cuTensorMapEncodeIm2col_v12000 im2col_map_encoder() {
   return fn;
 }
 
-// An im2col tensor map over a channels_last activation t (fp16 / bf16) seen as (C, W, H, N), innermost
+// An im2col tensor map over a channels_last activation t (fp16, bf16 or fp32) seen as (C, W, H, N), innermost
 // first, with element strides `strides` of W, H and N: a load at coordinates (c, w, h, n) with offsets
 // (ow, oh) reads `pixels` consecutive output positions starting at (w, h, n), walking W, then H, then N
 // through the bounding box [lower, dim + upper) of W and H (corners in W, H order), each shifted by the
@@ -115,9 +119,7 @@ inline bool im2col_map_4d(CUtensorMap* m, const at::Tensor& t, const int64_t (&d
   for (int i = 0; i < 2; ++i)
     if (lower[i] < -128 || lower[i] > 127 || upper[i] < -128 || upper[i] > 127) return false;
   const cuuint32_t unit[4] = {1, 1, 1, 1};
-  const CUtensorMapDataType type =
-      t.scalar_type() == at::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
-  return encode(m, type, 4, const_cast<void*>(t.const_data_ptr()), gdims, bytes, lower, upper, channels, pixels,
+  return encode(m, map_type(t), 4, const_cast<void*>(t.const_data_ptr()), gdims, bytes, lower, upper, channels, pixels,
                 unit, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }

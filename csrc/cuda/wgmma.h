@@ -175,6 +175,24 @@ __device__ __forceinline__ void mma_m64n64k8_tf32_rs(float (&d)[32], const unsig
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
 }
 
+// d (64 x N, f32) = (scale_d ? d : 0) + A (64 x 8, shared) * B (8 x N, shared), N = 128, 160 or 256: conv_bn_silu's
+// float32 tiles. Read as TF32, the copy engine's raw float32 words lose their low 13 mantissa bits (truncation).
+#define VD_SS_TF32(N, RLIST, DLIST, DA, DB, SC)                                                           \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " SC ", 0;\n"                                         \
+               "wgmma.mma_async.sync.aligned.m64n" #N "k8.f32.tf32.tf32 {" RLIST "}, " DA ", " DB ", p, 1, 1;\n}\n" \
+               : DLIST                                                                                    \
+               : "l"(da), "l"(db), "r"(scale_d))
+__device__ __forceinline__ void mma_m64n128k8_tf32_ss(float (&d)[64], uint64_t da, uint64_t db, int scale_d) {
+  VD_SS_TF32(128, VD_R64, VD_D64(d), "%64", "%65", "%66");
+}
+__device__ __forceinline__ void mma_m64n160k8_tf32_ss(float (&d)[80], uint64_t da, uint64_t db, int scale_d) {
+  VD_SS_TF32(160, VD_R80, VD_D80(d), "%80", "%81", "%82");
+}
+__device__ __forceinline__ void mma_m64n256k8_tf32_ss(float (&d)[128], uint64_t da, uint64_t db, int scale_d) {
+  VD_SS_TF32(256, VD_R128, VD_D128(d), "%128", "%129", "%130");
+}
+
+#undef VD_SS_TF32
 #undef VD_RS
 #undef VD_SS
 #undef VD_D128
