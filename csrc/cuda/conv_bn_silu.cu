@@ -1,5 +1,5 @@
-// CUDA kernels for vd::conv_bn_silu. On Hopper (sm_90a), fp16 / bf16 channels_last input with stride 1:
-// one implicit-GEMM kernel (wgmma + TMA) with the bias and SiLU in its epilogue. Elsewhere the folded
+// CUDA kernels for vd::conv_bn_silu. On Hopper (sm_90a), fp16 / bf16 (or float32 as TF32) channels_last input
+// with stride 1: one implicit-GEMM kernel (wgmma + TMA) with the bias and SiLU in its epilogue. Elsewhere the folded
 // convolution runs through ATen (cuDNN) with the shared code of csrc/conv_gemm.h and the bias + SiLU
 // epilogue is one in-place pass over the output; the backward's dz = g * silu'(z) is another.
 #include <ATen/ATen.h>
@@ -130,13 +130,14 @@ at::Tensor grad_z_cuda_(at::Tensor& y, const at::Tensor& g, const at::Tensor& sh
 // ---- Hopper: the folded convolution, bias and SiLU as one implicit GEMM ----
 // out[p, co] = silu(b'[co] + sum_{r, s, ci} x[n, h + r dil - pad, w + s dil - pad, ci] w'[co, r, s, ci]) for
 // each output pixel p = (n, h, w), NHWC. GEMM rows (M) are output pixels, columns (N) output channels, K
-// the taps times input channels, both operands K-major: a tile is 128 consecutive pixels x BN channels
-// (CbsTile), its K loop one tap and 64 input channels a stage. The copy engine loads the weight rows (the folded
-// weight is channels_last: (C_out, kH, kW, C_in)) and, in its im2col mode, the tile's 128 input pixels for
-// the tap in one box (the walk over output positions crosses rows and images; positions in the padding read
-// zeros), so there is no im2col buffer and no bounds test in the loop. Two consumer warpgroups (64 pixels
-// each) run wgmma m64nBNk16; one producer thread streams the stages (two copies a stage: with one box a row
-// segment its per-stage work was the bottleneck, the consumers waiting on it two thirds of the time).
+// the taps times input channels, both operands K-major: a tile is BM (128 or 64) consecutive pixels x BN
+// channels (CbsTile), its K loop one tap and 128 bytes of input channels a stage (64 fp16 / bf16, 32 float32).
+// The copy engine loads the weight rows (the folded weight is channels_last: (C_out, kH, kW, C_in)) and, in
+// its im2col mode, the tile's BM input pixels for the tap in one box (the walk over output positions crosses
+// rows and images; positions in the padding read zeros), so there is no im2col buffer and no bounds test in
+// the loop. Two consumer warpgroups (64 pixels each, or at BM = 64 half the channels each) run wgmma
+// m64nNk16 (k8 TF32 for float32); one producer thread streams the stages (two copies a stage: with one box a
+// row segment its per-stage work was the bottleneck, the consumers waiting on it two thirds of the time).
 //
 // Work is split stream-K: the tiles' K steps, laid end to end, are cut into one even range per CTA (one
 // CTA an SM), so no last wave runs half empty (the UNet shapes have 90-432 tiles on 132 SMs). A tile cut
@@ -148,7 +149,7 @@ at::Tensor grad_z_cuda_(at::Tensor& y, const at::Tensor& g, const at::Tensor& sh
 #if defined(VD_SM90A)
 struct CbsArgs {
   const float* shift;  // b', C_out floats
-  float* ws;           // partial sums: a slot of 128 x 128 floats a CTA
+  float* ws;           // partial sums: a slot of BM x BN floats a CTA
   int* flags;          // 2 a tile (one a consumer warpgroup): partial slots stored so far; zeroed by the host
   int64_t units;       // tiles x iters: the K steps of all tiles
   int64_t P;           // output pixels, N x H_out x W_out
@@ -486,7 +487,7 @@ bool launch_conv_wgmma(const at::Tensor& x, const Folded& f, const ConvShape& s,
   auto launch = [&](auto kernel, size_t smem) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
     const unsigned G = persistent_blocks(kernel, 384, smem, a.units);
-    // One partial slot a CTA (128 x BN floats), then the tiles' flags (zeroed on the stream: graph-safe).
+    // One partial slot a CTA (BM x BN floats), then the tiles' flags (zeroed on the stream: graph-safe).
     const int64_t slot_floats = static_cast<int64_t>(T::BM) * T::BN;
     at::Tensor ws = at::empty({G * slot_floats + 2 * tiles}, x.options().dtype(at::kFloat));
     a.ws = ws.mutable_data_ptr<float>();
