@@ -538,8 +538,9 @@ at::Tensor conv_bn_silu_wgmma(const at::Tensor& x, const Folded& f, const ConvSh
   const bool few = tiles128 < 8;
   if (choice != "wgmma" && tile.empty() && few && (tiles128 < 3 || tiles128 > 4 || tf32 || s.C_out % 256 != 0))
     return {};
-  const bool small = tile.rfind("64x", 0) == 0 || (tile.empty() && few);  // 64-pixel tiles
-  const std::string tn = tile.rfind("64x", 0) == 0 ? tile.substr(3) : tile;
+  const bool pinned64 = tile.rfind("64x", 0) == 0;
+  const bool small = pinned64 || (tile.empty() && few);  // 64-pixel tiles
+  const std::string tn = pinned64 ? tile.substr(3) : tile;
   const int bn = tn == "128" || tn == "256" || (tn == "160" && !small) ? std::stoi(tn)
                  : s.C_out % 256 == 0                                ? 256
                  : s.C_out % 160 == 0 && !small                      ? 160

@@ -66,15 +66,23 @@ __device__ __forceinline__ void fence_regs(unsigned (&d)[M][N]) {
 #define VD_D80(d) VD_D64(d), VD_ACC8(d, 64), VD_ACC8(d, 72)
 #define VD_D128(d) VD_D64(d), VD_ACC8(d, 64), VD_ACC8(d, 72), VD_ACC8(d, 80), VD_ACC8(d, 88), VD_ACC8(d, 96), \
       VD_ACC8(d, 104), VD_ACC8(d, 112), VD_ACC8(d, 120)
-// TY: bf16 or f16 (the A and B element type).
-// Both operands from shared memory (operands DA, DB): the transpose flags TR are "0, 0" for both K-major,
-// "1, 1" for both MN-major, "0, 1" for a K-major A and an MN-major B; scale-d from SC (0: d is overwritten).
-#define VD_SS(N, TY, RLIST, DLIST, DA, DB, SC, TR)                                                    \
+// Both operands from shared memory (operands DA, DB): SHAPE and TYPES name the instruction, FLAGS its
+// scale and transpose immediates; scale-d from SC (0: d is overwritten); the accumulator operands last (a
+// list with commas once expanded).
+#define VD_SS_ASM(SHAPE, TYPES, RLIST, DA, DB, SC, FLAGS, ...)                                        \
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " SC ", 0;\n"                                       \
-               "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." #TY "." #TY " {" RLIST "}, " DA ", " DB \
-               ", p, 1, 1, " TR ";\n}\n"                                                                \
-               : DLIST                                                                                 \
+               "wgmma.mma_async.sync.aligned." SHAPE ".f32." TYPES " {" RLIST "}, " DA ", " DB           \
+               ", p, " FLAGS ";\n}\n"                                                                   \
+               : __VA_ARGS__                                                                           \
                : "l"(da), "l"(db), "r"(scale_d))
+// TY: bf16 or f16 (the A and B element type). The transpose flags TR are "0, 0" for both K-major, "1, 1"
+// for both MN-major, "0, 1" for a K-major A and an MN-major B.
+#define VD_SS(N, TY, RLIST, DLIST, DA, DB, SC, TR) \
+  VD_SS_ASM("m64n" #N "k16", #TY "." #TY, RLIST, DA, DB, SC, "1, 1, " TR, DLIST)
+// TF32 (fp32 registers or shared memory read as TF32): the PTX form takes no transpose flags, both operands
+// K-major. Raw float32 words from the copy engine lose their low 13 mantissa bits (truncation).
+#define VD_SS_TF32(N, RLIST, DLIST, DA, DB, SC) \
+  VD_SS_ASM("m64n" #N "k8", "tf32.tf32", RLIST, DA, DB, SC, "1, 1", DLIST)
 // A from registers (ALIST: its four operands), B from shared memory MN-major (trans-b = 1), always
 // accumulating (the predicate operand SC is set from a constant 1).
 #define VD_RS(N, TY, RLIST, DLIST, ALIST, DESC, SC)                                                   \
@@ -157,14 +165,20 @@ __device__ __forceinline__ void mma_m64n128k16_rs(float (&d)[64], const unsigned
   else VD_RS(128, f16, VD_R64, VD_D64(d), "%64, %65, %66, %67", "%68", "%69");
 }
 
-// TF32 (fp32 registers or shared memory read as TF32: the caller rounds them first). The PTX form takes
-// no transpose flags: both shared-memory operands are K-major.
+// TF32 (attention rounds its operands first; conv_bn_silu's come raw from the copy engine).
 // d (64 x 64, f32) = (scale_d ? d : 0) + A (64 x 8, shared) * B (8 x 64, shared).
 __device__ __forceinline__ void mma_m64n64k8_tf32_ss(float (&d)[32], uint64_t da, uint64_t db, int scale_d) {
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-               "wgmma.mma_async.sync.aligned.m64n64k8.f32.tf32.tf32 {" VD_R32 "}, %32, %33, p, 1, 1;\n}\n"
-               : VD_D32(d)
-               : "l"(da), "l"(db), "r"(scale_d));
+  VD_SS_TF32(64, VD_R32, VD_D32(d), "%32", "%33", "%34");
+}
+// The same at N = 128, 160 or 256: conv_bn_silu's float32 tiles.
+__device__ __forceinline__ void mma_m64n128k8_tf32_ss(float (&d)[64], uint64_t da, uint64_t db, int scale_d) {
+  VD_SS_TF32(128, VD_R64, VD_D64(d), "%64", "%65", "%66");
+}
+__device__ __forceinline__ void mma_m64n160k8_tf32_ss(float (&d)[80], uint64_t da, uint64_t db, int scale_d) {
+  VD_SS_TF32(160, VD_R80, VD_D80(d), "%80", "%81", "%82");
+}
+__device__ __forceinline__ void mma_m64n256k8_tf32_ss(float (&d)[128], uint64_t da, uint64_t db, int scale_d) {
+  VD_SS_TF32(256, VD_R128, VD_D128(d), "%128", "%129", "%130");
 }
 // d (64 x 64, f32) = (scale_d ? d : 0) + A (64 x 8, registers: rows g / g + 8 of each warp's 16, columns
 // tig / tig + 4) * B (8 x 64, shared).
@@ -175,26 +189,10 @@ __device__ __forceinline__ void mma_m64n64k8_tf32_rs(float (&d)[32], const unsig
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
 }
 
-// d (64 x N, f32) = (scale_d ? d : 0) + A (64 x 8, shared) * B (8 x N, shared), N = 128, 160 or 256: conv_bn_silu's
-// float32 tiles. Read as TF32, the copy engine's raw float32 words lose their low 13 mantissa bits (truncation).
-#define VD_SS_TF32(N, RLIST, DLIST, DA, DB, SC)                                                           \
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " SC ", 0;\n"                                         \
-               "wgmma.mma_async.sync.aligned.m64n" #N "k8.f32.tf32.tf32 {" RLIST "}, " DA ", " DB ", p, 1, 1;\n}\n" \
-               : DLIST                                                                                    \
-               : "l"(da), "l"(db), "r"(scale_d))
-__device__ __forceinline__ void mma_m64n128k8_tf32_ss(float (&d)[64], uint64_t da, uint64_t db, int scale_d) {
-  VD_SS_TF32(128, VD_R64, VD_D64(d), "%64", "%65", "%66");
-}
-__device__ __forceinline__ void mma_m64n160k8_tf32_ss(float (&d)[80], uint64_t da, uint64_t db, int scale_d) {
-  VD_SS_TF32(160, VD_R80, VD_D80(d), "%80", "%81", "%82");
-}
-__device__ __forceinline__ void mma_m64n256k8_tf32_ss(float (&d)[128], uint64_t da, uint64_t db, int scale_d) {
-  VD_SS_TF32(256, VD_R128, VD_D128(d), "%128", "%129", "%130");
-}
-
 #undef VD_SS_TF32
 #undef VD_RS
 #undef VD_SS
+#undef VD_SS_ASM
 #undef VD_D128
 #undef VD_D80
 #undef VD_D64
