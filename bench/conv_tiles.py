@@ -1,0 +1,66 @@
+"""conv_bn_silu's Hopper kernel at each tile against the cuDNN path, in one process: device time a call
+(each variant timed twice, the lower kept), % of the measured matmul rate (TF32's for float32), max error
+against float64. The op's own choice ("auto") beside them. Square 3x3 convolutions, C_in = C_out.
+
+    python bench/conv_tiles.py [--dtype bf16|fp16|fp32] [--shapes 2x1280x9x16,2x1280x16x24]
+                               [--tiles 128,160,256,64x128,64x256]
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import device_time_per_call, env_var, environment, measure_ceilings, print_table, write_json  # noqa: E402
+
+import vdcompile  # noqa: E402,F401
+from vdcompile.ops import reference_conv_bn_silu  # noqa: E402
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+SHAPES = "2x320x72x128,2x640x36x64,2x1280x18x32,2x1280x9x16"
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    ap.add_argument("--shapes", default=SHAPES)
+    ap.add_argument("--tiles", default="128,160,256,64x128,64x256")
+    args = ap.parse_args()
+    dev, dtype = torch.device("cuda"), DTYPES[args.dtype]
+    ceil = measure_ceilings(dev)
+    rate = ceil["tf32_matmul_TFLOPs" if dtype == torch.float32 else "bf16_matmul_TFLOPs"]
+    variants = [("auto", {}), ("cudnn", {"VD_CONV_BN_SILU_KERNEL": "cudnn"})]
+    variants += [(t, {"VD_CONV_BN_SILU_KERNEL": "wgmma", "VD_CONV_BN_SILU_TILE": t}) for t in args.tiles.split(",")]
+    rows = []
+    for shape in args.shapes.split(","):
+        n, c, h, w = map(int, shape.split("x"))
+        torch.manual_seed(0)
+        x = torch.randn(n, c, h, w, device=dev).to(dtype).contiguous(memory_format=torch.channels_last)
+        wt = (torch.randn(c, c, 3, 3, device=dev) / (9 * c) ** 0.5).to(dtype)
+        bn = [torch.rand(c, device=dev) + 0.5, torch.randn(c, device=dev), torch.randn(c, device=dev) * 0.5,
+              torch.rand(c, device=dev) + 0.5]
+        call = (wt, None, *bn, 1e-5, [1, 1], [1, 1], [1, 1], 1, True)
+        with torch.no_grad():
+            ref = reference_conv_bn_silu(x.double(), wt.double(), None, *(t.double() for t in bn), *call[6:])
+            row = {"shape": shape}
+            for name, env in variants:
+                with contextlib.ExitStack() as stack:
+                    for k, v in env.items():
+                        stack.enter_context(env_var(k, v))
+                    err = (torch.ops.vd.conv_bn_silu(x, *call).double() - ref).abs().max().item()
+                    us = min(device_time_per_call(lambda i: torch.ops.vd.conv_bn_silu(x, *call)) for _ in range(2)) * 1e3
+                row[f"{name}_us"] = us
+                row[f"{name}_pct"] = 100 * 2 * n * c * c * 9 * h * w / us / 1e6 / rate
+                row[f"{name}_err"] = err
+        rows.append(row)
+    print_table(rows, [("shape", "shape", "")] + [(f"{v}_us", f"{v} us", ".1f") for v, _ in variants])
+    payload = {"environment": environment(dev), "ceilings": ceil, "dtype": args.dtype, "conv_tiles": rows}
+    print("wrote", write_json(f"conv_tiles_{args.dtype}", payload))
+
+
+if __name__ == "__main__":
+    main()
