@@ -193,9 +193,9 @@ FRAMES_MAJOR_CASES = [
     ((1, 64, 14, 32, 64), 8),    # groups of 229376 elements: cluster of 8 (16-bit), 16 (fp32)
 ]
 
-# channels_last (N, C, *) inputs: version 5 takes a block of gb whole groups (a row of >= 128 bytes where
-# the groups allow) over a cluster of K CTAs when C is whole 16-byte vectors and a CTA's part fits 96 KB;
-# the rest takes the two-pass cols kernels. Comments give the 16-bit plan.
+# channels_last (N, C, *) inputs: versions 8 (sm_90, on chip) and 5 (through L2) take a block of gb whole groups
+# (a row of >= 128 bytes where the groups allow) over a cluster of K CTAs when C is whole 16-byte vectors and a
+# CTA's part fits 96 KB; the rest takes the two-pass cols kernels. Comments give version 5's 16-bit plan.
 CHANNELS_LAST_CASES = [
     ((2, 320, 72, 128), 32),     # gb 8 (160 B rows), K 16
     ((2, 640, 36, 64), 32),      # gb 4, K 4, grown to 16 (toward two CTAs an SM)
@@ -320,17 +320,57 @@ def test_channels_last_runs_version_5(device, monkeypatch):
         assert any("l2_cols_kernel" in n for n in names) == want, (shape, sorted(set(names)))
 
 
+@pytest.fixture
+def smem_family(device, monkeypatch):
+    """Pins the "smem" family (versions 6 and 8: the copy engine and clusters, sm_90+)."""
+    if torch.cuda.get_device_capability(device)[0] < 9:
+        pytest.skip("versions 6 and 8 need the bulk / tensor copy engine and clusters (sm_90+)")
+    monkeypatch.setenv("VD_GROUP_NORM_KERNEL", "smem")
+    torch.manual_seed(0)
+
+
+def check_kernel_serves(kernel, want, x, groups, w, b, silu=True, what=""):
+    """Asserts whether `kernel` serves group_norm_silu(x, ...) and that its output matches the reference;
+    returns the output."""
+    names = cuda_kernels_run(lambda: group_norm_silu(x, groups, w, b, 1e-5, silu))
+    assert any(kernel in n for n in names) == want, (what, sorted(set(names)))
+    out = group_norm_silu(x, groups, w, b, 1e-5, silu)
+    ref = reference_group_norm_silu(x.double(), groups, w.double(), b.double(), 1e-5, silu)
+    assert_close_to(out, ref, x.dtype, what=what)
+    return out
+
+
 @pytest.mark.parametrize("device", CUDA)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_version_6_persistent_loop(device, dtype, monkeypatch):
+def test_channels_last_version_8(device, dtype, smem_family):
+    # Version 8 (channels_last, sm_90): persistent clusters walk blocks of gb groups, each CTA's rows of a block
+    # in a shared-memory stage. Comments give the 16-bit plan (fp32 blocks have half the channels, the same
+    # bytes). Pins that it is the kernel that runs, and where it does not.
+    for shape, groups, want in [((40, 1280, 9, 16), 32, True),   # 23 KB blocks: K 1, 4 stages, 640 blocks (reused)
+                                ((20, 640, 36, 64), 32, True),   # K 8, parts of 144-row boxes x 2, 2 stages
+                                ((2, 320, 72, 128), 32, True),   # K 16, one stage of 90 KB a CTA (3 boxes)
+                                ((2, 960, 72, 128), 32, False),  # 138 KB parts at K 16: version 5 / 1
+                                ((2, 24, 5, 7), 3, True),        # 35 rows in a box of 40 (past the sample: zeros)
+                                ((2, 40, 4, 4, 3), 4, True),     # 5-D channels_last_3d, 80-byte rows
+                                # cpg 3: a vector spans three groups in 16-bit (not taken), two in fp32
+                                ((2, 48, 6, 6), 16, None),
+                                ((1, 64, 256, 256), 8, False)]:  # 8 MB blocks
+        want = dtype.itemsize == 4 if want is None else want
+        C = shape[1]
+        x = channels_last((torch.randn(shape, device=device) * 3 + 1).to(dtype))
+        w, b = torch.randn(C, device=device, dtype=dtype), torch.randn(C, device=device, dtype=dtype)
+        for silu in (True, False):
+            out = check_kernel_serves("smem_cols_kernel", want, x, groups, w, b, silu, f"{shape} silu={silu}")
+            assert out.stride() == x.stride(), "the output keeps the input's layout"
+
+
+@pytest.mark.parametrize("device", CUDA)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_version_6_persistent_loop(device, dtype, smem_family):
     # Version 6's clusters stay resident and walk many groups each, through a ring of shared-memory stages:
     # more groups than resident clusters times stages, so stages are reused and barrier phases flip; parts
     # that cross frames (several bulk copies a part). Pins that it is the kernel that runs, and where it
     # does not (groups over 16 parts of 48 KB).
-    if torch.cuda.get_device_capability(device)[0] < 9:
-        pytest.skip("version 6 needs the bulk copy engine and clusters (sm_90+)")
-    monkeypatch.setenv("VD_GROUP_NORM_KERNEL", "smem")
-    torch.manual_seed(0)
     for shape, groups, frames, want in [((40, 256, 9, 16), 32, 0, True),       # M 1152: K 1, 1280 groups
                                         ((20, 640, 36, 64), 32, 0, True),      # K 2 (16-bit), 4 (fp32)
                                         ((6, 640, 14, 9, 16), 32, 14, True),   # frames-major: K 2 / 4, 192 groups
@@ -349,11 +389,7 @@ def test_version_6_persistent_loop(device, dtype, monkeypatch):
         else:
             x = (torch.randn(shape, device=device) * 3 + 1).to(dtype)
         w, b = torch.randn(C, device=device, dtype=dtype), torch.randn(C, device=device, dtype=dtype)
-        names = cuda_kernels_run(lambda: group_norm_silu(x, groups, w, b))
-        assert any("smem_rows_kernel" in n for n in names) == want, (shape, sorted(set(names)))
-        out = group_norm_silu(x, groups, w, b)
-        assert_close_to(out, reference_group_norm_silu(x.double(), groups, w.double(), b.double()), dtype,
-                        what=f"{shape}")
+        check_kernel_serves("smem_rows_kernel", want, x, groups, w, b, what=f"{shape}")
 
 
 @pytest.mark.parametrize("device", CUDA)
@@ -405,7 +441,7 @@ def test_large_mean_small_spread_on_chip(device, family, shape, groups, cl):
 @pytest.mark.parametrize("device", CUDA)
 @pytest.mark.parametrize("shape,cl", [
     ((1025, 32, 256, 256), False),  # the last groups start past 2^31 (version 6: 128 KB groups, K 2)
-    ((6600, 320, 32, 32), True),    # channels_last on version 5 (clusters of 2): the last samples past 2^31
+    ((6600, 320, 32, 32), True),    # channels_last on version 8 (clusters of 4): the last samples past 2^31
 ])
 def test_over_2_31_elements(device, shape, cl):
     if torch.cuda.get_device_properties(device).total_memory < 24 * 2**30:

@@ -29,12 +29,14 @@
 #include <limits>
 #include <map>
 #include <mutex>
+#include <numeric>
 #include <string>
 #include <tuple>
 #include <type_traits>
 
 #include "../activation.h"
 #include "../norm.h"
+#include "hopper.h"
 #include "launch.h"
 #include "wgmma.h"
 
@@ -1413,6 +1415,34 @@ __device__ __forceinline__ float4 cluster_exchange(const ClusterExchange& x, flo
   return lane < x.K ? x.slots[b][lane] : make_float4(0.f, 0.f, 0.f, 0.f);
 }
 
+// The merge over a cluster's ranks, lane r < K holding rank r's r = (mean of x - pivot_r, m2, n, pivot_r) (zeros in
+// the other lanes): the group's (mean of x - pivot0, m2, n) in every lane, pivot0 rank 0's pivot, the same bits in
+// every CTA. Rank r's mean relative to rank 0's pivot is mean + (pivot_r - pivot_0); a rank with no elements
+// (n = 0) carries weight 0.
+__device__ __forceinline__ Welford<float> ranks_combine_pivoted(const float4 r, float& pivot0) {
+  pivot0 = __shfl_sync(kFullMask, r.w, 0);
+  Welford<float> t{r.z > 0.f ? r.x + (r.w - pivot0) : 0.f, r.y, r.z};
+  t = warp_combine_f(t);
+  return {__shfl_sync(kFullMask, t.mean, 0), __shfl_sync(kFullMask, t.m2, 0), __shfl_sync(kFullMask, t.n, 0)};
+}
+
+// The same for shifted sums, lane r < K holding rank r's (sum of x - pivot_r, sum of its square, n, pivot_r):
+// each rank's sums moved to rank 0's pivot, added in a fixed order (xor butterflies).
+__device__ __forceinline__ Welford<float> ranks_sums_pivoted(const float4 r, int K, float& pivot0) {
+  const int lane = threadIdx.x & 31;
+  pivot0 = __shfl_sync(kFullMask, r.w, 0);
+  const float dl = lane < K ? r.w - pivot0 : 0.f;
+  float S1 = fmaf(r.z, dl, r.x), S2 = fmaf(dl, fmaf(r.z, dl, 2.f * r.x), r.y), N = r.z;
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) {
+    S1 += __shfl_xor_sync(kFullMask, S1, o);
+    S2 += __shfl_xor_sync(kFullMask, S2, o);
+    N += __shfl_xor_sync(kFullMask, N, o);
+  }
+  const float mean = __fdividef(S1, N);
+  return {mean, fmaxf(fmaf(-S1, mean, S2), 0.f), N};
+}
+
 // This CTA's statistics as (mean of x - pivot, m2, n, pivot): what the cluster's CTAs exchange.
 template <int THREADS>
 __device__ __forceinline__ Welford<float> cluster_combine_pivoted(const float4 mine, const ClusterExchange& x,
@@ -1428,13 +1458,7 @@ __device__ __forceinline__ Welford<float> cluster_combine_pivoted(const float4 m
     for (int i = 1; i < THREADS / 32; ++i) t = combine_f(t, sh_warp[i]);
     v = make_float4(t.mean, t.m2, t.n, mine.w);
   }
-  const float4 r = cluster_exchange(x, v, it);  // thread 0's value is sent
-  pivot0 = __shfl_sync(kFullMask, r.w, 0);
-  // Rank r's mean is of x - pivot_r: relative to rank 0's pivot it is mean + (pivot_r - pivot_0). A rank
-  // with no elements (n = 0) carries weight 0 in the merge.
-  Welford<float> t{r.z > 0.f ? r.x + (r.w - pivot0) : 0.f, r.y, r.z};
-  t = warp_combine_f(t);
-  return {__shfl_sync(kFullMask, t.mean, 0), __shfl_sync(kFullMask, t.m2, 0), __shfl_sync(kFullMask, t.n, 0)};
+  return ranks_combine_pivoted(cluster_exchange(x, v, it), pivot0);  // thread 0's value is sent
 }
 
 // 16-bit inputs: the CTA's shifted sums s1 = sum(x - pivot), s2 = sum((x - pivot)^2) over n elements, summed
@@ -1465,19 +1489,8 @@ __device__ __forceinline__ Welford<float> cluster_sums_pivoted(float s1, float s
       t.y += __shfl_xor_sync(kFullMask, t.y, o);
     }
   }
-  const float4 r = cluster_exchange(x, make_float4(t.x, t.y, n, pivot), it);  // thread 0's value is sent
-  const int K = x.K;
-  pivot0 = __shfl_sync(kFullMask, r.w, 0);
-  const float dl = lane < K ? r.w - pivot0 : 0.f;
-  float S1 = fmaf(r.z, dl, r.x), S2 = fmaf(dl, fmaf(r.z, dl, 2.f * r.x), r.y), N = r.z;
-#pragma unroll
-  for (int o = 16; o > 0; o /= 2) {
-    S1 += __shfl_xor_sync(kFullMask, S1, o);
-    S2 += __shfl_xor_sync(kFullMask, S2, o);
-    N += __shfl_xor_sync(kFullMask, N, o);
-  }
-  const float mean = __fdividef(S1, N);
-  return {mean, fmaxf(fmaf(-S1, mean, S2), 0.f), N};
+  // thread 0's value is sent
+  return ranks_sums_pivoted(cluster_exchange(x, make_float4(t.x, t.y, n, pivot), it), x.K, pivot0);
 }
 
 // The ring of shared-memory stages of versions 6 and 7. start: thread 0 initializes the stages' barriers and the
@@ -1960,6 +1973,26 @@ __global__ void __launch_bounds__(kThreads) grad_params_kernel(const float2* __r
 // Version 1's cols kernels (two launches, x read twice from DRAM, Welford with a division per vector)
 // ran at 18-37 % of the copy rate on the UNet shapes.
 
+// One output vector of the channels_last kernels (versions 5 and 8), a thread's VEC channels' a_c, b_c in
+// registers: y = act(x * a_c + b_c), or with SHIFT act((x - shift_c) * a_c + b_c).
+template <typename scalar_t, bool SILU, bool SHIFT, int VEC>
+__device__ __forceinline__ uint4 norm_cols_vec(const uint4& v, const float (&ca)[VEC], const float (&cb)[VEC],
+                                               const float (&shift)[VEC]) {
+  uint4 o;
+#pragma unroll
+  for (int j = 0; j < VEC; j += 2) {
+    float z0 = fmaf(SHIFT ? elt_to_float<scalar_t>(v, j) - shift[j] : elt_to_float<scalar_t>(v, j), ca[j], cb[j]);
+    float z1 = fmaf(SHIFT ? elt_to_float<scalar_t>(v, j + 1) - shift[j + 1] : elt_to_float<scalar_t>(v, j + 1),
+                    ca[j + 1], cb[j + 1]);
+    if (SILU) {
+      z0 = silu_fast(z0);
+      z1 = silu_fast(z1);
+    }
+    store_pair<scalar_t>(o, j / 2, z0, z1);
+  }
+  return o;
+}
+
 constexpr int kColsThreads = 512;  // two CTAs an SM
 constexpr int kColsUnroll = 4;
 constexpr int kColsMaxTCV = 64;  // vector columns a block row: at least 8 rows of threads
@@ -2129,21 +2162,7 @@ __global__ void __launch_bounds__(kColsThreads, 2) l2_cols_kernel(ColsArgs<scala
     cbias[j] = active ? sh_b[col * VEC + j] : 0.f;
     if (kShift) shift[j] = active ? sh_mu[col * VEC + j] : 0.f;
   }
-  auto norm = [&](const uint4& v) {
-    uint4 o;
-#pragma unroll
-    for (int j = 0; j < VEC; j += 2) {
-      float z0 = fmaf(kShift ? elt_to_float<scalar_t>(v, j) - shift[j] : elt_to_float<scalar_t>(v, j), ca[j], cbias[j]);
-      float z1 = fmaf(kShift ? elt_to_float<scalar_t>(v, j + 1) - shift[j + 1] : elt_to_float<scalar_t>(v, j + 1),
-                      ca[j + 1], cbias[j + 1]);
-      if (SILU) {
-        z0 = silu_fast(z0);
-        z1 = silu_fast(z1);
-      }
-      store_pair<scalar_t>(o, j / 2, z0, z1);
-    }
-    return o;
-  };
+  auto norm = [&](const uint4& v) { return norm_cols_vec<scalar_t, SILU, kShift>(v, ca, cbias, shift); };
   {
     const scalar_t* p = xt;
     scalar_t* q = yt;
@@ -2160,6 +2179,307 @@ __global__ void __launch_bounds__(kColsThreads, 2) l2_cols_kernel(ColsArgs<scala
     for (; k < cnt; ++k, p += step, q += step) store_hint(q, norm(load_hint(p, drop)), drop);
   }
   cluster_wait();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Version 8 forward ("smem", N*C), sm_90: channels_last x read once from DRAM into shared memory, y written
+// once. Version 5 streams each block of gb groups twice through L2 and ran at 47-49 % of the copy rate. Here,
+// as version 6 does for NC*, persistent clusters of K CTAs walk the blocks (n, gb whole groups; the block as
+// version 5 picks it); a CTA's range of positions of a block, rows of W channels W * elt bytes apart by C * elt,
+// lands in a shared-memory stage through tensor copies (boxes of W channels by <= 256 rows), <= 48 KB in a
+// ring of stages, or one stage of <= 96 KB at K = 16; the next blocks are in flight while a CTA reduces and
+// stores one, and two CTAs an SM overlap each other's barriers.
+// Thread t owns vector column t % TCV of the stage and rows t / TCV, + R, ...: its VEC channels never change.
+// Statistics: per-channel sums in registers about the group's pivot (the CTA's first row at the group's first
+// channel), folded into the (<= 3) groups its vector touches, then per group over the CTA's threads (a warp a
+// group, a fixed order) and over the cluster's ranks: each CTA sends its gb values to every CTA of the cluster
+// (st.async), and every CTA merges them in rank order (pivots reconciled to rank 0's), so all get the same bits.
+// 16-bit input: shifted sums; fp32: each thread's per-channel mean, then its squared deviations (two reads of
+// the stage), Chan's merges. Then z = x * a_c + b_c (fp32: (x - pivot) * a_c + b_c) with the thread's VEC
+// (a_c, b_c) in registers, SiLU, 16-byte stores.
+
+constexpr int kSmemColsThreads = 256;
+constexpr int kSmemColsSlots = 3;  // groups a thread's vector may touch: the host asks 2 * cpg >= VEC
+
+template <typename scalar_t>
+struct SmemColsArgs {
+  scalar_t* out;
+  const scalar_t* w;  // nullptr: gamma = 1
+  const scalar_t* b;  // nullptr: beta = 0
+  int64_t C;          // channels: the row length
+  int64_t items;      // blocks over all samples: N * blocks
+  int S;              // positions a sample
+  int rows;           // positions a CTA (nbox boxes of rbox rows; the last ranks may hold fewer, or none)
+  int rbox;           // rows a tensor-copy box
+  int blocks;         // group blocks a sample (G / gb)
+  int cpg, gb, W;     // channels a group, groups a block, channels a block
+  int TCV, R;         // vector columns of a block row, thread rows (R * TCV <= threads)
+  int ns;             // group slots a thread: the most groups one vector column touches
+  int K;              // CTAs a block (the cluster size)
+  int stages, stage_bytes;
+  float eps;
+};
+
+// Dynamic shared memory of smem_cols_kernel (byte offsets): the stages, their barriers and the exchange's two,
+// per-thread group states (float4 [threads][ns]), per-group pivots (float [gb]), the exchange's slots
+// (float4 [2][K][gb]), per-channel gamma / beta and (a_c, b_c) (float2 [W] each).
+struct SmemColsLayout {
+  int bars, states, slots, params, chan, pivots, bytes;
+  __host__ __device__ SmemColsLayout(int stages, int stage_bytes, int ns, int gb, int K, int W) {
+    bars = stages * stage_bytes;
+    states = bars + ((stages + 2) * 8 + 15) / 16 * 16;
+    slots = states + kSmemColsThreads * ns * 16;
+    params = slots + 2 * K * gb * 16;
+    chan = params + W * 8;
+    pivots = chan + W * 8;
+    bytes = pivots + gb * 4 + 128;  // + slack to align the stages to 128 bytes
+  }
+};
+
+template <typename scalar_t, bool SILU>
+__global__ void __launch_bounds__(kSmemColsThreads, 2)
+    smem_cols_kernel(const SmemColsArgs<scalar_t> a, const __grid_constant__ CUtensorMap tx) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr int THREADS = kSmemColsThreads, VEC = max_vec<scalar_t>(), NS = kSmemColsSlots;
+  constexpr bool kShift = sizeof(scalar_t) > 2;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  // Tensor copies land on 128-byte boundaries (the host adds the slack).
+  unsigned char* smem = smem_raw + ((128u - (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) & 127u)) & 127u);
+  const SmemColsLayout lay(a.stages, a.stage_bytes, a.ns, a.gb, a.K, a.W);
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + lay.bars);
+  uint64_t* xbars = full + a.stages;
+  float4* sh_state = reinterpret_cast<float4*>(smem + lay.states);
+  float4* sh_slots = reinterpret_cast<float4*>(smem + lay.slots);  // [parity][source rank][group]
+  float2* sh_params = reinterpret_cast<float2*>(smem + lay.params);  // gamma, beta of the block's channels
+  float2* sh_chan = reinterpret_cast<float2*>(smem + lay.chan);      // a_c, b_c
+  float* sh_pivot = reinterpret_cast<float*>(smem + lay.pivots);     // each group's pivot0 (fp32's shift)
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid / 32, K = a.K;
+  const int rank = static_cast<int>(blockIdx.x % K);
+  const int64_t cluster = blockIdx.x / K, nclusters = gridDim.x / K;
+  const int col = tid % a.TCV, trow = tid / a.TCV;
+  const bool active = trow < a.R;
+  const int r0 = rank * a.rows;
+  const int valid = max(0, min(a.rows, a.S - r0));  // this CTA's positions of every block
+  const int cnt = active && valid > trow ? (valid - trow + a.R - 1) / a.R : 0;  // this thread's rows
+  const int boxes = (valid + a.rbox - 1) / a.rbox;  // boxes wholly past the sample are not loaded
+  const uint32_t box_bytes = static_cast<uint32_t>(a.rbox * a.W) * sizeof(scalar_t);
+  const uint32_t smem0 = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  const uint32_t bar0 = static_cast<uint32_t>(__cvta_generic_to_shared(full));
+  // This thread's channels c0 + j of the block and the group slot of each (2 bits a channel): group q0 + slot.
+  const int c0 = col * VEC, q0 = c0 / a.cpg;
+  unsigned slots = 0;
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) slots |= static_cast<unsigned>((c0 + j) / a.cpg - q0) << (2 * j);
+  auto slot_of = [&](int j) { return static_cast<int>((slots >> (2 * j)) & 3u); };
+  // v if channel j is in slot s, else 0: g[s] += in_slot(...) in every slot (g[slot_of(j)] += v compiled to a
+  // dynamically indexed array on the stack).
+  auto in_slot = [&](int j, int s, float v) { return slot_of(j) == s ? v : 0.f; };
+
+  auto issue = [&](int64_t it, int stage) {
+    const int64_t item = cluster + it * nclusters;
+    if (item >= a.items || boxes == 0) return;
+    const int n = static_cast<int>(item / a.blocks), blk = static_cast<int>(item % a.blocks);
+    const uint32_t bar = bar0 + 8 * stage;
+    wgmma::mbar_expect_tx(bar, static_cast<uint32_t>(boxes) * box_bytes);
+    for (int i = 0; i < boxes; ++i)
+      wgmma::tma_load_4d(smem0 + static_cast<uint32_t>(stage * a.stage_bytes) + i * box_bytes, &tx, bar, blk * a.W,
+                         r0 + i * a.rbox, n, 0);
+  };
+
+  StageRing ring;
+  ring.start(bar0, a.stages, xbars, issue);
+
+  for (int64_t it = 0;; ++it) {
+    const int stage = ring.stage;
+    const int64_t item = cluster + it * nclusters;
+    if (item >= a.items) break;
+    const int64_t n = item / a.blocks;
+    const int blk = static_cast<int>(item % a.blocks);
+    const unsigned char* st_bytes = smem + static_cast<size_t>(stage) * a.stage_bytes;
+    const uint4* buf = reinterpret_cast<const uint4*>(st_bytes);
+    // Thread t < W loads gamma and beta of the block's channel t, in flight while the statistics are taken.
+    // (Each thread loading its own VEC channels' held 16 registers and stalled on the loads: ncu put 22 % of
+    // the warps' cycles on them.)
+    float pw = 1.f, pb = 0.f;
+    if (tid < a.W) {
+      const int64_t c = static_cast<int64_t>(blk) * a.W + tid;
+      if (a.w) pw = static_cast<float>(a.w[c]);
+      if (a.b) pb = static_cast<float>(a.b[c]);
+    }
+    if (valid > 0) wgmma::mbar_wait(bar0 + 8 * stage, ring.parity);
+
+    // Each channel's group pivot: the stage's first row at the group's first channel.
+    float piv[VEC];
+    {
+      float pg[NS];
+#pragma unroll
+      for (int s = 0; s < NS; ++s) {
+        const int q = min(q0 + s, a.gb - 1);
+        pg[s] = valid > 0 ? static_cast<float>(reinterpret_cast<const scalar_t*>(st_bytes)[q * a.cpg]) : 0.f;
+      }
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) piv[j] = slot_of(j) == 0 ? pg[0] : slot_of(j) == 1 ? pg[1] : pg[2];
+    }
+    // This thread's per-group states into sh_state[tid * ns + slot]: 16-bit (sum of x - pivot, of its square),
+    // fp32 (mean of x - pivot, m2, n).
+    float4 g[NS];
+#pragma unroll
+    for (int s = 0; s < NS; ++s) g[s] = make_float4(0.f, 0.f, 0.f, 0.f);
+    auto pass = [&](auto&& f) {
+#pragma unroll 4
+      for (int k = 0; k < cnt; ++k) {
+        const uint4 v = buf[tid + k * a.R * a.TCV];
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) f(j, elt_to_float<scalar_t>(v, j));
+      }
+    };
+    if constexpr (!kShift) {
+      float s1[VEC], s2[VEC];
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) s1[j] = s2[j] = 0.f;
+      pass([&](int j, float x) {
+        const float d = x - piv[j];
+        s1[j] += d;
+        s2[j] = fmaf(d, d, s2[j]);
+      });
+#pragma unroll
+      for (int j = 0; j < VEC; ++j)
+#pragma unroll
+        for (int s = 0; s < NS; ++s) {
+          g[s].x += in_slot(j, s, s1[j]);
+          g[s].y += in_slot(j, s, s2[j]);
+        }
+    } else {
+      float m[VEC], q[VEC];
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) m[j] = q[j] = 0.f;
+      pass([&](int j, float x) { m[j] += x - piv[j]; });
+      const float inv = cnt > 0 ? 1.f / static_cast<float>(cnt) : 0.f;
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) m[j] *= inv;
+      pass([&](int j, float x) {
+        const float d = (x - piv[j]) - m[j];
+        q[j] = fmaf(d, d, q[j]);
+      });
+      // Channels of a slot have equal counts: mean = their means' mean, m2 = sum m2 + cnt * sum (m_j - mean)^2.
+#pragma unroll
+      for (int j = 0; j < VEC; ++j)
+#pragma unroll
+        for (int s = 0; s < NS; ++s) {
+          g[s].x += in_slot(j, s, m[j]);
+          g[s].z += in_slot(j, s, 1.f);
+        }
+#pragma unroll
+      for (int s = 0; s < NS; ++s) g[s].x = g[s].z > 0.f ? g[s].x / g[s].z : 0.f;
+#pragma unroll
+      for (int j = 0; j < VEC; ++j)
+#pragma unroll
+        for (int s = 0; s < NS; ++s) {
+          const float d = m[j] - g[s].x;
+          g[s].y += in_slot(j, s, fmaf(static_cast<float>(cnt) * d, d, q[j]));
+        }
+#pragma unroll
+      for (int s = 0; s < NS; ++s) g[s].z *= static_cast<float>(cnt);
+    }
+    if (active) {
+#pragma unroll
+      for (int s = 0; s < NS; ++s)
+        if (s < a.ns) sh_state[tid * a.ns + s] = g[s];
+    }
+    if (tid < a.W) sh_params[tid] = make_float2(pw, pb);
+    __syncthreads();
+
+    // A warp a group: its threads' states in a fixed order, then the cluster exchange (lane r sends to rank r).
+    const int b = static_cast<int>(it & 1);
+    const uint32_t xbar = static_cast<uint32_t>(__cvta_generic_to_shared(&xbars[b]));
+    if (tid == 0 && K > 1) wgmma::mbar_expect_tx(xbar, static_cast<uint32_t>(K * a.gb) * 16u);
+    for (int q = warp; q < a.gb; q += THREADS / 32) {
+      // Lane l: thread rows l, l + 32 (R <= 64), the columns lo..hi whose vectors touch group q.
+      const int lo = q * a.cpg / VEC, hi = ((q + 1) * a.cpg - 1) / VEC;
+      float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+      Welford<float> w{0.f, 0.f, 0.f};
+      for (int tr = lane; tr < a.R; tr += 32)
+        for (int c = lo; c <= hi; ++c) {
+          const float4 t = sh_state[(tr * a.TCV + c) * a.ns + (q - c * VEC / a.cpg)];
+          if constexpr (!kShift) {
+            v.x += t.x;
+            v.y += t.y;
+          } else {
+            w = combine_f(w, {t.x, t.y, t.z});
+          }
+        }
+      const float pivot = valid > 0 ? static_cast<float>(reinterpret_cast<const scalar_t*>(st_bytes)[q * a.cpg]) : 0.f;
+      if constexpr (!kShift) {
+#pragma unroll
+        for (int o = 16; o > 0; o /= 2) {
+          v.x += __shfl_xor_sync(kFullMask, v.x, o);
+          v.y += __shfl_xor_sync(kFullMask, v.y, o);
+        }
+        v.z = static_cast<float>(valid) * static_cast<float>(a.cpg);
+      } else {
+        w = warp_combine_f(w);
+        v = make_float4(__shfl_sync(kFullMask, w.mean, 0), __shfl_sync(kFullMask, w.m2, 0),
+                        __shfl_sync(kFullMask, w.n, 0), 0.f);
+      }
+      v.w = pivot;
+      if (K == 1) {
+        if (lane == 0) sh_slots[(b * K) * a.gb + q] = v;
+      } else if (lane < K) {
+        const uint32_t slot = static_cast<uint32_t>(__cvta_generic_to_shared(&sh_slots[(b * K + rank) * a.gb + q]));
+        asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];\n"
+                     :
+                     : "r"(cluster_map(slot, lane)), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w), "r"(cluster_map(xbar, lane))
+                     : "memory");
+      }
+    }
+    if (K == 1) __syncthreads();
+    else wgmma::mbar_wait(xbar, static_cast<uint32_t>(it >> 1) & 1u);
+    // Every rank's values of each group, merged in rank order (the group's mean of x - pivot0, m2, n; pivot0),
+    // then the group's channels' a_c = rstd * gamma_c and b_c: 16-bit z = x * a_c + b_c (the pivot folded into
+    // b_c), fp32 z = (x - pivot0) * a_c + b_c.
+    for (int q = warp; q < a.gb; q += THREADS / 32) {
+      const float4 r = lane < K ? sh_slots[(b * K + lane) * a.gb + q] : make_float4(0.f, 0.f, 0.f, 0.f);
+      float pivot0;
+      const Welford<float> st = kShift ? ranks_combine_pivoted(r, pivot0) : ranks_sums_pivoted(r, K, pivot0);
+      const float rstd = rsqrtf(__fdividef(st.m2, st.n) + a.eps), shift = kShift ? st.mean : st.mean + pivot0;
+      for (int c = q * a.cpg + lane; c < (q + 1) * a.cpg; c += 32) {
+        const float2 p = sh_params[c];
+        const float ac = rstd * p.x;
+        sh_chan[c] = make_float2(ac, fmaf(-shift, ac, p.y));
+      }
+      if (lane == 0) sh_pivot[q] = pivot0;
+    }
+    __syncthreads();
+
+    // Normalize, SiLU and store this thread's rows.
+    float ca[VEC], cb[VEC];
+#pragma unroll
+    for (int j = 0; j < VEC; j += 2) {
+      const float4 p = reinterpret_cast<const float4*>(sh_chan)[(c0 + j) / 2];
+      ca[j] = p.x;
+      cb[j] = p.y;
+      ca[j + 1] = p.z;
+      cb[j + 1] = p.w;
+    }
+    if constexpr (kShift) {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) piv[j] = sh_pivot[q0 + slot_of(j)];
+    }
+    scalar_t* y = a.out + (n * a.S + r0 + trow) * a.C + static_cast<int64_t>(blk) * a.W + c0;
+    const int64_t step = static_cast<int64_t>(a.R) * a.C;
+#pragma unroll 2
+    for (int k = 0; k < cnt; ++k) {
+      const uint4 v = buf[tid + k * a.R * a.TCV];
+      *reinterpret_cast<uint4*>(y) = norm_cols_vec<scalar_t, SILU, kShift>(v, ca, cb, piv);
+      y += step;
+    }
+    ring.release(it, a.stages, issue);
+  }
+  // No CTA leaves while another's sends to it may be in flight.
+  cluster_arrive();
+  cluster_wait();
+#endif
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -2383,7 +2703,7 @@ bool cluster_ok(Kernel kernel, int K, int device, int threads, size_t smem) {
 
 // Which forward kernels may run. VD_GROUP_NORM_KERNEL=smem|l2|onchip|twopass restricts the choice to one
 // family (benchmarks compare them in one process); unset: as measured (bench/notes/norm_and_elementwise.md),
-// version 6 first, then version 4 (for 16-bit NC* x only where x fits the L2), version 3 first for inputs
+// version 6 (version 8 for channels_last) first, then version 4 (for 16-bit NC* x only where x fits the L2), version 3 first for inputs
 // under kSmallBytes, then version 1.
 enum class GNKernels { kAny, kSmem, kL2, kOnChip, kTwoPass };
 // Under this many bytes of x, version 3's shorter CTAs beat version 4 by 1-2 us (H200).
@@ -2628,6 +2948,20 @@ bool backward_smem(const GNShape& s, const scalar_t* x, const scalar_t* dy, scal
   }
 }
 
+// The group block of versions 5 and 8 (channels_last): the fewest whole groups that make whole vectors and a row
+// of >= 128 bytes (as far as kColsMaxTCV vectors allow); 0 where no block makes whole vectors.
+inline int64_t cols_block(const GNShape& s, int vec, int64_t elt) {
+  const int64_t cpg = s.C / s.G;
+  int64_t gb = 0;
+  for (int64_t d = 1; d <= s.G; ++d) {
+    if (s.G % d != 0 || d * cpg % vec != 0) continue;
+    if (d * cpg / vec > kColsMaxTCV) break;
+    gb = d;
+    if (d * cpg * elt >= 128) break;
+  }
+  return gb;
+}
+
 // Runs version 5 (channels_last) when the shape, dtype and alignment allow it; false leaves the work to
 // version 1's cols kernels.
 template <typename scalar_t>
@@ -2639,15 +2973,7 @@ bool forward_l2_cols(const GNShape& s, const scalar_t* x, scalar_t* out, const s
     constexpr int kVec = max_vec<scalar_t>();
     constexpr int64_t kElt = sizeof(scalar_t);
     if (!s.channels_last || !vec) return false;  // vec: 16-byte aligned, whole vectors of channels
-    // The group block: the fewest whole groups that make whole vectors and a row of >= 128 bytes.
-    const int64_t cpg = s.C / s.G;
-    int64_t gb = 0;
-    for (int64_t d = 1; d <= s.G; ++d) {
-      if (s.G % d != 0 || d * cpg % kVec != 0) continue;
-      if (d * cpg / kVec > kColsMaxTCV) break;
-      gb = d;
-      if (d * cpg * kElt >= 128) break;
-    }
+    const int64_t cpg = s.C / s.G, gb = cols_block(s, kVec, kElt);
     if (gb == 0) return false;
     const int64_t W = gb * cpg, TCV = W / kVec, R = kColsThreads / TCV, blocks = s.G / gb;
     // The smallest cluster whose parts fit kL2PartBytes (as version 4; larger blocks keep version 1),
@@ -2680,6 +3006,95 @@ bool forward_l2_cols(const GNShape& s, const scalar_t* x, scalar_t* out, const s
     launch_clusters(kernel, a, s.N * blocks, static_cast<int>(K), kColsThreads, smem, stream);
     return true;
   }
+}
+
+// Runs version 8 (channels_last, sm_90) when the shape, dtype, alignment and device allow it; false leaves the
+// work to version 5 and then version 1.
+template <typename scalar_t>
+bool forward_smem_cols(const GNShape& s, const at::Tensor& x, scalar_t* out, const scalar_t* w, const scalar_t* b,
+                       double eps, bool silu, bool vec, int device, cudaStream_t stream) {
+#if defined(VD_SM90A)
+  if constexpr (std::is_same_v<scalar_t, double>) {
+    return false;
+  } else {
+    constexpr int kVec = max_vec<scalar_t>();
+    constexpr int64_t kElt = sizeof(scalar_t);
+    // vec: 16-byte aligned, whole vectors of channels (so rows are 16-byte multiples, as tensor copies need).
+    if (!s.channels_last || !vec || s.S > std::numeric_limits<int>::max() / 2 || s.N > std::numeric_limits<int>::max())
+      return false;
+    const int64_t cpg = s.C / s.G, gb = cols_block(s, kVec, kElt);
+    // A thread's vector touches at most kSmemColsSlots groups when 2 * cpg >= VEC.
+    if (gb == 0 || 2 * cpg < kVec) return false;
+    const int64_t W = gb * cpg, TCV = W / kVec, R = kSmemColsThreads / TCV, row_bytes = W * kElt;
+    if (W > 256) return false;  // a tensor-copy box is at most 256 elements wide
+    int ns = 1;
+    for (int64_t c = 0; c < TCV; ++c)
+      ns = std::max<int>(ns, static_cast<int>((c * kVec + kVec - 1) / cpg - c * kVec / cpg + 1));
+    // The smallest cluster (up to 16) whose parts fit kSmemPartBytes, then larger ones while there are fewer
+    // than two CTAs an SM and each thread keeps a row or more (as version 5); past 16 x 48 KB, one stage of up
+    // to kSmemBigPartBytes a CTA.
+    const int64_t items = s.N * (s.G / gb);
+    int K = 1;
+    while (K < 16 && ceil_div(s.S, K) * row_bytes > kSmemPartBytes) K *= 2;
+    int sms = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    while (K < 16 && items * K < 2 * sms && ceil_div(s.S, 2 * K) >= R) K *= 2;
+    // Boxes of <= 256 rows, each a multiple of 128 bytes (tensor copies land on 128-byte boundaries).
+    const int64_t unit = 128 / std::gcd<int64_t>(row_bytes, 128), need = ceil_div(s.S, K);
+    int64_t nbox = ceil_div(need, int64_t{256}), rbox = 0;
+    for (;; ++nbox) {
+      rbox = ceil_div(ceil_div(need, nbox), unit) * unit;
+      if (rbox <= 256) break;
+    }
+    const int64_t rows = nbox * rbox, part = rows * row_bytes;
+    if (part > kSmemBigPartBytes) return false;
+    const int64_t stage_bytes = ceil_div(part, int64_t{128}) * 128;
+    const int stages = part <= kSmemPartBytes
+                           ? static_cast<int>(std::min<int64_t>(kSmemMaxStages, kSmemDataBytes / stage_bytes))
+                           : 1;
+    const SmemColsLayout lay(stages, static_cast<int>(stage_bytes), ns, static_cast<int>(gb), K, static_cast<int>(W));
+    auto kernel = silu ? smem_cols_kernel<scalar_t, true> : smem_cols_kernel<scalar_t, false>;
+    const int clusters = resident_clusters(kernel, K, device, kSmemColsThreads, lay.bytes);
+    if (clusters == 0) return false;
+    CUtensorMap tx;
+    const uint32_t box[4] = {static_cast<uint32_t>(W), static_cast<uint32_t>(rbox), 1, 1};
+    if (!tensor_map_4d(&tx, x, {s.C, s.S, s.N, 1}, {s.C, s.S * s.C, s.N * s.S * s.C}, box, CU_TENSOR_MAP_SWIZZLE_NONE))
+      return false;
+    SmemColsArgs<scalar_t> a{};
+    a.out = out;
+    a.w = w;
+    a.b = b;
+    a.C = s.C;
+    a.items = items;
+    a.S = static_cast<int>(s.S);
+    a.rows = static_cast<int>(rows);
+    a.rbox = static_cast<int>(rbox);
+    a.blocks = static_cast<int>(s.G / gb);
+    a.cpg = static_cast<int>(cpg);
+    a.gb = static_cast<int>(gb);
+    a.W = static_cast<int>(W);
+    a.TCV = static_cast<int>(TCV);
+    a.R = static_cast<int>(R);
+    a.ns = ns;
+    a.K = K;
+    a.stages = stages;
+    a.stage_bytes = static_cast<int>(stage_bytes);
+    a.eps = static_cast<float>(eps);
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = dim3(static_cast<unsigned>(std::min<int64_t>(items, clusters) * K));
+    cfg.blockDim = dim3(kSmemColsThreads);
+    cfg.dynamicSmemBytes = lay.bytes;
+    cfg.stream = stream;
+    cudaLaunchAttribute at = cluster_attr(K);
+    cfg.attrs = &at;
+    cfg.numAttrs = K > 1 ? 1 : 0;
+    C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, a, tx));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return true;
+  }
+#else
+  return false;
+#endif
 }
 
 // Runs version 3 when the shape, dtype and alignment allow it; false leaves the work to version 1.
@@ -2745,8 +3160,8 @@ at::Tensor group_norm_silu_cuda(const at::Tensor& x_in, int64_t num_groups, cons
     }
     const GNKernels use = gn_kernels();
     const bool any = use == GNKernels::kAny;
-    // Version 5 for channels_last, version 4 otherwise; version 3 (NC* and frames-major only) first for
-    // small inputs, and offered once.
+    // Version 8 / 6 ("smem") first; then version 5 for channels_last, version 4 otherwise; version 3 (NC* and
+    // frames-major only) first for small inputs, and offered once.
     auto l2 = [&] {
       return s.channels_last
                  ? forward_l2_cols<scalar_t>(s, a.x, a.out, a.w, a.b, eps, silu, vec, x.get_device(), stream)
@@ -2756,7 +3171,9 @@ at::Tensor group_norm_silu_cuda(const at::Tensor& x_in, int64_t num_groups, cons
       return forward_fused<scalar_t>(s, a.F, a.x, a.out, a.w, a.b, eps, silu, vec, x.get_device(), stream);
     };
     auto smem = [&] {
-      return forward_smem<scalar_t>(s, a.F, a.x, a.out, a.w, a.b, eps, silu, vec, x.get_device(), stream);
+      return s.channels_last
+                 ? forward_smem_cols<scalar_t>(s, x, a.out, a.w, a.b, eps, silu, vec, x.get_device(), stream)
+                 : forward_smem<scalar_t>(s, a.F, a.x, a.out, a.w, a.b, eps, silu, vec, x.get_device(), stream);
     };
     if ((any || use == GNKernels::kSmem) && smem()) return;
     const bool small = x.numel() * static_cast<int64_t>(sizeof(scalar_t)) < kSmallBytes;
