@@ -2298,9 +2298,8 @@ __global__ void __launch_bounds__(kSmemColsThreads, 2)
     const int blk = static_cast<int>(item % a.blocks);
     const unsigned char* st_bytes = smem + static_cast<size_t>(stage) * a.stage_bytes;
     const uint4* buf = reinterpret_cast<const uint4*>(st_bytes);
-    // Thread t < W loads gamma and beta of the block's channel t, in flight while the statistics are taken.
-    // (Each thread loading its own VEC channels' held 16 registers and stalled on the loads: ncu put 22 % of
-    // the warps' cycles on them.)
+    // Thread t < W loads gamma and beta of the block's channel t, in flight while the statistics are taken
+    // (each thread loading its own VEC channels' held 16 more registers through the kernel: 128 with SiLU).
     float pw = 1.f, pb = 0.f;
     if (tid < a.W) {
       const int64_t c = static_cast<int64_t>(blk) * a.W + tid;
@@ -2703,8 +2702,8 @@ bool cluster_ok(Kernel kernel, int K, int device, int threads, size_t smem) {
 
 // Which forward kernels may run. VD_GROUP_NORM_KERNEL=smem|l2|onchip|twopass restricts the choice to one
 // family (benchmarks compare them in one process); unset: as measured (bench/notes/norm_and_elementwise.md),
-// version 6 (version 8 for channels_last) first, then version 4 (for 16-bit NC* x only where x fits the L2), version 3 first for inputs
-// under kSmallBytes, then version 1.
+// version 6 (version 8 for channels_last) first, then version 4 (for 16-bit NC* x only where x fits the L2),
+// version 3 first for inputs under kSmallBytes, then version 1.
 enum class GNKernels { kAny, kSmem, kL2, kOnChip, kTwoPass };
 // Under this many bytes of x, version 3's shorter CTAs beat version 4 by 1-2 us (H200).
 constexpr int64_t kSmallBytes = 16 << 20;
@@ -2751,10 +2750,10 @@ FusedArgs<scalar_t> fused_args(const GNShape& s, int64_t F, const scalar_t* x, s
   return a;
 }
 
-// Launches `kernel` over N * G * K CTAs in clusters of K.
-template <typename Kernel, typename Args>
+// Launches `kernel` over groups * K CTAs in clusters of K, with arguments a (then `more`).
+template <typename Kernel, typename Args, typename... More>
 void launch_clusters(Kernel kernel, const Args& a, int64_t groups, int K, int threads, size_t smem,
-                     cudaStream_t stream) {
+                     cudaStream_t stream, const More&... more) {
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3(grid_of(groups * K, kOp));
   cfg.blockDim = dim3(threads);
@@ -2763,7 +2762,7 @@ void launch_clusters(Kernel kernel, const Args& a, int64_t groups, int K, int th
   cudaLaunchAttribute at = cluster_attr(K);
   cfg.attrs = &at;
   cfg.numAttrs = K > 1 ? 1 : 0;  // no cluster attribute at all for K = 1: pre-sm_90 devices reject it
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, a));
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, a, more...));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -3080,16 +3079,7 @@ bool forward_smem_cols(const GNShape& s, const at::Tensor& x, scalar_t* out, con
     a.stages = stages;
     a.stage_bytes = static_cast<int>(stage_bytes);
     a.eps = static_cast<float>(eps);
-    cudaLaunchConfig_t cfg{};
-    cfg.gridDim = dim3(static_cast<unsigned>(std::min<int64_t>(items, clusters) * K));
-    cfg.blockDim = dim3(kSmemColsThreads);
-    cfg.dynamicSmemBytes = lay.bytes;
-    cfg.stream = stream;
-    cudaLaunchAttribute at = cluster_attr(K);
-    cfg.attrs = &at;
-    cfg.numAttrs = K > 1 ? 1 : 0;
-    C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, a, tx));
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch_clusters(kernel, a, std::min<int64_t>(items, clusters), K, kSmemColsThreads, lay.bytes, stream, tx);
     return true;
   }
 #else
