@@ -83,7 +83,8 @@ inline Folded forward_fold(const at::Tensor& x, const at::Tensor& weight, const 
     return fold_bn(x, weight, bias, bn_weight, bn_bias, bn_mean, bn_var, eps, fmt);
   const FoldValue v = fold_cache().find_or_insert(ps, x.scalar_type(), x.device(), fmt, eps, policy.stream, [&] {
     const Folded f = fold_bn(x, weight, bias, bn_weight, bn_bias, bn_mean, bn_var, eps, fmt);
-    return FoldValue{f.weight, f.shift};
+    auto keep = [&](const at::Tensor& t) { return policy.keep != nullptr ? policy.keep(t) : t; };
+    return FoldValue{keep(f.weight), keep(f.shift)};
   });
   Folded f;
   f.weight = v.weight;

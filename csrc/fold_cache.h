@@ -152,6 +152,9 @@ inline bool fold_cacheable(const at::Tensor& x, const std::array<const at::Tenso
 struct FoldCachePolicy {
   bool allowed;
   int64_t stream;
+  // What the cache keeps of a fold (nullptr: the fold itself). CUDA: a copy outside the caching allocator
+  // (keep_outside_pools, csrc/cuda/launch.h).
+  at::Tensor (*keep)(const at::Tensor&) = nullptr;
 };
 
 }  // namespace vd

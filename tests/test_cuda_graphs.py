@@ -104,3 +104,31 @@ def test_cuda_graph_capture_and_replay(case, monkeypatch):
             torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
         else:
             assert torch.equal(got, want), f"{case}: replay differs from a direct call (max {(got.float() - want.float()).abs().max()})"
+
+
+def test_compiled_with_cuda_graph_trees():
+    """torch.compile(mode="reduce-overhead"): the CUDA-graph trees warm each graph up with this thread's
+    allocations in the graph's private pool, and fail a pool that holds tensors nothing tracks. The weight
+    caches (conv_bn_silu's fold, temporal_conv's tap-major weight copy) fill during that warm-up, with a
+    module's parameters under no_grad (the cacheable case): what they keep must live outside the pool. The
+    compiled calls must also equal direct ones (the caches hit on the later calls)."""
+    torch.manual_seed(0)
+    conv_w = torch.nn.Parameter(_rand(64, 64, 3, 3, channels_last=True) / 24)
+    bn = [torch.nn.Parameter(t) for t in _bn(64)]
+    tw = torch.nn.Parameter(_rand(96, 64, 3, 1, 1) / 8)
+    tb = torch.nn.Parameter(_rand(96))
+
+    def f(x, v):
+        y = torch.ops.vd.conv_bn_silu(x, conv_w, None, *bn, 1e-5, [1, 1], [1, 1], [1, 1], 1, True)
+        return y, torch.ops.vd.temporal_conv(v, tw, tb, 1)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, backend="inductor", mode="reduce-overhead")
+    x, v = _rand(2, 64, 32, 16, channels_last=True), _rand(2, 64, 6, 8, 16)
+    with torch.no_grad():
+        want = [t.clone() for t in f(x, v)]
+        for _ in range(4):  # warm-up, recording, replays
+            got = [t.clone() for t in compiled(x, v)]
+            for g, w in zip(got, want):
+                torch.testing.assert_close(g, w, atol=2e-2, rtol=2e-2)
+    torch._dynamo.reset()

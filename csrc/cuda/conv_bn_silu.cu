@@ -569,7 +569,7 @@ at::Tensor conv_bn_silu_cuda(const at::Tensor& x, const at::Tensor& weight,
   const auto stream = c10::cuda::getCurrentCUDAStream();
   const FoldCachePolicy policy{c10::cuda::currentStreamCaptureStatusMayInitCtx() ==
                                    c10::cuda::CaptureStatus::None,
-                               static_cast<int64_t>(stream.id())};
+                               static_cast<int64_t>(stream.id()), keep_outside_pools};
   return conv_bn_silu_forward(x, weight, bias, bn_weight, bn_bias, bn_mean, bn_var, eps, stride,
                               padding, dilation, groups, silu, bias_act_cuda_, conv_bn_silu_wgmma, policy);
 }

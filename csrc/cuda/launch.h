@@ -1,11 +1,15 @@
 // Small pieces shared by the CUDA kernels: the 16-byte vector type, packing a pair of 16-bit outputs and
 // host-side launch sizing.
 #pragma once
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <limits>
 #include <type_traits>
@@ -39,6 +43,34 @@ inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 1
 inline unsigned grid_of(int64_t blocks, const char* op) {
   TORCH_CHECK(blocks <= std::numeric_limits<int32_t>::max(), op, ": input too large for one launch");
   return static_cast<unsigned>(blocks);
+}
+
+// A copy of t in device memory of its own (cudaMalloc, freed with the copy), for what the weight caches
+// keep across calls. While torch.compile's CUDA-graph trees (mode="reduce-overhead") warm a graph up, the
+// caching allocator hands this thread's allocations to the graph's private pool, and a tensor a cache kept
+// alive there fails the trees' check of that pool ("tensor(s) in the cudagraph pool not tracked as
+// outputs"): the compiled model stopped with that error. The copy runs on the current stream, as the fold
+// did; the free synchronizes the device, so no kernel still reads the memory (entries go only when a
+// weight changes or dies).
+inline at::Tensor keep_outside_pools(const at::Tensor& t) {
+  if (!t.defined() || !t.is_cuda()) return t;
+  const at::Tensor src = t.is_non_overlapping_and_dense() ? t : t.contiguous();
+  const size_t bytes = std::max<size_t>(src.nbytes(), 16);
+  void* p = nullptr;
+  cudaError_t err = cudaMalloc(&p, bytes);
+  if (err != cudaSuccess) {  // the caching allocator's free blocks back to the driver, then once more
+    (void)cudaGetLastError();
+    c10::cuda::CUDACachingAllocator::emptyCache();
+    err = cudaMalloc(&p, bytes);
+  }
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();
+    TORCH_CHECK(false, "vd: could not allocate ", bytes, " bytes of device memory for a cached weight: ",
+                cudaGetErrorString(err));
+  }
+  at::Tensor out = at::from_blob(p, src.sizes(), src.strides(), [](void* q) { (void)cudaFree(q); }, src.options());
+  out.copy_(src);
+  return out;
 }
 
 }  // namespace vd

@@ -366,7 +366,7 @@ at::Tensor cached_tap_rows(const at::Tensor& x, const at::Tensor& weight) {
   const int64_t stream = static_cast<int64_t>(c10::cuda::getCurrentCUDAStream().id());
   return tap_rows_cache()
       .find_or_insert(ps, weight.scalar_type(), weight.device(), at::MemoryFormat::Contiguous, 0.0, stream,
-                      [&] { return FoldValue{tap_rows(weight), at::Tensor()}; })
+                      [&] { return FoldValue{keep_outside_pools(tap_rows(weight)), at::Tensor()}; })
       .weight;
 }
 
