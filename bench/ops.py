@@ -49,9 +49,9 @@ def _row(name, eager_ms, inductor_ms, ours_ms, work, unit, ceiling):
 
 
 # group_norm_silu's forward kernel families (VD_GROUP_NORM_KERNEL, read by the op on every call):
-# "smem" (version 6; version 8 for channels_last), "grid" (version 9), "l2" (version 4; version 5 for
-# channels_last), "onchip" (version 3) and "twopass" (version 1), each where it applies.
-GN_VARIANTS = ("smem", "grid", "l2", "onchip", "twopass")
+# "smem" (version 6; version 8 for channels_last), "l2" (version 4; version 5 for channels_last), "onchip"
+# (version 3) and "twopass" (version 1), each where it applies.
+GN_VARIANTS = ("smem", "l2", "onchip", "twopass")
 # The backward's variants beside the default, each an environment setting the op reads on every call.
 GN_BWD_VARIANTS = {"twopass": ("VD_GROUP_NORM_BACKWARD", "twopass"),        # version 1
                    "recompute": ("VD_GROUP_NORM_BACKWARD_DZ", "recompute")}  # version 7 evaluating dz twice

@@ -156,17 +156,6 @@ def main():
                         x = torch.randn(shape, device=dev, dtype=dtype).to(memory_format=fmt)
                         w, b = torch.randn(shape[1], device=dev, dtype=dtype), torch.randn(shape[1], device=dev, dtype=dtype)
                         torch.ops.vd.group_norm_silu(x, groups, w, b, 1e-5, True)
-            # Version 9 (a cooperative grid exchanging through global memory): 2 MB groups as chosen by default; pinned,
-            # a CTA a group over many iterations, ranks with no vectors, frames-major parts across segments.
-            x = torch.randn(1, 64, 512, 512, device=dev, dtype=dtype)
-            torch.ops.vd.group_norm_silu(x, 16, None, None, 1e-5, True)
-            with env_var("VD_GROUP_NORM_KERNEL", "grid"):
-                for shape, groups in [((64, 64, 16, 16), 32), ((3, 40, 10, 10), 4)]:
-                    x = torch.randn(shape, device=dev, dtype=dtype)
-                    w, b = torch.randn(shape[1], device=dev, dtype=dtype), torch.randn(shape[1], device=dev, dtype=dtype)
-                    torch.ops.vd.group_norm_silu(x, groups, w, b, 1e-5, True)
-                x = torch.randn(2, 14, 320, 9, 16, device=dev, dtype=dtype).transpose(1, 2)
-                torch.ops.vd.group_norm_silu(x, 32, None, None, 1e-5, True)
             ran.append("group_norm_silu")
         if want("conv_bn_silu"):
             x = torch.randn(2, 16, 9, 13, device=dev, dtype=dtype)

@@ -174,7 +174,7 @@ FORWARD_CASES = [
     ((1, 512, 72, 128), 32),     # M 147456: cluster of 4 (16-bit), 8 (fp32)
     ((1, 64, 256, 256), 8),      # M 524288: cluster of 16 (16-bit); two-pass (fp32)
     ((1, 960, 72, 128), 32),     # M 276480: version 6 on a cluster of 16 (16-bit, 553 KB; fp32 at M 147456 above)
-    ((1, 64, 512, 512), 16),     # M 1048576: over 1.5 MB, version 9 (sm_90) or two-pass
+    ((1, 64, 512, 512), 16),     # M 1048576: over 1.5 MB, two-pass
     ((2, 24, 5, 7), 3),          # M 280, S 35: vectors straddle two channels
     ((2, 16, 3), 2),             # M 24, S 3: a vector spans several channels
     ((2, 40, 4, 4, 3), 4),       # 5-D, M 480
@@ -275,7 +275,7 @@ def test_forward_paths(device, shape, groups, cl, dtype):
 
 # Each forward kernel family on its own (VD_GROUP_NORM_KERNEL; a family that does not apply to a
 # shape leaves it to the two-pass path), on the cases above.
-FAMILIES = ["smem", "grid", "l2", "onchip", "twopass"]
+FAMILIES = ["smem", "l2", "onchip", "twopass"]
 
 
 @pytest.fixture(params=FAMILIES)
@@ -390,41 +390,6 @@ def test_version_6_persistent_loop(device, dtype, smem_family):
             x = (torch.randn(shape, device=device) * 3 + 1).to(dtype)
         w, b = torch.randn(C, device=device, dtype=dtype), torch.randn(C, device=device, dtype=dtype)
         check_kernel_serves("smem_rows_kernel", want, x, groups, w, b, what=f"{shape}")
-
-
-@pytest.mark.parametrize("device", CUDA)
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_version_9_grid(device, dtype, monkeypatch):
-    # Version 9 (NC*, sm_90): every CTA of a cooperative grid resident, W groups at a time on Q CTAs each, the parts'
-    # statistics met in global memory. Taken by default only where version 6 declines (groups over 1.5 MB); pinned
-    # ("grid") it takes any NC* shape with whole vectors, which tests its plans: Q = 1 (more groups than CTAs,
-    # stages reused), ranks with no vectors, frames-major parts over several segments, and W = 1.
-    if torch.cuda.get_device_capability(device)[0] < 9:
-        pytest.skip("version 9 needs the bulk copy engine (sm_90+)")
-    torch.manual_seed(0)
-    cases = [((1, 64, 512, 512), 16, 0, None),   # 2 MB (16-bit) / 4 MB (fp32) groups: chosen by default
-             ((2, 64, 256, 512), 8, 0, None),    # 2 / 4 MB groups, 16 of them
-             ((1, 32, 14, 64, 128), 4, 14, None),  # frames-major, 1.8 / 3.7 MB groups: chosen by default
-             ((64, 64, 16, 16), 32, 0, "grid"),  # 2048 groups of 512 elements: a CTA a group, many iterations
-             ((3, 40, 10, 10), 4, 0, "grid"),    # 12 groups of 1000 elements: the last ranks hold no vectors
-             ((2, 320, 14, 9, 16), 32, 14, "grid"),  # frames-major, parts across segments
-             ((1, 16, 384, 384), 1, 0, "grid")]      # one 4.7 / 9.4 MB group on every CTA (W = 1)
-    for shape, groups, frames, pin in cases:
-        monkeypatch.delenv("VD_GROUP_NORM_KERNEL", raising=False)
-        if pin:
-            monkeypatch.setenv("VD_GROUP_NORM_KERNEL", pin)
-        C = shape[1]
-        if frames:
-            B, _, F, H, W = shape
-            x = frames_major((torch.randn(B, F, C, H, W, device=device) * 3 + 1).to(dtype))
-        else:
-            x = (torch.randn(shape, device=device) * 3 + 1).to(dtype)
-        w, b = torch.randn(C, device=device, dtype=dtype), torch.randn(C, device=device, dtype=dtype)
-        for silu in (True, False):
-            out = check_kernel_serves("grid_rows_kernel", True, x, groups, w, b, silu, f"{shape} silu={silu}")
-            assert out.stride() == x.stride(), "the output keeps the input's layout"
-        again = group_norm_silu(x, groups, w, b, 1e-5, True)
-        assert torch.equal(again, group_norm_silu(x, groups, w, b, 1e-5, True)), f"{shape}: not deterministic"
 
 
 @pytest.mark.parametrize("device", CUDA)

@@ -1372,7 +1372,6 @@ struct SmemArgs {
   int64_t groups;         // N * G
   int stages;
   int stage_bytes;        // the stride between stages (a multiple of 128)
-  uint64_t* slots;        // version 9: [groups][f.K][4] the CTAs' values for the exchange, zeroed by the host
 };
 
 // The cluster exchange of version 6, without cluster barriers: a barrier's release is a GPU-scope memory
@@ -1444,126 +1443,10 @@ __device__ __forceinline__ Welford<float> ranks_sums_pivoted(const float4 r, int
   return {mean, fmaxf(fmaf(-S1, mean, S2), 0.f), N};
 }
 
-// The group's statistics from every CTA's value over a cluster (lane r < K gets rank r's): Chan's merges
-// (exchange_combine) or shifted sums (exchange_sums).
-__device__ __forceinline__ Welford<float> exchange_combine(const ClusterExchange& x, float4 v, int64_t it,
-                                                           float& pivot0) {
-  return ranks_combine_pivoted(cluster_exchange(x, v, it), pivot0);
-}
-
-__device__ __forceinline__ Welford<float> exchange_sums(const ClusterExchange& x, float4 v, int64_t it, float& pivot0) {
-  return ranks_sums_pivoted(cluster_exchange(x, v, it), x.K, pivot0);
-}
-
-// Version 9's exchange, through global memory: a group's Q CTAs may be anywhere on the device. Each CTA's value
-// (four floats) goes into its slot of the group as four 8-byte words, each the float's bits with a tag of 1 in
-// the high half (a slot starts zeroed), stored relaxed: an aligned 8-byte access is single-copy atomic, so a word
-// read with its tag set holds its float, and no fence is needed (a release would wait for the CTA's stores of y
-// still in flight, as version 6's cluster barriers did). Readers poll their slots until all four tags are set.
-// The publish half is an exchange that returns nothing (smem_part_stats runs it at the statistics; the gather and
-// merge come an iteration later, grid_gather_merge).
-struct GridPublish {
-  uint64_t* slot;  // this CTA's slot of the group
-};
-
-__device__ __forceinline__ void grid_publish(uint64_t* slot, float4 v) {
-  const float f[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i)
-    asm volatile("st.relaxed.gpu.global.b64 [%0], %1;\n" ::"l"(slot + i),
-                 "l"((uint64_t{1} << 32) | __float_as_uint(f[i]))
-                 : "memory");
-}
-
-__device__ __forceinline__ Welford<float> exchange_combine(const GridPublish& x, float4 v, int64_t, float& pivot0) {
-  if (threadIdx.x == 0) grid_publish(x.slot, v);
-  pivot0 = 0.f;
-  return {0.f, 0.f, 0.f};
-}
-
-__device__ __forceinline__ Welford<float> exchange_sums(const GridPublish& x, float4 v, int64_t, float& pivot0) {
-  if (threadIdx.x == 0) grid_publish(x.slot, v);
-  pivot0 = 0.f;
-  return {0.f, 0.f, 0.f};
-}
-
-constexpr int kGridThreads = 256;  // version 9's CTA: a thread gathers slots t and t + 256, so Q <= 512
-
-// Slot r of the group, waiting until all four of its words are written.
-__device__ __forceinline__ float4 grid_read_slot(const uint64_t* slot) {
-  for (;;) {
-    uint64_t w[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-      asm volatile("ld.relaxed.gpu.global.b64 %0, [%1];\n" : "=l"(w[i]) : "l"(slot + i) : "memory");
-    if ((w[0] & w[1] & w[2] & w[3]) >> 32)
-      return make_float4(__uint_as_float(static_cast<unsigned>(w[0])), __uint_as_float(static_cast<unsigned>(w[1])),
-                         __uint_as_float(static_cast<unsigned>(w[2])), __uint_as_float(static_cast<unsigned>(w[3])));
-    __nanosleep(64);
-  }
-}
-
-// The group's statistics from its Q slots (every thread gathers slots t and t + 256, all in flight at once),
-// merged in a fixed order (a thread's two, the warp's tree, the warps in order): every CTA gets the same bits.
-// 16-bit: shifted sums, each moved to rank 0's pivot (as ranks_sums_pivoted); fp32: Chan's merges (as
-// ranks_combine_pivoted). sh: a float4 a warp and one more.
-template <typename scalar_t>
-__device__ __forceinline__ Welford<float> grid_gather_merge(const uint64_t* slots, int Q, float4* sh, float& pivot0) {
-  constexpr int WARPS = kGridThreads / 32;
-  const int t = threadIdx.x;
-  const float4 z = make_float4(0.f, 0.f, 0.f, 0.f);
-  const float p0 = grid_read_slot(slots).w;
-  const float4 a = t < Q ? grid_read_slot(slots + 4 * t) : z;
-  const float4 b = t + kGridThreads < Q ? grid_read_slot(slots + 4 * (t + kGridThreads)) : z;
-  float4 v;
-  if constexpr (sizeof(scalar_t) == 2) {
-    float S1 = 0.f, S2 = 0.f, N = 0.f;
-    for (const float4& s : {a, b}) {
-      const float dl = s.z > 0.f ? s.w - p0 : 0.f;
-      S1 += fmaf(s.z, dl, s.x);
-      S2 += fmaf(dl, fmaf(s.z, dl, 2.f * s.x), s.y);
-      N += s.z;
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o /= 2) {
-      S1 += __shfl_xor_sync(kFullMask, S1, o);
-      S2 += __shfl_xor_sync(kFullMask, S2, o);
-      N += __shfl_xor_sync(kFullMask, N, o);
-    }
-    v = make_float4(S1, S2, N, 0.f);
-  } else {
-    auto rel = [&](const float4& s) { return Welford<float>{s.z > 0.f ? s.x + (s.w - p0) : 0.f, s.y, s.z}; };
-    const Welford<float> m = warp_combine_f(combine_f(rel(a), rel(b)));
-    v = make_float4(m.mean, m.m2, m.n, 0.f);
-  }
-  if ((t & 31) == 0) sh[t / 32] = v;
-  __syncthreads();
-  if (t == 0) {
-    if constexpr (sizeof(scalar_t) == 2) {
-      float s1 = 0.f, s2 = 0.f, n = 0.f;
-      for (int i = 0; i < WARPS; ++i) {
-        s1 += sh[i].x;
-        s2 += sh[i].y;
-        n += sh[i].z;
-      }
-      const float mean = __fdividef(s1, n);
-      sh[WARPS] = make_float4(mean, fmaxf(fmaf(-s1, mean, s2), 0.f), n, p0);
-    } else {
-      Welford<float> m{sh[0].x, sh[0].y, sh[0].z};
-      for (int i = 1; i < WARPS; ++i) m = combine_f(m, {sh[i].x, sh[i].y, sh[i].z});
-      sh[WARPS] = make_float4(m.mean, m.m2, m.n, p0);
-    }
-  }
-  __syncthreads();
-  const float4 r = sh[WARPS];
-  pivot0 = r.w;
-  return {r.x, r.y, r.z};
-}
-
 // This CTA's statistics as (mean of x - pivot, m2, n, pivot): what the cluster's CTAs exchange.
-template <int THREADS, typename Xch>
-__device__ __forceinline__ Welford<float> cluster_combine_pivoted(const float4 mine, const Xch& x, int64_t it,
-                                                                  Welford<float>* sh_warp, float& pivot0) {
+template <int THREADS>
+__device__ __forceinline__ Welford<float> cluster_combine_pivoted(const float4 mine, const ClusterExchange& x,
+                                                                  int64_t it, Welford<float>* sh_warp, float& pivot0) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
   Welford<float> s = warp_combine_f({mine.x, mine.y, mine.z});
   if (lane == 0) sh_warp[warp] = s;
@@ -1575,7 +1458,7 @@ __device__ __forceinline__ Welford<float> cluster_combine_pivoted(const float4 m
     for (int i = 1; i < THREADS / 32; ++i) t = combine_f(t, sh_warp[i]);
     v = make_float4(t.mean, t.m2, t.n, mine.w);
   }
-  return exchange_combine(x, v, it, pivot0);  // thread 0's value is sent
+  return ranks_combine_pivoted(cluster_exchange(x, v, it), pivot0);  // thread 0's value is sent
 }
 
 // 16-bit inputs: the CTA's shifted sums s1 = sum(x - pivot), s2 = sum((x - pivot)^2) over n elements, summed
@@ -1584,9 +1467,10 @@ __device__ __forceinline__ Welford<float> cluster_combine_pivoted(const float4 m
 // Plain sums cost ~4x fewer instructions a thread than Chan's merges; the price is cancellation in
 // m2 = S2 - S1^2 / n when the pivot lies far out in the group's spread (a relative error of about
 // 6e-8 * (1 + ((pivot - mean) / std)^2): 6e-6 for a pivot 10 spreads out, below 16-bit rounding).
-template <int THREADS, typename Xch>
-__device__ __forceinline__ Welford<float> cluster_sums_pivoted(float s1, float s2, float n, float pivot, const Xch& x,
-                                                               int64_t it, float2* sh_warp, float& pivot0) {
+template <int THREADS>
+__device__ __forceinline__ Welford<float> cluster_sums_pivoted(float s1, float s2, float n, float pivot,
+                                                               const ClusterExchange& x, int64_t it, float2* sh_warp,
+                                                               float& pivot0) {
   constexpr int WARPS = THREADS / 32;
   const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
 #pragma unroll
@@ -1606,7 +1490,7 @@ __device__ __forceinline__ Welford<float> cluster_sums_pivoted(float s1, float s
     }
   }
   // thread 0's value is sent
-  return exchange_sums(x, make_float4(t.x, t.y, n, pivot), it, pivot0);
+  return ranks_sums_pivoted(cluster_exchange(x, make_float4(t.x, t.y, n, pivot), it), x.K, pivot0);
 }
 
 // The ring of shared-memory stages of versions 6 and 7. start: thread 0 initializes the stages' barriers and the
@@ -1640,8 +1524,8 @@ struct StageRing {
 
 // Version 6's statistics of a CTA's part in shared memory (nv vectors at buf), over the cluster through
 // exchange `it` of xch: the group's (mean of x - pivot0, m2, n), pivot0 rank 0's first element.
-template <typename scalar_t, int THREADS, typename Xch>
-__device__ __forceinline__ Welford<float> smem_part_stats(const uint4* buf, int nv, const Xch& xch,
+template <typename scalar_t, int THREADS>
+__device__ __forceinline__ Welford<float> smem_part_stats(const uint4* buf, int nv, const ClusterExchange& xch,
                                                           int64_t it, Welford<float>* sh_warp, float2* sh_sums,
                                                           float& pivot0) {
   constexpr int VEC = max_vec<scalar_t>();
@@ -1779,114 +1663,6 @@ __global__ void __launch_bounds__(kSmemThreads, 2) smem_rows_kernel(const SmemAr
   // No CTA leaves while another's sends to it may be in flight.
   cluster_arrive();
   cluster_wait();
-#endif
-}
-
-// Version 9 forward ("grid"), NC* and frames-major, sm_90: groups over version 6's 16 parts of 96 KB (the VAE's
-// full-size groups, 4.7 MB in 16-bit; frames-major 320 channels at 72 x 128, 2.6 MB) ran two-pass, x read
-// twice from DRAM: at best 67 % of the copy figure. Here version 6's loop runs with the whole grid as the cluster:
-// every CTA resident (a cooperative launch, two CTAs an SM), W groups at a time, Q = gridDim.x / W CTAs a group,
-// each CTA's part (<= 36 KB) in a ring of 3-4 shared-memory stages, the parts' statistics met in global memory.
-// A group's CTAs are spread over the device, so waiting for all of them right after the statistics would hold
-// every CTA in step; instead a CTA publishes group i's statistics, then gathers group i - 1's (published an
-// iteration ago) and normalizes it: the ring holds i - 1 (being stored), i and i + 1 (loading).
-template <typename scalar_t, bool SILU, bool FM>
-__global__ void __launch_bounds__(kGridThreads, 2) grid_rows_kernel(const SmemArgs<scalar_t> sa) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  constexpr int THREADS = kGridThreads, VEC = max_vec<scalar_t>();
-  constexpr bool kShift = sizeof(scalar_t) > 2;
-  const FusedArgs<scalar_t>& a = sa.f;
-  extern __shared__ __align__(128) unsigned char smem[];  // [stages][stage_bytes], channel table, barriers
-  float* sh_chan = reinterpret_cast<float*>(smem + static_cast<size_t>(sa.stages) * sa.stage_bytes);
-  uint64_t* full = reinterpret_cast<uint64_t*>(sh_chan + 2 * ((a.cpg + 1) / 2 * 2));
-  __shared__ Welford<float> sh_warp[THREADS / 32];
-  __shared__ float2 sh_sums[THREADS / 32];
-  __shared__ float4 sh_gx[THREADS / 32 + 1];
-
-  const int tid = threadIdx.x, K = a.K;  // K: CTAs a group
-  const int rank = static_cast<int>(blockIdx.x % K);
-  const int64_t lane_g = blockIdx.x / K, W = gridDim.x / K;  // this CTA takes groups lane_g, lane_g + W, ...
-  const int Mv = a.M / VEC;
-  const int v0 = rank * a.part;
-  const int nv = max(0, min(v0 + a.part, Mv) - v0);
-  const int stages = sa.stages;
-  const uint32_t smem0 = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  const uint32_t bar0 = static_cast<uint32_t>(__cvta_generic_to_shared(full));
-  auto group_of = [&](int64_t it) { return lane_g + it * W; };
-  auto base_of = [&](int64_t ng) { return (ng / a.G) * a.nstride + (ng % a.G) * a.seg; };
-
-  // Thread 0 hands the copy engine iteration it's part: one bulk copy per segment it touches (as version 6).
-  auto issue = [&](int64_t it, int stage) {
-    const int64_t ng = group_of(it);
-    if (ng >= sa.groups || nv == 0) return;
-    const int64_t base = base_of(ng);
-    const uint32_t bar = bar0 + 8 * stage;
-    wgmma::mbar_expect_tx(bar, static_cast<uint32_t>(nv) * 16u);
-    uint32_t dst = smem0 + static_cast<uint32_t>(stage) * sa.stage_bytes;
-    int e = v0 * VEC;
-    const int e1 = (v0 + nv) * VEC;
-    while (e < e1) {
-      const int f = e / a.seg, within = e - f * a.seg;
-      const int len = min(a.seg - within, e1 - e);
-      const uint32_t bytes = static_cast<uint32_t>(len) * sizeof(scalar_t);
-      wgmma::bulk_load(dst, a.x + base + f * a.fstride + within, bytes, bar);
-      dst += bytes;
-      e += len;
-    }
-  };
-  if (tid == 0) {
-    for (int s = 0; s < stages; ++s) wgmma::mbar_init(bar0 + 8 * s, 1);
-    wgmma::mbar_init_fence();
-    for (int s = 0; s < stages; ++s) issue(s, s);
-  }
-  __syncthreads();
-  auto stage_buf = [&](int64_t it) {
-    return reinterpret_cast<const uint4*>(smem + static_cast<size_t>(it % stages) * sa.stage_bytes);
-  };
-
-  float gw = 1.f, gb = 0.f;  // gamma and beta of the group waiting to be normalized (a thread a channel)
-  for (int64_t it = 0;; ++it) {
-    const int64_t ng = group_of(it);
-    const bool have = ng < sa.groups;
-    float gw_next = 1.f, gb_next = 0.f;
-    if (have) {  // group ng's statistics, published
-      const int64_t g = ng % a.G;
-      if (tid < a.cpg) {
-        if (a.w) gw_next = static_cast<float>(a.w[g * a.cpg + tid]);
-        if (a.b) gb_next = static_cast<float>(a.b[g * a.cpg + tid]);
-      }
-      if (nv > 0) wgmma::mbar_wait(bar0 + 8 * static_cast<int>(it % stages), static_cast<uint32_t>(it / stages) & 1u);
-      float unused;
-      const GridPublish pub{sa.slots + (ng * K + rank) * 4};
-      smem_part_stats<scalar_t, THREADS>(stage_buf(it), nv, pub, it, sh_warp, sh_sums, unused);
-    }
-    if (it > 0) {  // the previous group's statistics gathered, then its normalize, SiLU and store
-      const int64_t pg = ng - W;
-      float pivot0;
-      const Welford<float> st = grid_gather_merge<scalar_t>(sa.slots + pg * K * 4, K, sh_gx, pivot0);
-      const float rstd = rsqrtf(__fdividef(st.m2, st.n) + static_cast<float>(a.eps));
-      const float shift = kShift ? st.mean : st.mean + pivot0;
-      if (tid < a.cpg) {
-        sh_chan[tid] = rstd * gw;
-        sh_chan[a.cpg + tid] = fmaf(-shift, rstd * gw, gb);
-      }
-      __syncthreads();
-      const uint4* buf = stage_buf(it - 1);
-      GroupWalk<FM> p(static_cast<unsigned>((v0 + tid) * VEC), a);
-      scalar_t* out = a.out + base_of(pg);
-#pragma unroll 4
-      for (int k = tid; k < nv; k += THREADS) {
-        const uint4 in = buf[k];
-        *reinterpret_cast<uint4*>(out + p.off) = norm_vec<scalar_t, SILU, kShift>(in, p, a, pivot0, sh_chan);
-        p.advance(a, THREADS * VEC);
-      }
-      __syncthreads();  // the stage is read: back to the copy engine for iteration it - 1 + stages
-      if (tid == 0) issue(it - 1 + stages, static_cast<int>((it - 1) % stages));
-    }
-    if (!have) break;
-    gw = gw_next;
-    gb = gb_next;
-  }
 #endif
 }
 
@@ -2924,11 +2700,11 @@ bool cluster_ok(Kernel kernel, int K, int device, int threads, size_t smem) {
   return K == 1 || resident_clusters(kernel, K, device, threads, smem) > 0;
 }
 
-// Which forward kernels may run. VD_GROUP_NORM_KERNEL=smem|grid|l2|onchip|twopass restricts the choice to one
+// Which forward kernels may run. VD_GROUP_NORM_KERNEL=smem|l2|onchip|twopass restricts the choice to one
 // family (benchmarks compare them in one process); unset: as measured (bench/notes/norm_and_elementwise.md),
-// version 6 (version 8 for channels_last) first, then version 9 (NC* groups too large for version 6), version 4
-// (for 16-bit NC* x only where x fits the L2), version 3 first for inputs under kSmallBytes, then version 1.
-enum class GNKernels { kAny, kSmem, kGrid, kL2, kOnChip, kTwoPass };
+// version 6 (version 8 for channels_last) first, then version 4 (for 16-bit NC* x only where x fits the L2),
+// version 3 first for inputs under kSmallBytes, then version 1.
+enum class GNKernels { kAny, kSmem, kL2, kOnChip, kTwoPass };
 // Under this many bytes of x, version 3's shorter CTAs beat version 4 by 1-2 us (H200).
 constexpr int64_t kSmallBytes = 16 << 20;
 
@@ -2937,7 +2713,6 @@ GNKernels gn_kernels() {
   if (e == nullptr) return GNKernels::kAny;
   const std::string v(e);
   if (v == "smem") return GNKernels::kSmem;
-  if (v == "grid") return GNKernels::kGrid;
   if (v == "l2") return GNKernels::kL2;
   if (v == "onchip") return GNKernels::kOnChip;
   if (v == "twopass") return GNKernels::kTwoPass;
@@ -3053,76 +2828,6 @@ bool forward_smem(const GNShape& s, int64_t F, const scalar_t* x, scalar_t* out,
     a.stages = stages;
     a.stage_bytes = static_cast<int>(stage_bytes);
     launch_clusters(kernel, a, std::min<int64_t>(a.groups, clusters), K, threads, smem, stream);
-    return true;
-  }
-}
-
-// Version 9's parts and the shared memory for their stages: at least three stages (the group being stored, the
-// one whose statistics are out, the next one loading) at two CTAs an SM.
-constexpr int64_t kGridPartBytes = 36 * 1024;
-constexpr int64_t kGridDataBytes = 3 * kGridPartBytes;
-
-// Runs version 9 when the shape, dtype, alignment and device allow it; false leaves the work to the others.
-template <typename scalar_t>
-bool forward_grid(const GNShape& s, int64_t F, const scalar_t* x, scalar_t* out, const scalar_t* w, const scalar_t* b,
-                  double eps, bool silu, bool vec, int device, cudaStream_t stream) {
-  if constexpr (std::is_same_v<scalar_t, double>) {
-    return false;
-  } else {
-    constexpr int kVec = max_vec<scalar_t>();
-    if (s.channels_last || !vec) return false;
-    const int64_t cpg = s.C / s.G, seg = cpg * (s.S / F), M = F * seg, Mv = M / kVec;
-    // Element offsets within a group are 32-bit (FusedArgs).
-    if (seg % kVec != 0 || cpg > kSmemMaxCpg || M >= (int64_t{1} << 30)) return false;
-    int coop = 0, sms = 0;
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, device));
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    if (!coop) return false;
-    auto kernel = silu ? (F > 1 ? grid_rows_kernel<scalar_t, true, true> : grid_rows_kernel<scalar_t, true, false>)
-                       : (F > 1 ? grid_rows_kernel<scalar_t, false, true> : grid_rows_kernel<scalar_t, false, false>);
-    const int64_t groups = s.N * s.G;
-    // W groups at a time over R resident CTAs: as many as keep parts <= kGridPartBytes, each group on R / W CTAs
-    // (at most 512: the gather's two slots a thread). Planned for two CTAs an SM, checked against the occupancy.
-    int64_t R = std::min<int64_t>(2 * static_cast<int64_t>(sms), 2 * kGridThreads), W = 0, Q = 0, part = 0,
-            stage_bytes = 0;
-    int stages = 0;
-    size_t smem = 0;
-    for (int tries = 0; tries < 2; ++tries) {
-      const int64_t q_min = ceil_div(Mv * 16, kGridPartBytes);
-      if (q_min > R) return false;
-      W = std::min<int64_t>(R / q_min, groups);
-      Q = std::min<int64_t>(R / W, Mv);
-      part = ceil_div(Mv, Q);
-      stage_bytes = ceil_div(part * 16, 128) * 128;
-      stages = static_cast<int>(std::min<int64_t>(kSmemMaxStages, kGridDataBytes / stage_bytes));
-      smem = stages * stage_bytes + 2 * ceil_div(cpg, 2) * 2 * sizeof(float) + stages * sizeof(uint64_t);
-      const int64_t resident = resident_clusters(kernel, 1, device, kGridThreads, smem);
-      if (W * Q <= resident) break;
-      if (tries == 1 || resident == 0) return false;
-      R = resident;
-    }
-    // The CTAs' slots (four tagged words each), zeroed on the stream.
-    const int64_t slot_words = groups * Q * 4;
-    at::Tensor ws = at::empty({slot_words}, at::TensorOptions().device(at::kCUDA, device).dtype(at::kLong));
-    C10_CUDA_CHECK(cudaMemsetAsync(ws.mutable_data_ptr(), 0, slot_words * sizeof(uint64_t), stream));
-    SmemArgs<scalar_t> a{};
-    a.f = fused_args(s, F, x, out, w, b, eps, silu, kGridThreads, static_cast<int>(Q), part);
-    a.groups = groups;
-    a.stages = stages;
-    a.stage_bytes = static_cast<int>(stage_bytes);
-    a.slots = reinterpret_cast<uint64_t*>(ws.mutable_data_ptr());
-    cudaLaunchConfig_t cfg{};
-    cfg.gridDim = dim3(grid_of(W * Q, kOp));
-    cfg.blockDim = dim3(kGridThreads);
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = stream;
-    cudaLaunchAttribute at{};
-    at.id = cudaLaunchAttributeCooperative;  // every CTA resident at once, or the launch fails
-    at.val.cooperative = 1;
-    cfg.attrs = &at;
-    cfg.numAttrs = 1;
-    C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, a));
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
     return true;
   }
 }
@@ -3460,11 +3165,7 @@ at::Tensor group_norm_silu_cuda(const at::Tensor& x_in, int64_t num_groups, cons
                  ? forward_smem_cols<scalar_t>(s, x, a.out, a.w, a.b, eps, silu, vec, x.get_device(), stream)
                  : forward_smem<scalar_t>(s, a.F, a.x, a.out, a.w, a.b, eps, silu, vec, x.get_device(), stream);
     };
-    auto grid = [&] {
-      return forward_grid<scalar_t>(s, a.F, a.x, a.out, a.w, a.b, eps, silu, vec, x.get_device(), stream);
-    };
     if ((any || use == GNKernels::kSmem) && smem()) return;
-    if ((any || use == GNKernels::kGrid) && grid()) return;
     const bool small = x.numel() * static_cast<int64_t>(sizeof(scalar_t)) < kSmallBytes;
     if (any && small && onchip()) return;
     // Version 4 (NC*) keeps each group in L2 between its passes, but issue-bound it lost to the two-pass
