@@ -109,9 +109,8 @@ def main():
                 w = torch.randn(C, device=dev, dtype=dtype)
                 torch.ops.vd.group_norm_silu_backward(g, x, 8, w, w, 1e-5, True)
             # The backward on chip (version 7), as chosen and at two CTAs an SM: one CTA with runs shorter than
-            # 32 and stages reused, clusters of 4 to 16 (parts straddling channels, a short last rank; three CTAs an
-            # SM at 16; one stage of over 48 KB a CTA: (1, 960, 72, 128) bf16, (1, 512, 72, 128) fp32), without SiLU or
-            # affine.
+            # 32 and stages reused (three CTAs an SM as chosen), clusters of 2 to 16 each in one stage of 69-92 KB
+            # (parts straddling channels, a short last rank), without SiLU or affine.
             for variant in ("", "smem2"):
                 with env_var("VD_GROUP_NORM_BACKWARD", variant):  # "": as chosen
                     for shape, silu in [((40, 256, 9, 16), True), ((4, 640, 36, 64), True), ((2, 320, 70, 100), False),

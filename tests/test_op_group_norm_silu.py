@@ -462,11 +462,13 @@ def test_over_2_31_elements(device, shape, cl):
 # shared-memory stage of up to 48 KB, or one of up to 96 KB at K 16). Comments give the 16-bit plan (fp32 parts
 # hold half as many elements).
 BACKWARD_ON_CHIP_CASES = [
-    ((40, 256, 9, 16), 32),    # M 1152, S 144: K 1, 1280 groups (stages reused), runs shorter than 32
-    ((20, 640, 36, 64), 32),   # K 4 (16-bit), 8 (fp32)
-    ((2, 320, 72, 128), 32),   # K 8 (16-bit), 16 (fp32): parts straddle channels
-    ((2, 320, 70, 100), 32),   # S 7000: K 8, the last rank holds fewer vectors
-    ((1, 512, 72, 128), 32),   # K 16 (16-bit); K 16 in one 74 KB stage (fp32)
+    # The plan: the smallest cluster whose part of x and dy fits one stage of up to 96 KB (several stages where
+    # parts are small enough).
+    ((40, 256, 9, 16), 32),    # M 1152, S 144: K 1, four stages, 1280 groups (stages reused), runs shorter than 32
+    ((20, 640, 36, 64), 32),   # K 2 (16-bit), 4 (fp32), one 92 KB stage
+    ((2, 320, 72, 128), 32),   # K 4 (16-bit), 8 (fp32): parts straddle channels
+    ((2, 320, 70, 100), 32),   # S 7000: K 4 / 8, the last rank holds fewer vectors
+    ((1, 512, 72, 128), 32),   # K 8 (16-bit); K 16 (fp32), one 74 KB stage
     ((2, 40, 4, 4, 3), 4),     # 5-D, M 480
     ((2, 64, 7, 9), 32),       # S 63: not whole vectors a channel, two-pass
     ((1, 960, 72, 128), 32),   # 30 channels of 9216: K 16 in one 69 KB stage (16-bit); two-pass (fp32: 138 KB)

@@ -2874,14 +2874,18 @@ GradPlan plan_grad(Kernel kernel, int64_t cpg, int64_t S, int device) {
   GradPlan p;
   const int64_t Mv = cpg * S / kVec;
   auto stage_of = [](int64_t part) { return 2 * ceil_div(part * 16, 128) * 128; };
+  // At two CTAs an SM, the smallest cluster whose part fits one stage of up to 96 KB (x groups of up to 768 KB at
+  // K = 16): fewer, larger parts spread the per-group work (two exchanges, five block barriers) over more bytes,
+  // and the SM's other CTA overlaps a CTA's single stage. Against the smallest cluster with parts of <= 48 KB in
+  // two stages (H200, same-process A/B, us): bf16 (28, 320, 72, 128) 190.5 vs 219.3, (28, 640, 36, 64) 103.8 vs
+  // 114.7, (14, 512, 72, 128) 168.8 vs 178.1; fp32 (28, 320, 72, 128) 410.6 vs 499.4, (28, 640, 36, 64) 210.6 vs
+  // 237.3. Three CTAs an SM keep parts of <= 36 KB.
+  const int64_t limit = (BLOCKS == 2 ? 2 : 1) * grad_stage_bytes<BLOCKS>();
   int K = 1;
-  while (K < 16 && stage_of(ceil_div(Mv, K)) > grad_stage_bytes<BLOCKS>()) K *= 2;
+  while (K < 16 && stage_of(ceil_div(Mv, K)) > limit) K *= 2;
   p.part = ceil_div(Mv, K);
   p.stage_bytes = stage_of(p.part);
-  // At two CTAs an SM, a cluster of 16 takes one stage of up to twice the size (as version 6's big parts): x
-  // groups of up to 768 KB. Against version 1 (H200, same-process A/B): bf16 (28, 960, 72, 128) 703 vs 1031
-  // us, fp32 (14, 512, 72, 128) 306 vs 439.
-  if (p.stage_bytes > (BLOCKS == 2 ? 2 : 1) * grad_stage_bytes<BLOCKS>()) return p;
+  if (p.stage_bytes > limit) return p;
   p.stages = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(kGradMaxStages, 2 * grad_stage_bytes<BLOCKS>() / p.stage_bytes)));
   p.max_runs = static_cast<int>(ceil_div(p.part, int64_t{kGradRun}) + ceil_div(p.part, S / kVec) + 2);
   p.smem = p.stages * p.stage_bytes + 2 * cpg * sizeof(float) + p.max_runs * sizeof(float2) + p.stages * sizeof(uint64_t);
