@@ -2913,9 +2913,10 @@ bool backward_smem(const GNShape& s, const scalar_t* x, const scalar_t* dy, scal
     auto kernel = grad_kernel<scalar_t, 2>(silu, keep);
     GradPlan p = plan_grad<scalar_t, 2>(kernel, cpg, s.S, device);
     if (p.K == 0) return false;
-    // Three CTAs an SM (36 KB stages) where the cluster stays as small: (14, 512, 72, 128) 0.209 vs 0.243 ms
-    // (H200, bf16); where it doubles, the exchanges cost more than the extra CTAs give (0.302 vs 0.250 ms at
-    // (28, 320, 72, 128)).
+    // Three CTAs an SM (36 KB stages) where the cluster stays as small. Since two CTAs an SM take parts of up to
+    // 96 KB, that is only K = 1 with x and dy of a group within 36 KB; measured when both took parts of <= 48 KB
+    // (H200, bf16): (14, 512, 72, 128) 0.209 vs 0.243 ms at K = 16, and where K doubled the exchanges cost more
+    // than the extra CTAs gave (0.302 vs 0.250 ms at (28, 320, 72, 128)).
     if (choice == 3) {
       auto kernel3 = grad_kernel<scalar_t, 3>(silu, keep);
       const GradPlan p3 = plan_grad<scalar_t, 3>(kernel3, cpg, s.S, device);
