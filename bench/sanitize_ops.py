@@ -120,6 +120,17 @@ def main():
                         w = torch.randn(shape[1], device=dev, dtype=dtype)
                         torch.ops.vd.group_norm_silu_backward(g, x, 32, w, w, 1e-5, silu)
                         torch.ops.vd.group_norm_silu_backward(g, x, 32, None, None, 1e-5, silu)
+            # The channels_last backward on chip (version 10): K 1 with stages reused, K 16 in one 90 KB stage (gb 4),
+            # K 8 after growing, 64-byte rows (gb 2 / 1), a box past the sample, 5-D; without SiLU or affine.
+            for shape, groups, silu in [((40, 1280, 9, 16), 32, True), ((2, 320, 72, 128), 32, True),
+                                        ((2, 1280, 18, 32), 32, False), ((1, 512, 72, 128), 32, True),
+                                        ((2, 24, 5, 7), 3, True), ((2, 40, 4, 4, 3), 4, True)]:
+                fmt = torch.channels_last if len(shape) == 4 else torch.channels_last_3d
+                x = torch.randn(shape, device=dev, dtype=dtype).to(memory_format=fmt)
+                g = torch.randn(shape, device=dev, dtype=dtype).to(memory_format=fmt)
+                w = torch.randn(shape[1], device=dev, dtype=dtype)
+                torch.ops.vd.group_norm_silu_backward(g, x, groups, w, w, 1e-5, silu)
+                torch.ops.vd.group_norm_silu_backward(g, x, groups, None, None, 1e-5, silu)
             # channels_last two-pass statistics over two column tiles (a group in both, groups in one only).
             for shape, groups in [((2, 2560, 3, 5), 32), ((1, 2112, 4, 4), 3)]:
                 x = torch.randn(shape, device=dev, dtype=dtype).to(memory_format=torch.channels_last)

@@ -44,6 +44,13 @@ CASES = {
     # sm_90: version 8 (tensor copies into a ring of stages, clusters of 4 exchanging through st.async).
     "group_norm_silu_channels_last_on_chip": (lambda: [_rand(4, 320, 18, 32, channels_last=True)],
                                               lambda x: torch.ops.vd.group_norm_silu(x, 32, None, None, 1e-5, True)),
+    # The backward on chip: version 7 (NCHW, bulk copies, two cluster exchanges a group) and version 10
+    # (channels_last, tensor copies), each with grad_params_kernel after it.
+    "group_norm_silu_backward_on_chip": (lambda: [_rand(4, 320, 18, 32), _rand(4, 320, 18, 32), _rand(320)],
+                                         lambda g, x, w: torch.ops.vd.group_norm_silu_backward(g, x, 32, w, w, 1e-5, True)),
+    "group_norm_silu_backward_channels_last_on_chip": (
+        lambda: [_rand(4, 320, 18, 32, channels_last=True), _rand(4, 320, 18, 32, channels_last=True), _rand(320)],
+        lambda g, x, w: torch.ops.vd.group_norm_silu_backward(g, x, 32, w, w, 1e-5, True)),
     "conv_bn_silu": (lambda: [_rand(2, 32, 18, 20, channels_last=True),
                               _rand(48, 32, 3, 3, channels_last=True)],
                      None),  # built below: the BatchNorm tensors are constants of the graph

@@ -487,6 +487,30 @@ def backward_on_chip(shape, groups, dtype):
     return S % vec == 0 and cpg <= 256 and stage <= 96 * 1024
 
 
+def check_backward_kernel(kernel, want, g, x, groups, w, b):
+    """For SiLU and affine on, SiLU off, affine off: asserts whether `kernel` serves the backward, and dx,
+    grad_weight, grad_bias (and dx's layout) against the float64 reference."""
+    for silu, affine in ((True, True), (False, True), (True, False)):
+        wa, ba = (w, b) if affine else (None, None)
+
+        def run():
+            return torch.ops.vd.group_norm_silu_backward(g, x, groups, wa, ba, 1e-5, silu)
+        names = cuda_kernels_run(run)
+        what = f"{tuple(x.shape)} {x.dtype} silu={silu} affine={affine}"
+        assert any(kernel in n for n in names) == want, (what, sorted(set(names)))
+        dx, dw, db = run()
+        assert dx.stride() == x.stride(), f"dx keeps x's layout ({what})"
+        xr = x.double().requires_grad_()
+        wr = w.double().requires_grad_() if affine else None
+        br = b.double().requires_grad_() if affine else None
+        inputs = [t for t in (xr, wr, br) if t is not None]
+        ref = torch.autograd.grad(reference_group_norm_silu(xr, groups, wr, br, 1e-5, silu), inputs, g.double())
+        assert_close_to(dx, ref[0], x.dtype, what=f"dx {what}")
+        if affine:
+            assert_close_to(dw, ref[1], x.dtype, factor=4, what=f"dw {what}")
+            assert_close_to(db, ref[2], x.dtype, factor=4, what=f"db {what}")
+
+
 @pytest.mark.parametrize("device", CUDA)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("variant", ["", "smem2", "recompute"])
@@ -508,24 +532,7 @@ def test_backward_on_chip(device, dtype, variant, monkeypatch):
         x = (torch.randn(shape, device=device) * 3 + 1).to(dtype)
         g = torch.randn(shape, device=device, dtype=dtype)
         w, b = torch.randn(C, device=device, dtype=dtype), torch.randn(C, device=device, dtype=dtype)
-        for silu, affine in ((True, True), (False, True), (True, False)):
-            wa, ba = (w, b) if affine else (None, None)
-
-            def run():
-                return torch.ops.vd.group_norm_silu_backward(g, x, groups, wa, ba, 1e-5, silu)
-            names = cuda_kernels_run(run)
-            assert any("smem_grad_kernel" in n for n in names) == want_chip, (shape, dtype, sorted(set(names)))
-            dx, dw, db = run()
-            xr = x.double().requires_grad_()
-            wr = w.double().requires_grad_() if affine else None
-            br = b.double().requires_grad_() if affine else None
-            inputs = [t for t in (xr, wr, br) if t is not None]
-            ref = torch.autograd.grad(reference_group_norm_silu(xr, groups, wr, br, 1e-5, silu), inputs, g.double())
-            what = f"{shape} {dtype} silu={silu} affine={affine}"
-            assert_close_to(dx, ref[0], dtype, what=f"dx {what}")
-            if affine:
-                assert_close_to(dw, ref[1], dtype, factor=4, what=f"dw {what}")
-                assert_close_to(db, ref[2], dtype, factor=4, what=f"db {what}")
+        check_backward_kernel("smem_grad_kernel", want_chip, g, x, groups, w, b)
     assert any(backward_on_chip(s, g, dtype) for s, g in BACKWARD_ON_CHIP_CASES)
     monkeypatch.setenv("VD_GROUP_NORM_BACKWARD", "twopass")
     x = torch.randn(2, 320, 72, 128, device=device, dtype=dtype)
@@ -534,13 +541,21 @@ def test_backward_on_chip(device, dtype, variant, monkeypatch):
 
 
 @pytest.mark.parametrize("device", CUDA)
-def test_backward_on_chip_deterministic_and_precise(device):
+@pytest.mark.parametrize("cl", [False, True])
+def test_backward_on_chip_deterministic_and_precise(device, cl):
     # The same bits on every call (no atomics anywhere in the sums), and x - mean kept exact when the mean
-    # dwarfs the spread (fp32, a group split over a cluster of 16).
+    # dwarfs the spread (fp32; NCHW: version 7, a group split over a cluster of 16; channels_last: version 10,
+    # blocks of two groups over a cluster of 16).
     torch.manual_seed(0)
-    x = torch.randn(2, 320, 72, 128, device=device) * 0.05 + 1000
+    shape = (2, 640, 36, 64) if cl else (2, 320, 72, 128)
+    x = torch.randn(shape, device=device) * 0.05 + 1000
+    if cl:
+        x = channels_last(x)
     g = torch.randn_like(x)
-    w, b = torch.randn(320, device=device), torch.randn(320, device=device)
+    w, b = torch.randn(shape[1], device=device), torch.randn(shape[1], device=device)
+    if torch.cuda.get_device_capability(device)[0] >= 9:
+        names = cuda_kernels_run(lambda: torch.ops.vd.group_norm_silu_backward(g, x, 32, w, b, 1e-5, True))
+        assert any(("smem_cols_grad_kernel" if cl else "smem_grad_kernel") in n for n in names), sorted(set(names))
     first = torch.ops.vd.group_norm_silu_backward(g, x, 32, w, b, 1e-5, True)
     for _ in range(3):
         again = torch.ops.vd.group_norm_silu_backward(g, x, 32, w, b, 1e-5, True)
@@ -550,3 +565,43 @@ def test_backward_on_chip_deterministic_and_precise(device):
     ref = torch.autograd.grad(reference_group_norm_silu(xr, 32, wr, br), (xr, wr, br), g.double())
     for got, want, name in zip(first, ref, "xwb"):
         assert_close_to(got, want, torch.float32, factor=5, what=f"grad {name}")
+
+
+# Version 10 (channels_last backward on chip, sm_90): (shape, groups, taken in 16-bit, taken in fp32). Comments give
+# the plan in 16-bit (fp32 blocks have half the channels, the same bytes): blocks of gb groups (version 8's, or fewer
+# where x and dy of a block would not fit 16 CTAs), the smallest cluster whose rows fit one stage, larger ones while
+# there are fewer than two CTAs an SM.
+BACKWARD_COLS_ON_CHIP_CASES = [
+    ((40, 1280, 9, 16), 32, True, True),    # 46 KB stages: K 1, two stages, 640 blocks (stages reused)
+    ((20, 640, 36, 64), 32, True, True),    # K 8 by size, then 16: 144-row boxes
+    # gb 4 (version 8's 8 would not fit): K 16, one 90 KB stage of 3 boxes; fp32 blocks needing 16 CTAs: version 1
+    ((2, 320, 72, 128), 32, True, False),
+    ((1, 512, 72, 128), 32, True, False),   # gb 2: 64-byte rows, one 74 KB stage at K 16
+    ((2, 1280, 18, 32), 32, True, True),    # K 2 by size, then 8
+    ((2, 24, 5, 7), 3, True, True),         # 35 rows in a box of 40 (past the sample: zeros), K 1
+    ((2, 40, 4, 4, 3), 4, True, True),      # 5-D channels_last_3d
+    ((2, 48, 6, 6), 16, False, True),       # cpg 3: a 16-bit vector would span three groups
+    ((2, 960, 72, 128), 32, False, False),  # 30 channels a group: no block of whole vectors fits
+    ((1, 64, 256, 256), 8, False, False),   # 1 MB of x a group
+]
+
+
+@pytest.mark.parametrize("device", CUDA)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_backward_channels_last_on_chip(device, dtype, monkeypatch):
+    # dx, grad_weight, grad_bias of channels_last input against the float64 reference, with and without SiLU and
+    # affine; pins which kernel serves each case, and that VD_GROUP_NORM_BACKWARD=twopass keeps version 1.
+    if torch.cuda.get_device_capability(device)[0] < 9:
+        pytest.skip("version 10 needs tensor copies and clusters (sm_90+)")
+    torch.manual_seed(0)
+    for shape, groups, want16, want32 in BACKWARD_COLS_ON_CHIP_CASES:
+        want = want32 if dtype == torch.float32 else want16
+        C = shape[1]
+        x = channels_last((torch.randn(shape, device=device) * 3 + 1).to(dtype))
+        g = channels_last(torch.randn(shape, device=device, dtype=dtype))
+        w, b = torch.randn(C, device=device, dtype=dtype), torch.randn(C, device=device, dtype=dtype)
+        check_backward_kernel("smem_cols_grad_kernel", want, g, x, groups, w, b)
+    monkeypatch.setenv("VD_GROUP_NORM_BACKWARD", "twopass")
+    x = channels_last(torch.randn(2, 320, 72, 128, device=device, dtype=dtype))
+    names = cuda_kernels_run(lambda: torch.ops.vd.group_norm_silu_backward(x, x, 32, None, None, 1e-5, True))
+    assert not any("smem_cols_grad_kernel" in n for n in names)

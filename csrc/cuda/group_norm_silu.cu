@@ -2236,11 +2236,173 @@ struct SmemColsLayout {
   }
 };
 
+// Group q's value v of a block exchange (buffer b) to every rank of the cluster: lane r < K of the calling warp sends
+// it to rank r's slot [b][rank][q] (st.async, completing bytes on rank r's barrier xbar); at K = 1 lane 0 writes it.
+__device__ __forceinline__ void cols_send(const float4& v, int q, int b, int gb, int K, int rank, float4* sh_slots,
+                                          uint32_t xbar) {
+  const int lane = threadIdx.x & 31;
+  if (K == 1) {
+    if (lane == 0) sh_slots[(b * K) * gb + q] = v;
+  } else if (lane < K) {
+    const uint32_t slot = static_cast<uint32_t>(__cvta_generic_to_shared(&sh_slots[(b * K + rank) * gb + q]));
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];\n"
+                 :
+                 : "r"(cluster_map(slot, lane)), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w), "r"(cluster_map(xbar, lane))
+                 : "memory");
+  }
+}
+
+// Version 8's statistics of a block in a stage (its forward's and the backward's): each channel's group pivot (the
+// stage's first row at the group's first channel) into piv; the thread's states of its <= NS groups into sh_state;
+// a warp a group merges the CTA's threads in a fixed order and sends the result to every rank (exchange e: slots
+// and barrier by e's parity); then a warp a group merges the ranks in order and calls group(q, st, pivot0) with
+// group q's (mean of x - pivot0, m2, n), the same bits in every CTA. before() runs ahead of the block barrier that
+// publishes the states.
+template <typename scalar_t, typename Before, typename Group>
+__device__ __forceinline__ void cols_block_stats(const SmemColsArgs<scalar_t>& a, const unsigned char* st_bytes,
+                                                 bool active, int cnt, int valid, int c0, int q0, unsigned slots, float4* sh_state,
+                                                 float4* sh_slots, uint64_t* xbars, int64_t e,
+                                                 float (&piv)[max_vec<scalar_t>()], Before&& before, Group&& group) {
+  constexpr int THREADS = kSmemColsThreads, VEC = max_vec<scalar_t>(), NS = kSmemColsSlots;
+  constexpr bool kShift = sizeof(scalar_t) > 2;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid / 32, K = a.K;
+  const int rank = static_cast<int>(blockIdx.x % K);
+  const uint4* buf = reinterpret_cast<const uint4*>(st_bytes);
+  auto slot_of = [&](int j) { return static_cast<int>((slots >> (2 * j)) & 3u); };
+  // v if channel j is in slot s, else 0: g[s] += in_slot(...) in every slot (g[slot_of(j)] += v compiled to a
+  // dynamically indexed array on the stack).
+  auto in_slot = [&](int j, int s, float v) { return slot_of(j) == s ? v : 0.f; };
+  // Each channel's group pivot: the stage's first row at the group's first channel.
+  {
+    float pg[NS];
+#pragma unroll
+    for (int s = 0; s < NS; ++s) {
+      const int q = min(q0 + s, a.gb - 1);
+      pg[s] = valid > 0 ? static_cast<float>(reinterpret_cast<const scalar_t*>(st_bytes)[q * a.cpg]) : 0.f;
+    }
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) piv[j] = slot_of(j) == 0 ? pg[0] : slot_of(j) == 1 ? pg[1] : pg[2];
+  }
+  // This thread's per-group states into sh_state[tid * ns + slot]: 16-bit (sum of x - pivot, of its square),
+  // fp32 (mean of x - pivot, m2, n).
+  float4 g[NS];
+#pragma unroll
+  for (int s = 0; s < NS; ++s) g[s] = make_float4(0.f, 0.f, 0.f, 0.f);
+  auto pass = [&](auto&& f) {
+#pragma unroll 4
+    for (int k = 0; k < cnt; ++k) {
+      const uint4 v = buf[tid + k * a.R * a.TCV];
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) f(j, elt_to_float<scalar_t>(v, j));
+    }
+  };
+  if constexpr (!kShift) {
+    float s1[VEC], s2[VEC];
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) s1[j] = s2[j] = 0.f;
+    pass([&](int j, float x) {
+      const float d = x - piv[j];
+      s1[j] += d;
+      s2[j] = fmaf(d, d, s2[j]);
+    });
+#pragma unroll
+    for (int j = 0; j < VEC; ++j)
+#pragma unroll
+      for (int s = 0; s < NS; ++s) {
+        g[s].x += in_slot(j, s, s1[j]);
+        g[s].y += in_slot(j, s, s2[j]);
+      }
+  } else {
+    float m[VEC], q[VEC];
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) m[j] = q[j] = 0.f;
+    pass([&](int j, float x) { m[j] += x - piv[j]; });
+    const float inv = cnt > 0 ? 1.f / static_cast<float>(cnt) : 0.f;
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) m[j] *= inv;
+    pass([&](int j, float x) {
+      const float d = (x - piv[j]) - m[j];
+      q[j] = fmaf(d, d, q[j]);
+    });
+    // Channels of a slot have equal counts: mean = their means' mean, m2 = sum m2 + cnt * sum (m_j - mean)^2.
+#pragma unroll
+    for (int j = 0; j < VEC; ++j)
+#pragma unroll
+      for (int s = 0; s < NS; ++s) {
+        g[s].x += in_slot(j, s, m[j]);
+        g[s].z += in_slot(j, s, 1.f);
+      }
+#pragma unroll
+    for (int s = 0; s < NS; ++s) g[s].x = g[s].z > 0.f ? g[s].x / g[s].z : 0.f;
+#pragma unroll
+    for (int j = 0; j < VEC; ++j)
+#pragma unroll
+      for (int s = 0; s < NS; ++s) {
+        const float d = m[j] - g[s].x;
+        g[s].y += in_slot(j, s, fmaf(static_cast<float>(cnt) * d, d, q[j]));
+      }
+#pragma unroll
+    for (int s = 0; s < NS; ++s) g[s].z *= static_cast<float>(cnt);
+  }
+  if (active) {
+#pragma unroll
+    for (int s = 0; s < NS; ++s)
+      if (s < a.ns) sh_state[tid * a.ns + s] = g[s];
+  }
+  before();
+  __syncthreads();
+
+  // A warp a group: its threads' states in a fixed order, then the cluster exchange (lane r sends to rank r).
+  const int b = static_cast<int>(e & 1);
+  const uint32_t xbar = static_cast<uint32_t>(__cvta_generic_to_shared(&xbars[b]));
+  if (tid == 0 && K > 1) wgmma::mbar_expect_tx(xbar, static_cast<uint32_t>(K * a.gb) * 16u);
+  for (int q = warp; q < a.gb; q += THREADS / 32) {
+    // Lane l: thread rows l, l + 32 (R <= 64), the columns lo..hi whose vectors touch group q.
+    const int lo = q * a.cpg / VEC, hi = ((q + 1) * a.cpg - 1) / VEC;
+    float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+    Welford<float> w{0.f, 0.f, 0.f};
+    for (int tr = lane; tr < a.R; tr += 32)
+      for (int c = lo; c <= hi; ++c) {
+        const float4 t = sh_state[(tr * a.TCV + c) * a.ns + (q - c * VEC / a.cpg)];
+        if constexpr (!kShift) {
+          v.x += t.x;
+          v.y += t.y;
+        } else {
+          w = combine_f(w, {t.x, t.y, t.z});
+        }
+      }
+    const float pivot = valid > 0 ? static_cast<float>(reinterpret_cast<const scalar_t*>(st_bytes)[q * a.cpg]) : 0.f;
+    if constexpr (!kShift) {
+#pragma unroll
+      for (int o = 16; o > 0; o /= 2) {
+        v.x += __shfl_xor_sync(kFullMask, v.x, o);
+        v.y += __shfl_xor_sync(kFullMask, v.y, o);
+      }
+      v.z = static_cast<float>(valid) * static_cast<float>(a.cpg);
+    } else {
+      w = warp_combine_f(w);
+      v = make_float4(__shfl_sync(kFullMask, w.mean, 0), __shfl_sync(kFullMask, w.m2, 0),
+                      __shfl_sync(kFullMask, w.n, 0), 0.f);
+    }
+    v.w = pivot;
+    cols_send(v, q, b, a.gb, K, rank, sh_slots, xbar);
+  }
+  if (K == 1) __syncthreads();
+  else wgmma::mbar_wait(xbar, static_cast<uint32_t>(e >> 1) & 1u);
+  // Every rank's values of each group, merged in rank order: the group's (mean of x - pivot0, m2, n) and pivot0.
+  for (int q = warp; q < a.gb; q += THREADS / 32) {
+    const float4 r = lane < K ? sh_slots[(b * K + lane) * a.gb + q] : make_float4(0.f, 0.f, 0.f, 0.f);
+    float pivot0;
+    const Welford<float> st = kShift ? ranks_combine_pivoted(r, pivot0) : ranks_sums_pivoted(r, K, pivot0);
+    group(q, st, pivot0);
+  }
+}
+
 template <typename scalar_t, bool SILU>
 __global__ void __launch_bounds__(kSmemColsThreads, 2)
     smem_cols_kernel(const SmemColsArgs<scalar_t> a, const __grid_constant__ CUtensorMap tx) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  constexpr int THREADS = kSmemColsThreads, VEC = max_vec<scalar_t>(), NS = kSmemColsSlots;
+  constexpr int VEC = max_vec<scalar_t>();
   constexpr bool kShift = sizeof(scalar_t) > 2;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   // Tensor copies land on 128-byte boundaries (the host adds the slack).
@@ -2254,7 +2416,7 @@ __global__ void __launch_bounds__(kSmemColsThreads, 2)
   float2* sh_chan = reinterpret_cast<float2*>(smem + lay.chan);      // a_c, b_c
   float* sh_pivot = reinterpret_cast<float*>(smem + lay.pivots);     // each group's pivot0 (fp32's shift)
 
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid / 32, K = a.K;
+  const int tid = threadIdx.x, lane = tid & 31, K = a.K;
   const int rank = static_cast<int>(blockIdx.x % K);
   const int64_t cluster = blockIdx.x / K, nclusters = gridDim.x / K;
   const int col = tid % a.TCV, trow = tid / a.TCV;
@@ -2272,9 +2434,6 @@ __global__ void __launch_bounds__(kSmemColsThreads, 2)
 #pragma unroll
   for (int j = 0; j < VEC; ++j) slots |= static_cast<unsigned>((c0 + j) / a.cpg - q0) << (2 * j);
   auto slot_of = [&](int j) { return static_cast<int>((slots >> (2 * j)) & 3u); };
-  // v if channel j is in slot s, else 0: g[s] += in_slot(...) in every slot (g[slot_of(j)] += v compiled to a
-  // dynamically indexed array on the stack).
-  auto in_slot = [&](int j, int s, float v) { return slot_of(j) == s ? v : 0.f; };
 
   auto issue = [&](int64_t it, int stage) {
     const int64_t item = cluster + it * nclusters;
@@ -2308,147 +2467,23 @@ __global__ void __launch_bounds__(kSmemColsThreads, 2)
     }
     if (valid > 0) wgmma::mbar_wait(bar0 + 8 * stage, ring.parity);
 
-    // Each channel's group pivot: the stage's first row at the group's first channel.
     float piv[VEC];
-    {
-      float pg[NS];
-#pragma unroll
-      for (int s = 0; s < NS; ++s) {
-        const int q = min(q0 + s, a.gb - 1);
-        pg[s] = valid > 0 ? static_cast<float>(reinterpret_cast<const scalar_t*>(st_bytes)[q * a.cpg]) : 0.f;
-      }
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) piv[j] = slot_of(j) == 0 ? pg[0] : slot_of(j) == 1 ? pg[1] : pg[2];
-    }
-    // This thread's per-group states into sh_state[tid * ns + slot]: 16-bit (sum of x - pivot, of its square),
-    // fp32 (mean of x - pivot, m2, n).
-    float4 g[NS];
-#pragma unroll
-    for (int s = 0; s < NS; ++s) g[s] = make_float4(0.f, 0.f, 0.f, 0.f);
-    auto pass = [&](auto&& f) {
-#pragma unroll 4
-      for (int k = 0; k < cnt; ++k) {
-        const uint4 v = buf[tid + k * a.R * a.TCV];
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) f(j, elt_to_float<scalar_t>(v, j));
-      }
-    };
-    if constexpr (!kShift) {
-      float s1[VEC], s2[VEC];
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) s1[j] = s2[j] = 0.f;
-      pass([&](int j, float x) {
-        const float d = x - piv[j];
-        s1[j] += d;
-        s2[j] = fmaf(d, d, s2[j]);
-      });
-#pragma unroll
-      for (int j = 0; j < VEC; ++j)
-#pragma unroll
-        for (int s = 0; s < NS; ++s) {
-          g[s].x += in_slot(j, s, s1[j]);
-          g[s].y += in_slot(j, s, s2[j]);
-        }
-    } else {
-      float m[VEC], q[VEC];
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) m[j] = q[j] = 0.f;
-      pass([&](int j, float x) { m[j] += x - piv[j]; });
-      const float inv = cnt > 0 ? 1.f / static_cast<float>(cnt) : 0.f;
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) m[j] *= inv;
-      pass([&](int j, float x) {
-        const float d = (x - piv[j]) - m[j];
-        q[j] = fmaf(d, d, q[j]);
-      });
-      // Channels of a slot have equal counts: mean = their means' mean, m2 = sum m2 + cnt * sum (m_j - mean)^2.
-#pragma unroll
-      for (int j = 0; j < VEC; ++j)
-#pragma unroll
-        for (int s = 0; s < NS; ++s) {
-          g[s].x += in_slot(j, s, m[j]);
-          g[s].z += in_slot(j, s, 1.f);
-        }
-#pragma unroll
-      for (int s = 0; s < NS; ++s) g[s].x = g[s].z > 0.f ? g[s].x / g[s].z : 0.f;
-#pragma unroll
-      for (int j = 0; j < VEC; ++j)
-#pragma unroll
-        for (int s = 0; s < NS; ++s) {
-          const float d = m[j] - g[s].x;
-          g[s].y += in_slot(j, s, fmaf(static_cast<float>(cnt) * d, d, q[j]));
-        }
-#pragma unroll
-      for (int s = 0; s < NS; ++s) g[s].z *= static_cast<float>(cnt);
-    }
-    if (active) {
-#pragma unroll
-      for (int s = 0; s < NS; ++s)
-        if (s < a.ns) sh_state[tid * a.ns + s] = g[s];
-    }
-    if (tid < a.W) sh_params[tid] = make_float2(pw, pb);
-    __syncthreads();
-
-    // A warp a group: its threads' states in a fixed order, then the cluster exchange (lane r sends to rank r).
-    const int b = static_cast<int>(it & 1);
-    const uint32_t xbar = static_cast<uint32_t>(__cvta_generic_to_shared(&xbars[b]));
-    if (tid == 0 && K > 1) wgmma::mbar_expect_tx(xbar, static_cast<uint32_t>(K * a.gb) * 16u);
-    for (int q = warp; q < a.gb; q += THREADS / 32) {
-      // Lane l: thread rows l, l + 32 (R <= 64), the columns lo..hi whose vectors touch group q.
-      const int lo = q * a.cpg / VEC, hi = ((q + 1) * a.cpg - 1) / VEC;
-      float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-      Welford<float> w{0.f, 0.f, 0.f};
-      for (int tr = lane; tr < a.R; tr += 32)
-        for (int c = lo; c <= hi; ++c) {
-          const float4 t = sh_state[(tr * a.TCV + c) * a.ns + (q - c * VEC / a.cpg)];
-          if constexpr (!kShift) {
-            v.x += t.x;
-            v.y += t.y;
-          } else {
-            w = combine_f(w, {t.x, t.y, t.z});
+    cols_block_stats<scalar_t>(
+        a, st_bytes, active, cnt, valid, c0, q0, slots, sh_state, sh_slots, xbars, it, piv,
+        [&] {
+          if (tid < a.W) sh_params[tid] = make_float2(pw, pb);
+        },
+        [&](int q, const Welford<float>& st, float pivot0) {
+          // The group's channels' a_c = rstd * gamma_c and b_c: 16-bit z = x * a_c + b_c (the pivot folded into
+          // b_c), fp32 z = (x - pivot0) * a_c + b_c.
+          const float rstd = rsqrtf(__fdividef(st.m2, st.n) + a.eps), shift = kShift ? st.mean : st.mean + pivot0;
+          for (int c = q * a.cpg + lane; c < (q + 1) * a.cpg; c += 32) {
+            const float2 p = sh_params[c];
+            const float ac = rstd * p.x;
+            sh_chan[c] = make_float2(ac, fmaf(-shift, ac, p.y));
           }
-        }
-      const float pivot = valid > 0 ? static_cast<float>(reinterpret_cast<const scalar_t*>(st_bytes)[q * a.cpg]) : 0.f;
-      if constexpr (!kShift) {
-#pragma unroll
-        for (int o = 16; o > 0; o /= 2) {
-          v.x += __shfl_xor_sync(kFullMask, v.x, o);
-          v.y += __shfl_xor_sync(kFullMask, v.y, o);
-        }
-        v.z = static_cast<float>(valid) * static_cast<float>(a.cpg);
-      } else {
-        w = warp_combine_f(w);
-        v = make_float4(__shfl_sync(kFullMask, w.mean, 0), __shfl_sync(kFullMask, w.m2, 0),
-                        __shfl_sync(kFullMask, w.n, 0), 0.f);
-      }
-      v.w = pivot;
-      if (K == 1) {
-        if (lane == 0) sh_slots[(b * K) * a.gb + q] = v;
-      } else if (lane < K) {
-        const uint32_t slot = static_cast<uint32_t>(__cvta_generic_to_shared(&sh_slots[(b * K + rank) * a.gb + q]));
-        asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];\n"
-                     :
-                     : "r"(cluster_map(slot, lane)), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w), "r"(cluster_map(xbar, lane))
-                     : "memory");
-      }
-    }
-    if (K == 1) __syncthreads();
-    else wgmma::mbar_wait(xbar, static_cast<uint32_t>(it >> 1) & 1u);
-    // Every rank's values of each group, merged in rank order (the group's mean of x - pivot0, m2, n; pivot0),
-    // then the group's channels' a_c = rstd * gamma_c and b_c: 16-bit z = x * a_c + b_c (the pivot folded into
-    // b_c), fp32 z = (x - pivot0) * a_c + b_c.
-    for (int q = warp; q < a.gb; q += THREADS / 32) {
-      const float4 r = lane < K ? sh_slots[(b * K + lane) * a.gb + q] : make_float4(0.f, 0.f, 0.f, 0.f);
-      float pivot0;
-      const Welford<float> st = kShift ? ranks_combine_pivoted(r, pivot0) : ranks_sums_pivoted(r, K, pivot0);
-      const float rstd = rsqrtf(__fdividef(st.m2, st.n) + a.eps), shift = kShift ? st.mean : st.mean + pivot0;
-      for (int c = q * a.cpg + lane; c < (q + 1) * a.cpg; c += 32) {
-        const float2 p = sh_params[c];
-        const float ac = rstd * p.x;
-        sh_chan[c] = make_float2(ac, fmaf(-shift, ac, p.y));
-      }
-      if (lane == 0) sh_pivot[q] = pivot0;
-    }
+          if (lane == 0) sh_pivot[q] = pivot0;
+        });
     __syncthreads();
 
     // Normalize, SiLU and store this thread's rows.
@@ -2472,6 +2507,284 @@ __global__ void __launch_bounds__(kSmemColsThreads, 2)
       const uint4 v = buf[tid + k * a.R * a.TCV];
       *reinterpret_cast<uint4*>(y) = norm_cols_vec<scalar_t, SILU, kShift>(v, ca, cb, piv);
       y += step;
+    }
+    ring.release(it, a.stages, issue);
+  }
+  // No CTA leaves while another's sends to it may be in flight.
+  cluster_arrive();
+  cluster_wait();
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------
+// Version 10: the backward of channels_last input with each block on chip (sm_90). Version 1's cols kernels move x
+// three times and dy twice (statistics; per-channel sums; dx) and ran the channels_last UNet / VAE rows at 12-27 % of
+// the copy rate (bf16). Here version 8's persistent clusters walk the blocks (n, gb whole groups), a CTA's rows of a
+// block of x and of dy land in one stage (two tensor copies a box), and everything else reads the stage:
+//   1. the statistics, as version 8 (cols_block_stats, exchange 2 it): each channel's sc_c = rstd * gamma_c and
+//      bd_c = beta_c - md * sc_c, so that z = (x - pivot0) * sc_c + bd_c;
+//   2. per channel, the sums of dz and dz * (x - pivot0): over the thread's rows in registers (its VEC channels never
+//      change), then over the CTA's thread rows through shared memory in a fixed order (a thread a channel and
+//      slice of rows, then a thread a channel). That thread writes the CTA's sums to the workspace (version 7's
+//      layout: grad_params_kernel adds them) and its gamma-weighted shares of m1 and m2; a warp a group adds the
+//      group's and sends them to every rank (exchange 2 it + 1), and every CTA adds the ranks' in order;
+//   3. dx = sc_c * dz + D * (x - pivot0) + Bd (dz evaluated again), 16-byte stores.
+template <typename scalar_t>
+struct SmemColsGradArgs {
+  SmemColsArgs<scalar_t> f;  // out = dx; a stage holds x's rows, then dy's at dy_off
+  float2* sums;              // [N * G][K][cpg]: each CTA's (sum dz, sum dz * xhat) per channel, as version 7's
+  int dy_off;                // a multiple of 128 bytes
+};
+
+// Dynamic shared memory of smem_cols_grad_kernel (byte offsets): the stages, their barriers and the exchange's two, a
+// scratch area (version 8's per-thread group states, then the per-(thread row, channel) sums, float2 [R][W]), the
+// exchange's slots (float4 [2][K][gb]), gamma / beta and (sc_c, bd_c) (float2 [W] each), each group's (rstd, md,
+// pivot0) and (D, Bd) (float4 [gb] each).
+struct SmemColsGradLayout {
+  int bars, scratch, slots, params, chan, gstat, gcoef, bytes;
+  __host__ __device__ SmemColsGradLayout(int stages, int stage_bytes, int ns, int gb, int K, int W, int vec) {
+    bars = stages * stage_bytes;
+    scratch = bars + ((stages + 2) * 8 + 15) / 16 * 16;
+    const int states = kSmemColsThreads * ns * 16, table = kSmemColsThreads * vec * 8;  // R * W <= threads * vec
+    slots = scratch + (states > table ? states : table);
+    params = slots + 2 * K * gb * 16;
+    chan = params + W * 8;
+    gstat = chan + W * 8;
+    gcoef = gstat + gb * 16;
+    bytes = gcoef + gb * 16 + 128;  // + slack to align the stages to 128 bytes
+  }
+};
+
+template <typename scalar_t, bool SILU>
+__global__ void __launch_bounds__(kSmemColsThreads, 2)
+    smem_cols_grad_kernel(const SmemColsGradArgs<scalar_t> ga, const __grid_constant__ CUtensorMap tx,
+                          const __grid_constant__ CUtensorMap tdy) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr int THREADS = kSmemColsThreads, WARPS = THREADS / 32, VEC = max_vec<scalar_t>();
+  const SmemColsArgs<scalar_t>& a = ga.f;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  unsigned char* smem = smem_raw + ((128u - (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) & 127u)) & 127u);
+  const SmemColsGradLayout lay(a.stages, a.stage_bytes, a.ns, a.gb, a.K, a.W, VEC);
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + lay.bars);
+  uint64_t* xbars = full + a.stages;
+  float4* sh_state = reinterpret_cast<float4*>(smem + lay.scratch);
+  float2* sh_tab = reinterpret_cast<float2*>(smem + lay.scratch);    // [R][W] after the statistics
+  float4* sh_slots = reinterpret_cast<float4*>(smem + lay.slots);    // [parity][source rank][group]
+  float2* sh_params = reinterpret_cast<float2*>(smem + lay.params);  // gamma, beta of the block's channels
+  float2* sh_chan = reinterpret_cast<float2*>(smem + lay.chan);      // sc_c, bd_c
+  float4* sh_gstat = reinterpret_cast<float4*>(smem + lay.gstat);    // rstd, md, pivot0
+  float4* sh_gcoef = reinterpret_cast<float4*>(smem + lay.gcoef);    // D, Bd
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid / 32, K = a.K;
+  const int rank = static_cast<int>(blockIdx.x % K);
+  const int64_t cluster = blockIdx.x / K, nclusters = gridDim.x / K;
+  const int col = tid % a.TCV, trow = tid / a.TCV;
+  const bool active = trow < a.R;
+  const int r0 = rank * a.rows;
+  const int valid = max(0, min(a.rows, a.S - r0));  // this CTA's positions of every block
+  const int cnt = active && valid > trow ? (valid - trow + a.R - 1) / a.R : 0;  // this thread's rows
+  const int boxes = (valid + a.rbox - 1) / a.rbox;  // boxes wholly past the sample are not loaded
+  const uint32_t box_bytes = static_cast<uint32_t>(a.rbox * a.W) * sizeof(scalar_t);
+  const uint32_t smem0 = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  const uint32_t bar0 = static_cast<uint32_t>(__cvta_generic_to_shared(full));
+  const int c0 = col * VEC, q0 = c0 / a.cpg;
+  unsigned slots = 0;
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) slots |= static_cast<unsigned>((c0 + j) / a.cpg - q0) << (2 * j);
+  auto slot_of = [&](int j) { return static_cast<int>((slots >> (2 * j)) & 3u); };
+  const int64_t G = static_cast<int64_t>(a.blocks) * a.gb;
+
+  auto issue = [&](int64_t it, int stage) {
+    const int64_t item = cluster + it * nclusters;
+    if (item >= a.items || boxes == 0) return;
+    const int n = static_cast<int>(item / a.blocks), blk = static_cast<int>(item % a.blocks);
+    const uint32_t bar = bar0 + 8 * stage, dst = smem0 + static_cast<uint32_t>(stage * a.stage_bytes);
+    wgmma::mbar_expect_tx(bar, 2u * static_cast<uint32_t>(boxes) * box_bytes);
+    for (int i = 0; i < boxes; ++i) {
+      wgmma::tma_load_4d(dst + i * box_bytes, &tx, bar, blk * a.W, r0 + i * a.rbox, n, 0);
+      wgmma::tma_load_4d(dst + ga.dy_off + i * box_bytes, &tdy, bar, blk * a.W, r0 + i * a.rbox, n, 0);
+    }
+  };
+  auto dz_of = [](float dy, float z) {
+    if constexpr (!SILU) return dy;
+    else if constexpr (sizeof(scalar_t) == 2) return dy * silu_grad_fast(z);
+    else return dy * silu_grad(z);
+  };
+  auto sum_lanes = [](float& u, float& v) {  // xor butterflies: every lane ends with the same bits
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) {
+      u += __shfl_xor_sync(kFullMask, u, o);
+      v += __shfl_xor_sync(kFullMask, v, o);
+    }
+  };
+
+  StageRing ring;
+  ring.start(bar0, a.stages, xbars, issue);
+
+  for (int64_t it = 0;; ++it) {
+    const int stage = ring.stage;
+    const int64_t item = cluster + it * nclusters;
+    if (item >= a.items) break;
+    const int64_t n = item / a.blocks;
+    const int blk = static_cast<int>(item % a.blocks);
+    const unsigned char* st_bytes = smem + static_cast<size_t>(stage) * a.stage_bytes;
+    const uint4* xb = reinterpret_cast<const uint4*>(st_bytes);
+    const uint4* db = reinterpret_cast<const uint4*>(st_bytes + ga.dy_off);
+    float pw = 1.f, pb = 0.f;
+    if (tid < a.W) {
+      const int64_t c = static_cast<int64_t>(blk) * a.W + tid;
+      if (a.w) pw = static_cast<float>(a.w[c]);
+      if (a.b) pb = static_cast<float>(a.b[c]);
+    }
+    if (valid > 0) wgmma::mbar_wait(bar0 + 8 * stage, ring.parity);
+
+    // 1. Statistics.
+    float piv[VEC];
+    cols_block_stats<scalar_t>(
+        a, st_bytes, active, cnt, valid, c0, q0, slots, sh_state, sh_slots, xbars, 2 * it, piv,
+        [&] {
+          if (tid < a.W) sh_params[tid] = make_float2(pw, pb);
+        },
+        [&](int q, const Welford<float>& st, float pivot0) {
+          const float rstd = rsqrtf(__fdividef(st.m2, st.n) + a.eps);
+          for (int c = q * a.cpg + lane; c < (q + 1) * a.cpg; c += 32) {
+            const float2 p = sh_params[c];
+            const float sc = rstd * p.x;
+            sh_chan[c] = make_float2(sc, fmaf(-st.mean, sc, p.y));
+          }
+          if (lane == 0) sh_gstat[q] = make_float4(rstd, st.mean, pivot0, 0.f);
+        });
+    __syncthreads();
+    float sc[VEC], bd[VEC];
+#pragma unroll
+    for (int j = 0; j < VEC; j += 2) {
+      const float4 p = reinterpret_cast<const float4*>(sh_chan)[(c0 + j) / 2];
+      sc[j] = p.x;
+      bd[j] = p.y;
+      sc[j + 1] = p.z;
+      bd[j + 1] = p.w;
+    }
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) piv[j] = sh_gstat[q0 + slot_of(j)].z;  // the group's pivot0 (rank 0's)
+
+    // 2. This thread's sums of dz and dz * (x - pivot0) a channel, then the CTA's, in a fixed order.
+    {
+      float sdz[VEC], sdx[VEC];
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) sdz[j] = sdx[j] = 0.f;
+#pragma unroll 2
+      for (int k = 0; k < cnt; ++k) {
+        const int i = tid + k * a.R * a.TCV;
+        const uint4 xr = xb[i], dr = db[i];
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+          const float xd = elt_to_float<scalar_t>(xr, j) - piv[j];
+          const float dz = dz_of(elt_to_float<scalar_t>(dr, j), fmaf(xd, sc[j], bd[j]));
+          sdz[j] += dz;
+          sdx[j] = fmaf(dz, xd, sdx[j]);
+        }
+      }
+      if (active) {
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) sh_tab[trow * a.W + c0 + j] = make_float2(sdz[j], sdx[j]);
+      }
+    }
+    __syncthreads();
+    // Thread (slice q, channel c) adds rows q, q + Q, ... into row q; then thread c adds the slices.
+    const int Q = THREADS / a.W, nq = min(Q, a.R);
+    {
+      const int c = tid % a.W, q = tid / a.W;
+      if (q < nq) {
+        float2 t = sh_tab[q * a.W + c];
+        for (int r = q + Q; r < a.R; r += Q) {
+          const float2 u = sh_tab[r * a.W + c];
+          t.x += u.x;
+          t.y += u.y;
+        }
+        sh_tab[q * a.W + c] = t;
+      }
+    }
+    __syncthreads();
+    if (tid < a.W) {
+      float2 t = sh_tab[tid];
+      for (int q = 1; q < nq; ++q) {
+        const float2 u = sh_tab[q * a.W + tid];
+        t.x += u.x;
+        t.y += u.y;
+      }
+      const int qg = tid / a.cpg;
+      const float4 gs = sh_gstat[qg];
+      const float sdzx = gs.x * fmaf(-gs.y, t.x, t.y);  // sum dz * xhat = rstd * (sum dz * xd - md * sum dz)
+      ga.sums[((n * G + static_cast<int64_t>(blk) * a.gb + qg) * K + rank) * a.cpg + tid % a.cpg] =
+          make_float2(t.x, sdzx);
+      const float gc = sh_params[tid].x;
+      sh_tab[tid] = make_float2(gc * t.x, gc * sdzx);  // this CTA's shares of m1, m2 (times M)
+    }
+    __syncthreads();
+
+    // A warp a group sends the group's shares to every rank; then every rank's, added in rank order, give m1, m2
+    // and dx = sc_c * dz + D * xd + Bd, D = -rstd^2 * m2 / M, Bd = -D * md - rstd * m1 / M.
+    {
+      const int64_t e = 2 * it + 1;
+      const int b = static_cast<int>(e & 1);
+      const uint32_t xbar = static_cast<uint32_t>(__cvta_generic_to_shared(&xbars[b]));
+      if (tid == 0 && K > 1) wgmma::mbar_expect_tx(xbar, static_cast<uint32_t>(K * a.gb) * 16u);
+      for (int q = warp; q < a.gb; q += WARPS) {
+        float t1 = 0.f, t2 = 0.f;
+        for (int c = q * a.cpg + lane; c < (q + 1) * a.cpg; c += 32) {
+          const float2 u = sh_tab[c];
+          t1 += u.x;
+          t2 += u.y;
+        }
+        sum_lanes(t1, t2);
+        cols_send(make_float4(t1, t2, 0.f, 0.f), q, b, a.gb, K, rank, sh_slots, xbar);
+      }
+      if (K == 1) __syncthreads();
+      else wgmma::mbar_wait(xbar, static_cast<uint32_t>(e >> 1) & 1u);
+      const float inv_m = 1.f / (static_cast<float>(a.S) * static_cast<float>(a.cpg));
+      for (int q = warp; q < a.gb; q += WARPS) {
+        const float4 r = lane < K ? sh_slots[(b * K + lane) * a.gb + q] : make_float4(0.f, 0.f, 0.f, 0.f);
+        float m1 = r.x, m2 = r.y;
+        sum_lanes(m1, m2);
+        if (lane == 0) {
+          const float4 gs = sh_gstat[q];
+          const float D = -gs.x * gs.x * m2 * inv_m;
+          sh_gcoef[q] = make_float4(D, fmaf(-D, gs.y, -gs.x * m1 * inv_m), 0.f, 0.f);
+        }
+      }
+      __syncthreads();
+    }
+
+    // 3. dx.
+    {
+      float D[VEC], Bd[VEC];
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        const float4 gc = sh_gcoef[q0 + slot_of(j)];
+        D[j] = gc.x;
+        Bd[j] = gc.y;
+      }
+      scalar_t* y = a.out + (n * a.S + r0 + trow) * a.C + static_cast<int64_t>(blk) * a.W + c0;
+      const int64_t step = static_cast<int64_t>(a.R) * a.C;
+#pragma unroll 2
+      for (int k = 0; k < cnt; ++k) {
+        const int i = tid + k * a.R * a.TCV;
+        const uint4 xr = xb[i], dr = db[i];
+        uint4 o;
+#pragma unroll
+        for (int j = 0; j < VEC; j += 2) {
+          float d[2];
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const float xd = elt_to_float<scalar_t>(xr, j + h) - piv[j + h];
+            const float dz = dz_of(elt_to_float<scalar_t>(dr, j + h), fmaf(xd, sc[j + h], bd[j + h]));
+            d[h] = fmaf(dz, sc[j + h], fmaf(xd, D[j + h], Bd[j + h]));
+          }
+          store_pair<scalar_t>(o, j / 2, d[0], d[1]);
+        }
+        store_v4(y, o);
+        y += step;
+      }
     }
     ring.release(it, a.stages, issue);
   }
@@ -2894,6 +3207,24 @@ GradPlan plan_grad(Kernel kernel, int64_t cpg, int64_t S, int device) {
   return p;
 }
 
+// Versions 7 and 10: one float workspace for the CTAs' per-channel sums ([N * G][K][cpg] float2) and grad_weight /
+// grad_bias's scratch; run(sums) launches the kernel that writes the sums, then grad_params_kernel adds them.
+template <typename scalar_t, typename Run>
+void on_chip_param_grads(const GNShape& s, int K, const at::Tensor& like, at::ScalarType wdtype,
+                         at::ScalarType bdtype, cudaStream_t stream, at::Tensor& dw, at::Tensor& db, Run&& run) {
+  const int64_t cpg = s.C / s.G;
+  const ParamGrads<scalar_t, float> pg{wdtype, bdtype};
+  const int64_t n_sums = s.N * s.G * K * cpg * 2;
+  at::Tensor ws = at::empty({n_sums + pg.scratch(s.C)}, like.options().dtype(at::kFloat));
+  float2* sums = reinterpret_cast<float2*>(ws.mutable_data_ptr<float>());
+  run(sums);
+  const unsigned blocks = grid_of(ceil_div(s.C, int64_t{kWarps}), kOp);
+  pg.run(ws, n_sums, s.C, [&](auto* dwp, auto* dbp) {
+    using out_t = std::remove_pointer_t<decltype(dwp)>;
+    grad_params_kernel<out_t><<<blocks, kThreads, 0, stream>>>(sums, s.N, s.G, K, static_cast<int>(cpg), dwp, dbp);
+  }, dw, db);
+}
+
 // Runs version 7 when the shape, dtype, alignment and device allow it, with grad_weight / grad_bias in the
 // parameters' dtypes (wdtype, bdtype); false (nothing launched) leaves the work to version 1.
 template <typename scalar_t>
@@ -2927,27 +3258,19 @@ bool backward_smem(const GNShape& s, const scalar_t* x, const scalar_t* dy, scal
     }
     const int K = p.K;
 
-    // The CTAs' per-channel sums and grad_weight / grad_bias's scratch: one allocation.
-    const ParamGrads<scalar_t, float> pg{wdtype, bdtype};
-    const int64_t n_sums = s.N * s.G * K * cpg * 2;
-    at::Tensor ws = at::empty({n_sums + pg.scratch(s.C)}, like.options().dtype(at::kFloat));
     SmemGradArgs<scalar_t> a{};
     a.f = fused_args(s, 1, x, dx, w, b, eps, silu, kSmemThreads, K, p.part);
     a.dy = dy;
-    a.sums = reinterpret_cast<float2*>(ws.mutable_data_ptr<float>());
     a.groups = s.N * s.G;
     a.stages = p.stages;
     a.stage_bytes = static_cast<int>(p.stage_bytes);
     a.dy_off = static_cast<int>(p.stage_bytes / 2);
     a.max_runs = p.max_runs;
     a.keep_dz = keep;
-    launch_clusters(kernel, a, std::min<int64_t>(a.groups, p.clusters), K, kSmemThreads, p.smem, stream);
-
-    const unsigned blocks = grid_of(ceil_div(s.C, int64_t{kWarps}), kOp);
-    pg.run(ws, n_sums, s.C, [&](auto* dwp, auto* dbp) {
-      using out_t = std::remove_pointer_t<decltype(dwp)>;
-      grad_params_kernel<out_t><<<blocks, kThreads, 0, stream>>>(a.sums, s.N, s.G, K, static_cast<int>(cpg), dwp, dbp);
-    }, dw, db);
+    on_chip_param_grads<scalar_t>(s, K, like, wdtype, bdtype, stream, dw, db, [&](float2* sums) {
+      a.sums = sums;
+      launch_clusters(kernel, a, std::min<int64_t>(a.groups, p.clusters), K, kSmemThreads, p.smem, stream);
+    });
     return true;
   }
 }
@@ -3012,6 +3335,23 @@ bool forward_l2_cols(const GNShape& s, const scalar_t* x, scalar_t* out, const s
   }
 }
 
+// Rows a tensor-copy box of versions 8 and 10 for a CTA's `need` rows of row_bytes: boxes of <= 256 rows, each a
+// multiple of 128 bytes (tensor copies land on 128-byte boundaries), as few as cover the rows.
+inline int64_t cols_box_rows(int64_t need, int64_t row_bytes) {
+  const int64_t unit = 128 / std::gcd<int64_t>(row_bytes, 128);
+  for (int64_t nbox = ceil_div(need, int64_t{256});; ++nbox) {
+    const int64_t rbox = ceil_div(ceil_div(need, nbox), unit) * unit;
+    if (rbox <= 256) return rbox;
+  }
+}
+
+// Group slots a thread's vector of version 8 / 10 may touch: the most groups one vector column of a block spans.
+inline int cols_slots(int64_t TCV, int64_t cpg, int vec) {
+  int ns = 1;
+  for (int64_t c = 0; c < TCV; ++c) ns = std::max<int>(ns, static_cast<int>((c * vec + vec - 1) / cpg - c * vec / cpg + 1));
+  return ns;
+}
+
 // Runs version 8 (channels_last, sm_90) when the shape, dtype, alignment and device allow it; false leaves the
 // work to version 5 and then version 1.
 template <typename scalar_t>
@@ -3031,9 +3371,7 @@ bool forward_smem_cols(const GNShape& s, const at::Tensor& x, scalar_t* out, con
     if (gb == 0 || 2 * cpg < kVec) return false;
     const int64_t W = gb * cpg, TCV = W / kVec, R = kSmemColsThreads / TCV, row_bytes = W * kElt;
     if (W > 256) return false;  // a tensor-copy box is at most 256 elements wide
-    int ns = 1;
-    for (int64_t c = 0; c < TCV; ++c)
-      ns = std::max<int>(ns, static_cast<int>((c * kVec + kVec - 1) / cpg - c * kVec / cpg + 1));
+    const int ns = cols_slots(TCV, cpg, kVec);
     // The smallest cluster (up to 16) whose parts fit kSmemPartBytes, then larger ones while there are fewer
     // than two CTAs an SM and each thread keeps a row or more (as version 5); past 16 x 48 KB, one stage of up
     // to kSmemBigPartBytes a CTA.
@@ -3043,14 +3381,8 @@ bool forward_smem_cols(const GNShape& s, const at::Tensor& x, scalar_t* out, con
     int sms = 0;
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
     while (K < 16 && items * K < 2 * sms && ceil_div(s.S, 2 * K) >= R) K *= 2;
-    // Boxes of <= 256 rows, each a multiple of 128 bytes (tensor copies land on 128-byte boundaries).
-    const int64_t unit = 128 / std::gcd<int64_t>(row_bytes, 128), need = ceil_div(s.S, K);
-    int64_t nbox = ceil_div(need, int64_t{256}), rbox = 0;
-    for (;; ++nbox) {
-      rbox = ceil_div(ceil_div(need, nbox), unit) * unit;
-      if (rbox <= 256) break;
-    }
-    const int64_t rows = nbox * rbox, part = rows * row_bytes;
+    const int64_t rbox = cols_box_rows(ceil_div(s.S, int64_t{K}), row_bytes);
+    const int64_t rows = ceil_div(ceil_div(s.S, int64_t{K}), rbox) * rbox, part = rows * row_bytes;
     if (part > kSmemBigPartBytes) return false;
     const int64_t stage_bytes = ceil_div(part, int64_t{128}) * 128;
     const int stages = part <= kSmemPartBytes
@@ -3085,6 +3417,118 @@ bool forward_smem_cols(const GNShape& s, const at::Tensor& x, scalar_t* out, con
     a.stage_bytes = static_cast<int>(stage_bytes);
     a.eps = static_cast<float>(eps);
     launch_clusters(kernel, a, std::min<int64_t>(items, clusters), K, kSmemColsThreads, lay.bytes, stream, tx);
+    return true;
+  }
+#else
+  return false;
+#endif
+}
+
+// Per-CTA shared memory of version 10: two CTAs an SM (228 KB, 1 KB of it reserved a CTA).
+constexpr int64_t kColsGradSmem = 112 * 1024;
+
+// Runs version 10 (channels_last backward, sm_90) when the shape, dtype, alignment and device allow it, with
+// grad_weight / grad_bias in the parameters' dtypes; false (nothing launched) leaves the work to version 1.
+template <typename scalar_t>
+bool backward_smem_cols(const GNShape& s, const at::Tensor& x, const at::Tensor& dy, scalar_t* dx, const scalar_t* w,
+                        const scalar_t* b, double eps, bool silu, bool vec, at::ScalarType wdtype,
+                        at::ScalarType bdtype, cudaStream_t stream, at::Tensor& dw, at::Tensor& db) {
+#if defined(VD_SM90A)
+  if constexpr (std::is_same_v<scalar_t, double>) {
+    return false;
+  } else {
+    constexpr int kVec = max_vec<scalar_t>();
+    constexpr int64_t kElt = sizeof(scalar_t);
+    if (!s.channels_last || !vec || grad_backward_choice() == 0 || s.S > std::numeric_limits<int>::max() / 2 ||
+        s.N > std::numeric_limits<int>::max())
+      return false;
+    const int64_t cpg = s.C / s.G;
+    if (2 * cpg < kVec) return false;  // a thread's vector touches at most kSmemColsSlots groups
+    const int device = x.get_device();
+    // The widest block (version 8's, or fewer groups) whose rows of x and dy fit one stage at the smallest
+    // cluster (up to 16) with room left for the rest: x and dy of a block take twice version 8's bytes.
+    struct Geom {
+      int64_t gb = 0, W = 0, TCV = 0, R = 0, rbox = 0, rows = 0, part = 0;
+      int K = 0, ns = 1;
+    } best;
+    auto geom = [&](int64_t gb, int K) {
+      Geom g;
+      g.gb = gb;
+      g.W = gb * cpg;
+      g.TCV = g.W / kVec;
+      g.R = kSmemColsThreads / g.TCV;
+      g.K = K;
+      g.ns = cols_slots(g.TCV, cpg, kVec);
+      const int64_t need = ceil_div(s.S, int64_t{K});
+      g.rbox = cols_box_rows(need, g.W * kElt);
+      g.rows = ceil_div(need, g.rbox) * g.rbox;
+      g.part = g.rows * g.W * kElt;  // a multiple of 128 bytes
+      return g;
+    };
+    auto layout = [&](const Geom& g, int stages) {
+      return SmemColsGradLayout(stages, static_cast<int>(2 * g.part), g.ns, static_cast<int>(g.gb), g.K,
+                                static_cast<int>(g.W), kVec);
+    };
+    for (int64_t gb = cols_block(s, kVec, kElt); gb >= 1 && best.K == 0; --gb) {
+      if (s.G % gb != 0 || gb * cpg % kVec != 0 || gb * cpg > 256) continue;
+      for (int K = 1; K <= 16; K *= 2) {
+        const Geom g = geom(gb, K);
+        if (2 * g.part <= kColsGradSmem && layout(g, 1).bytes <= kColsGradSmem) {
+          best = g;
+          break;
+        }
+      }
+    }
+    // float blocks over 16 CTAs (one stage of ~90 KB each, e.g. (28, 320, 72, 128)) stay with version 1, whose float
+    // kernels run near their own floor: 755 vs 600 us there, 465 vs 471 at (14, 512, 72, 128) (H200; bf16 at the
+    // same plan: 357 vs 463, 232 vs 363).
+    if (best.K == 0 || (sizeof(scalar_t) == 4 && best.K == 16)) return false;
+    // Larger clusters while there are fewer than two CTAs an SM and each thread keeps a row or more (as version 8).
+    const int64_t items = s.N * (s.G / best.gb);
+    int sms = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    while (best.K < 16 && items * best.K < 2 * sms && ceil_div(s.S, int64_t{2 * best.K}) >= best.R)
+      best = geom(best.gb, 2 * best.K);
+    const int64_t stage_bytes = 2 * best.part;
+    const int64_t other = layout(best, 1).bytes - stage_bytes;
+    const int stages = static_cast<int>(
+        std::max<int64_t>(1, std::min<int64_t>(kSmemMaxStages, (kColsGradSmem - other) / stage_bytes)));
+    const SmemColsGradLayout lay = layout(best, stages);
+    auto kernel = silu ? smem_cols_grad_kernel<scalar_t, true> : smem_cols_grad_kernel<scalar_t, false>;
+    const int clusters = resident_clusters(kernel, best.K, device, kSmemColsThreads, lay.bytes);
+    if (clusters == 0) return false;
+    CUtensorMap tx, tdy;
+    const uint32_t box[4] = {static_cast<uint32_t>(best.W), static_cast<uint32_t>(best.rbox), 1, 1};
+    if (!tensor_map_4d(&tx, x, {s.C, s.S, s.N, 1}, {s.C, s.S * s.C, s.N * s.S * s.C}, box, CU_TENSOR_MAP_SWIZZLE_NONE) ||
+        !tensor_map_4d(&tdy, dy, {s.C, s.S, s.N, 1}, {s.C, s.S * s.C, s.N * s.S * s.C}, box, CU_TENSOR_MAP_SWIZZLE_NONE))
+      return false;
+    SmemColsGradArgs<scalar_t> a{};
+    SmemColsArgs<scalar_t>& f = a.f;
+    f.out = dx;
+    f.w = w;
+    f.b = b;
+    f.C = s.C;
+    f.items = items;
+    f.S = static_cast<int>(s.S);
+    f.rows = static_cast<int>(best.rows);
+    f.rbox = static_cast<int>(best.rbox);
+    f.blocks = static_cast<int>(s.G / best.gb);
+    f.cpg = static_cast<int>(cpg);
+    f.gb = static_cast<int>(best.gb);
+    f.W = static_cast<int>(best.W);
+    f.TCV = static_cast<int>(best.TCV);
+    f.R = static_cast<int>(best.R);
+    f.ns = best.ns;
+    f.K = best.K;
+    f.stages = stages;
+    f.stage_bytes = static_cast<int>(stage_bytes);
+    f.eps = static_cast<float>(eps);
+    a.dy_off = static_cast<int>(best.part);
+    on_chip_param_grads<scalar_t>(s, best.K, x, wdtype, bdtype, stream, dw, db, [&](float2* sums) {
+      a.sums = sums;
+      launch_clusters(kernel, a, std::min<int64_t>(items, clusters), best.K, kSmemColsThreads, lay.bytes, stream, tx,
+                      tdy);
+    });
     return true;
   }
 #else
@@ -3235,6 +3679,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_silu_backward_cuda(
     const bool vec = L::can_vectorize(a, s.channels_last, {a.x, a.dy, a.out}) && (!in_place || a.S % L::kVec == 0);
     if (!in_place && backward_smem<scalar_t>(s, a.x, a.dy, a.out, a.w, a.b, eps, silu, vec, x, wdtype, bdtype, stream,
                                              dw, db))
+      return;
+    if (!in_place && backward_smem_cols<scalar_t>(s, x, dy, a.out, a.w, a.b, eps, silu, vec, wdtype, bdtype, stream,
+                                                  dw, db))
       return;
     const int64_t NG = s.N * s.G;
     const at::Tensor stats = L::stats(a, s.channels_last, vec, eps, x.options(), x.get_device(), stream);
