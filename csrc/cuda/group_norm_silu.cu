@@ -3335,14 +3335,23 @@ bool forward_l2_cols(const GNShape& s, const scalar_t* x, scalar_t* out, const s
   }
 }
 
-// Rows a tensor-copy box of versions 8 and 10 for a CTA's `need` rows of row_bytes: boxes of <= 256 rows, each a
-// multiple of 128 bytes (tensor copies land on 128-byte boundaries), as few as cover the rows.
-inline int64_t cols_box_rows(int64_t need, int64_t row_bytes) {
+// The tensor-copy boxes of versions 8 and 10 for a CTA's `need` rows of row_bytes: as few boxes as cover the rows,
+// each of <= 256 rows and a multiple of 128 bytes (tensor copies land on 128-byte boundaries); rows = boxes * rbox.
+struct ColsBoxes {
+  int64_t rbox, rows;
+};
+inline ColsBoxes cols_boxes(int64_t need, int64_t row_bytes) {
   const int64_t unit = 128 / std::gcd<int64_t>(row_bytes, 128);
   for (int64_t nbox = ceil_div(need, int64_t{256});; ++nbox) {
     const int64_t rbox = ceil_div(ceil_div(need, nbox), unit) * unit;
-    if (rbox <= 256) return rbox;
+    if (rbox <= 256) return {rbox, nbox * rbox};
   }
+}
+
+// The 4-D map (C, S, N, 1) of channels_last t for boxes of W channels by rbox rows (versions 8 and 10).
+inline bool cols_tensor_map(CUtensorMap* m, const at::Tensor& t, const GNShape& s, int64_t W, int64_t rbox) {
+  const uint32_t box[4] = {static_cast<uint32_t>(W), static_cast<uint32_t>(rbox), 1, 1};
+  return tensor_map_4d(m, t, {s.C, s.S, s.N, 1}, {s.C, s.S * s.C, s.N * s.S * s.C}, box, CU_TENSOR_MAP_SWIZZLE_NONE);
 }
 
 // Group slots a thread's vector of version 8 / 10 may touch: the most groups one vector column of a block spans.
@@ -3381,8 +3390,8 @@ bool forward_smem_cols(const GNShape& s, const at::Tensor& x, scalar_t* out, con
     int sms = 0;
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
     while (K < 16 && items * K < 2 * sms && ceil_div(s.S, 2 * K) >= R) K *= 2;
-    const int64_t rbox = cols_box_rows(ceil_div(s.S, int64_t{K}), row_bytes);
-    const int64_t rows = ceil_div(ceil_div(s.S, int64_t{K}), rbox) * rbox, part = rows * row_bytes;
+    const auto [rbox, rows] = cols_boxes(ceil_div(s.S, int64_t{K}), row_bytes);
+    const int64_t part = rows * row_bytes;
     if (part > kSmemBigPartBytes) return false;
     const int64_t stage_bytes = ceil_div(part, int64_t{128}) * 128;
     const int stages = part <= kSmemPartBytes
@@ -3393,9 +3402,7 @@ bool forward_smem_cols(const GNShape& s, const at::Tensor& x, scalar_t* out, con
     const int clusters = resident_clusters(kernel, K, device, kSmemColsThreads, lay.bytes);
     if (clusters == 0) return false;
     CUtensorMap tx;
-    const uint32_t box[4] = {static_cast<uint32_t>(W), static_cast<uint32_t>(rbox), 1, 1};
-    if (!tensor_map_4d(&tx, x, {s.C, s.S, s.N, 1}, {s.C, s.S * s.C, s.N * s.S * s.C}, box, CU_TENSOR_MAP_SWIZZLE_NONE))
-      return false;
+    if (!cols_tensor_map(&tx, x, s, W, rbox)) return false;
     SmemColsArgs<scalar_t> a{};
     a.out = out;
     a.w = w;
@@ -3459,9 +3466,9 @@ bool backward_smem_cols(const GNShape& s, const at::Tensor& x, const at::Tensor&
       g.R = kSmemColsThreads / g.TCV;
       g.K = K;
       g.ns = cols_slots(g.TCV, cpg, kVec);
-      const int64_t need = ceil_div(s.S, int64_t{K});
-      g.rbox = cols_box_rows(need, g.W * kElt);
-      g.rows = ceil_div(need, g.rbox) * g.rbox;
+      const ColsBoxes bx = cols_boxes(ceil_div(s.S, int64_t{K}), g.W * kElt);
+      g.rbox = bx.rbox;
+      g.rows = bx.rows;
       g.part = g.rows * g.W * kElt;  // a multiple of 128 bytes
       return g;
     };
@@ -3473,7 +3480,7 @@ bool backward_smem_cols(const GNShape& s, const at::Tensor& x, const at::Tensor&
       if (s.G % gb != 0 || gb * cpg % kVec != 0 || gb * cpg > 256) continue;
       for (int K = 1; K <= 16; K *= 2) {
         const Geom g = geom(gb, K);
-        if (2 * g.part <= kColsGradSmem && layout(g, 1).bytes <= kColsGradSmem) {
+        if (layout(g, 1).bytes <= kColsGradSmem) {
           best = g;
           break;
         }
@@ -3498,10 +3505,7 @@ bool backward_smem_cols(const GNShape& s, const at::Tensor& x, const at::Tensor&
     const int clusters = resident_clusters(kernel, best.K, device, kSmemColsThreads, lay.bytes);
     if (clusters == 0) return false;
     CUtensorMap tx, tdy;
-    const uint32_t box[4] = {static_cast<uint32_t>(best.W), static_cast<uint32_t>(best.rbox), 1, 1};
-    if (!tensor_map_4d(&tx, x, {s.C, s.S, s.N, 1}, {s.C, s.S * s.C, s.N * s.S * s.C}, box, CU_TENSOR_MAP_SWIZZLE_NONE) ||
-        !tensor_map_4d(&tdy, dy, {s.C, s.S, s.N, 1}, {s.C, s.S * s.C, s.N * s.S * s.C}, box, CU_TENSOR_MAP_SWIZZLE_NONE))
-      return false;
+    if (!cols_tensor_map(&tx, x, s, best.W, best.rbox) || !cols_tensor_map(&tdy, dy, s, best.W, best.rbox)) return false;
     SmemColsGradArgs<scalar_t> a{};
     SmemColsArgs<scalar_t>& f = a.f;
     f.out = dx;
