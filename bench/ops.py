@@ -116,7 +116,8 @@ def bench_group_norm_silu_backward(dtype, dev, ceil, variants=False):
     """The backward alone (dx, dgamma, dbeta from dy), each side through autograd with the graph kept
     (retain_graph): eager F.group_norm + F.silu (native_group_norm_backward with the saved statistics, and
     SiLU's backward on the saved pre-activation), inductor's compiled training graph, and ours, whose
-    backward op recomputes the statistics from x. "% ceiling" counts x and dy read once and dx written once
+    backward op reads the statistics its forward saved (with --gn-variants also the backward op computing
+    them itself, "own_stats"). "% ceiling" counts x and dy read once and dx written once
     (what a kernel holding each group on chip would move); the two-pass floor reads x three times (the
     statistics, the sums, dx) and dy twice."""
     shapes = [("unet-320", (28, 320, 72, 128), 0), ("unet-640", (28, 640, 36, 64), 0),
@@ -157,6 +158,10 @@ def bench_group_norm_silu_backward(dtype, dev, ceil, variants=False):
                 times[key] = time_cuda(bwd)
                 if key == "ours":
                     times["ours_device"] = device_time_per_call(bwd)
+                    if variants:
+                        times["own_stats_device"] = device_time_per_call(
+                            lambda i: torch.ops.vd.group_norm_silu_backward(dy, x.detach(), 32, w.detach(), b.detach(),
+                                                                            1e-5, True))
                     for v in GN_BWD_VARIANTS if variants else ():
                         with env_var(*GN_BWD_VARIANTS[v]):
                             times[f"{v}_device"] = device_time_per_call(bwd)
@@ -164,6 +169,8 @@ def bench_group_norm_silu_backward(dtype, dev, ceil, variants=False):
                 del y
             r = _row(name + ("-cl" if cl else ""), times["eager"], times["inductor"], times["ours"], per, "GBps", ceil)
             r["ours_device_ms"] = times["ours_device"]
+            if variants:
+                r["own_stats_device_ms"] = times["own_stats_device"]
             for v in GN_BWD_VARIANTS if variants else ():
                 r[f"{v}_device_ms"] = times[f"{v}_device"]
                 r[f"{v}_ms"] = times[v]

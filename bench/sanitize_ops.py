@@ -108,6 +108,8 @@ def main():
                 g = torch.randn(B, F, C, H, W, device=dev, dtype=dtype).transpose(1, 2)
                 w = torch.randn(C, device=dev, dtype=dtype)
                 torch.ops.vd.group_norm_silu_backward(g, x, 8, w, w, 1e-5, True)
+                _, stats = torch.ops.vd.group_norm_silu_forward(x, 8, w, w, 1e-5, True)
+                torch.ops.vd.group_norm_silu_backward(g, x, 8, w, w, 1e-5, True, stats)
             # The backward on chip (version 7), as chosen and at two CTAs an SM: one CTA with runs shorter than
             # 32 and stages reused (three CTAs an SM as chosen), clusters of 2 to 16 each in one stage of 69-92 KB
             # (parts straddling channels, a short last rank), without SiLU or affine.
@@ -120,6 +122,8 @@ def main():
                         w = torch.randn(shape[1], device=dev, dtype=dtype)
                         torch.ops.vd.group_norm_silu_backward(g, x, 32, w, w, 1e-5, silu)
                         torch.ops.vd.group_norm_silu_backward(g, x, 32, None, None, 1e-5, silu)
+                        _, stats = torch.ops.vd.group_norm_silu_forward(x, 32, w, w, 1e-5, silu)  # the forward's
+                        torch.ops.vd.group_norm_silu_backward(g, x, 32, w, w, 1e-5, silu, stats)
             # The channels_last backward on chip (version 10): K 1 with stages reused, K 16 in one 90 KB stage (gb 4),
             # K 8 after growing, 64-byte rows (gb 2 / 1), a box past the sample, 5-D; without SiLU or affine.
             for shape, groups, silu in [((40, 1280, 9, 16), 32, True), ((2, 320, 72, 128), 32, True),
@@ -131,6 +135,8 @@ def main():
                 w = torch.randn(shape[1], device=dev, dtype=dtype)
                 torch.ops.vd.group_norm_silu_backward(g, x, groups, w, w, 1e-5, silu)
                 torch.ops.vd.group_norm_silu_backward(g, x, groups, None, None, 1e-5, silu)
+                _, stats = torch.ops.vd.group_norm_silu_forward(x, groups, w, w, 1e-5, silu)  # the forward's
+                torch.ops.vd.group_norm_silu_backward(g, x, groups, w, w, 1e-5, silu, stats)
             # channels_last two-pass statistics over two column tiles (a group in both, groups in one only).
             for shape, groups in [((2, 2560, 3, 5), 32), ((1, 2112, 4, 4), 3)]:
                 x = torch.randn(shape, device=dev, dtype=dtype).to(memory_format=torch.channels_last)
@@ -142,7 +148,8 @@ def main():
                 x = torch.randn(shape, device=dev, dtype=dtype)
                 with env_var("VD_GROUP_NORM_KERNEL", "twopass"):
                     torch.ops.vd.group_norm_silu(x, groups, None, None, 1e-5, True)
-            # Each forward kernel family on its own: one block, a cluster of 4, a cluster of 16 (bf16;
+            # Each forward kernel family on its own, writing the statistics too (group_norm_silu_forward: the same
+            # kernels, plus one store a group): one block, a cluster of 4, a cluster of 16 (bf16;
             # two-pass in fp32), version 6 on clusters of 16 (fp32 / bf16; fp32 (1, 960, 72, 128) and the frames-major
             # call below in one stage of over 48 KB a CTA), frames-major over a cluster of 8 / 16.
             for family in ("smem", "l2", "onchip"):
@@ -151,9 +158,9 @@ def main():
                                           ((1, 512, 72, 128), 32), ((1, 960, 72, 128), 32)]:
                         x = torch.randn(shape, device=dev, dtype=dtype)
                         w, b = torch.randn(shape[1], device=dev, dtype=dtype), torch.randn(shape[1], device=dev, dtype=dtype)
-                        torch.ops.vd.group_norm_silu(x, groups, w, b, 1e-5, True)
+                        torch.ops.vd.group_norm_silu_forward(x, groups, w, b, 1e-5, True)
                     x = torch.randn(1, 14, 64, 32, 64, device=dev, dtype=dtype).transpose(1, 2)
-                    torch.ops.vd.group_norm_silu(x, 8, None, None, 1e-5, True)
+                    torch.ops.vd.group_norm_silu_forward(x, 8, None, None, 1e-5, True)
                     # channels_last (version 5 under "l2", 8 under "smem"): clusters of 8 and 1-4, groups straddled
                     # by vectors, a 5-D channels_last_3d input, a block narrower than 128 bytes.
                     # Under "smem" version 8: also one 90 KB stage a CTA at K 16, and K 1 with stages reused.
@@ -165,7 +172,7 @@ def main():
                         fmt = torch.channels_last if len(shape) == 4 else torch.channels_last_3d
                         x = torch.randn(shape, device=dev, dtype=dtype).to(memory_format=fmt)
                         w, b = torch.randn(shape[1], device=dev, dtype=dtype), torch.randn(shape[1], device=dev, dtype=dtype)
-                        torch.ops.vd.group_norm_silu(x, groups, w, b, 1e-5, True)
+                        torch.ops.vd.group_norm_silu_forward(x, groups, w, b, 1e-5, True)
             ran.append("group_norm_silu")
         if want("conv_bn_silu"):
             x = torch.randn(2, 16, 9, 13, device=dev, dtype=dtype)

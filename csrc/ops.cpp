@@ -64,10 +64,16 @@ TORCH_LIBRARY(vd, m) {
   m.def("group_norm_silu(Tensor x, int num_groups, Tensor? weight=None, Tensor? bias=None, "
         "float eps=1e-05, bool silu=True) -> Tensor",
         {at::Tag::flexible_layout});
+  // The same, also returning the statistics the backward reads instead of computing them again: stats is
+  // (3, N, num_groups) float32 (float64 for float64 x), the rows the mean's high part, its low part (the
+  // mean is their sum) and rstd. What the op's autograd formula runs when a gradient is needed.
+  m.def("group_norm_silu_forward(Tensor x, int num_groups, Tensor? weight=None, Tensor? bias=None, "
+        "float eps=1e-05, bool silu=True) -> (Tensor, Tensor)",
+        {at::Tag::flexible_layout});
   // Returns (grad_x, grad_weight, grad_bias); the latter two have shape (C,) and the dtype of
-  // weight (of x when weight is None).
+  // weight (of x when weight is None). stats: group_norm_silu_forward's, or None to compute them from x.
   m.def("group_norm_silu_backward(Tensor grad_out, Tensor x, int num_groups, Tensor? weight, "
-        "Tensor? bias, float eps, bool silu) -> (Tensor, Tensor, Tensor)");
+        "Tensor? bias, float eps, bool silu, Tensor? stats=None) -> (Tensor, Tensor, Tensor)");
 
   m.set_python_module("vdcompile.ops.conv");
   // Conv3d with kernel (k, 1, 1), stride 1, over the frame axis of x (B, C, F, H, W).

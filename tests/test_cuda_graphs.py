@@ -26,6 +26,11 @@ def _bn(c):
             torch.rand(c, device="cuda") + 0.5)
 
 
+def _forward_backward(g, x, w):
+    out, stats = torch.ops.vd.group_norm_silu_forward(x, 32, w, w, 1e-5, True)
+    return (out, stats, *torch.ops.vd.group_norm_silu_backward(g, x, 32, w, w, 1e-5, True, stats))
+
+
 # name -> (input builder, function of the inputs). Each case picks a kernel path of its op.
 CASES = {
     "attention_short": (lambda: [_rand(6, 5, 14, 64) for _ in range(3)],
@@ -51,6 +56,11 @@ CASES = {
     "group_norm_silu_backward_channels_last_on_chip": (
         lambda: [_rand(4, 320, 18, 32, channels_last=True), _rand(4, 320, 18, 32, channels_last=True), _rand(320)],
         lambda g, x, w: torch.ops.vd.group_norm_silu_backward(g, x, 32, w, w, 1e-5, True)),
+    # What autograd runs: the forward writing the statistics, the backward reading them (version 1: 960 channels
+    # channels_last take no on-chip backward).
+    "group_norm_silu_saved_statistics": (
+        lambda: [_rand(2, 960, 9, 11, channels_last=True), _rand(2, 960, 9, 11, channels_last=True), _rand(960)],
+        lambda g, x, w: _forward_backward(g, x, w)),
     "conv_bn_silu": (lambda: [_rand(2, 32, 18, 20, channels_last=True),
                               _rand(48, 32, 3, 3, channels_last=True)],
                      None),  # built below: the BatchNorm tensors are constants of the graph

@@ -285,21 +285,28 @@ def family(request, monkeypatch):
     return request.param
 
 
+def family_cases():
+    """(shape, groups, layout) of the forward's cases in each layout."""
+    return ([(s, g, "contiguous") for s, g in FORWARD_CASES] + [(s, g, "frames-major") for s, g in FRAMES_MAJOR_CASES]
+            + [(s, g, "channels_last") for s, g in CHANNELS_LAST_CASES])
+
+
+def layout_input(shape, layout, dtype, device, scale=3, shift=1):
+    """N(shift, scale^2) input of shape in layout (frames-major: (B, C, F, H, W) over (B, F, C, H, W) memory)."""
+    if layout == "frames-major":
+        B, C, F, H, W = shape
+        return frames_major((torch.randn(B, F, C, H, W, device=device) * scale + shift).to(dtype))
+    x = (torch.randn(shape, device=device) * scale + shift).to(dtype)
+    return channels_last(x) if layout == "channels_last" else x
+
+
 @pytest.mark.parametrize("device", CUDA)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_forward_kernel_families(device, family, dtype):
     torch.manual_seed(0)
-    cases = ([(s, g, "contiguous") for s, g in FORWARD_CASES] + [(s, g, "frames-major") for s, g in FRAMES_MAJOR_CASES]
-             + [(s, g, "channels_last") for s, g in CHANNELS_LAST_CASES])
-    for shape, groups, layout in cases:
+    for shape, groups, layout in family_cases():
         C = shape[1]
-        if layout == "frames-major":
-            B, _, F, H, W = shape
-            x = frames_major((torch.randn(B, F, C, H, W, device=device) * 3 + 1).to(dtype))
-        else:
-            x = (torch.randn(shape, device=device) * 3 + 1).to(dtype)
-            if layout == "channels_last":
-                x = channels_last(x)
+        x = layout_input(shape, layout, dtype, device)
         w, b = torch.randn(C, device=device, dtype=dtype), torch.randn(C, device=device, dtype=dtype)
         for silu in (True, False):
             out = group_norm_silu(x, groups, w, b, 1e-5, silu)
@@ -488,27 +495,30 @@ def backward_on_chip(shape, groups, dtype):
 
 
 def check_backward_kernel(kernel, want, g, x, groups, w, b):
-    """For SiLU and affine on, SiLU off, affine off: asserts whether `kernel` serves the backward, and dx,
-    grad_weight, grad_bias (and dx's layout) against the float64 reference."""
+    """For SiLU and affine on, SiLU off, affine off, each with the statistics computed by the backward and with the
+    forward's (what autograd passes): asserts whether `kernel` serves the backward, and dx, grad_weight, grad_bias
+    (and dx's layout) against the float64 reference."""
     for silu, affine in ((True, True), (False, True), (True, False)):
         wa, ba = (w, b) if affine else (None, None)
-
-        def run():
-            return torch.ops.vd.group_norm_silu_backward(g, x, groups, wa, ba, 1e-5, silu)
-        names = cuda_kernels_run(run)
-        what = f"{tuple(x.shape)} {x.dtype} silu={silu} affine={affine}"
-        assert any(kernel in n for n in names) == want, (what, sorted(set(names)))
-        dx, dw, db = run()
-        assert dx.stride() == x.stride(), f"dx keeps x's layout ({what})"
         xr = x.double().requires_grad_()
         wr = w.double().requires_grad_() if affine else None
         br = b.double().requires_grad_() if affine else None
         inputs = [t for t in (xr, wr, br) if t is not None]
         ref = torch.autograd.grad(reference_group_norm_silu(xr, groups, wr, br, 1e-5, silu), inputs, g.double())
-        assert_close_to(dx, ref[0], x.dtype, what=f"dx {what}")
-        if affine:
-            assert_close_to(dw, ref[1], x.dtype, factor=4, what=f"dw {what}")
-            assert_close_to(db, ref[2], x.dtype, factor=4, what=f"db {what}")
+        _, stats = torch.ops.vd.group_norm_silu_forward(x, groups, wa, ba, 1e-5, silu)
+        for st in (None, stats):
+
+            def run():
+                return torch.ops.vd.group_norm_silu_backward(g, x, groups, wa, ba, 1e-5, silu, st)
+            names = cuda_kernels_run(run)
+            what = f"{tuple(x.shape)} {x.dtype} silu={silu} affine={affine} saved statistics={st is not None}"
+            assert any(kernel in n for n in names) == want, (what, sorted(set(names)))
+            dx, dw, db = run()
+            assert dx.stride() == x.stride(), f"dx keeps x's layout ({what})"
+            assert_close_to(dx, ref[0], x.dtype, what=f"dx {what}")
+            if affine:
+                assert_close_to(dw, ref[1], x.dtype, factor=4, what=f"dw {what}")
+                assert_close_to(db, ref[2], x.dtype, factor=4, what=f"db {what}")
 
 
 @pytest.mark.parametrize("device", CUDA)
@@ -553,18 +563,20 @@ def test_backward_on_chip_deterministic_and_precise(device, cl):
         x = channels_last(x)
     g = torch.randn_like(x)
     w, b = torch.randn(shape[1], device=device), torch.randn(shape[1], device=device)
-    if torch.cuda.get_device_capability(device)[0] >= 9:
-        names = cuda_kernels_run(lambda: torch.ops.vd.group_norm_silu_backward(g, x, 32, w, b, 1e-5, True))
-        assert any(("smem_cols_grad_kernel" if cl else "smem_grad_kernel") in n for n in names), sorted(set(names))
-    first = torch.ops.vd.group_norm_silu_backward(g, x, 32, w, b, 1e-5, True)
-    for _ in range(3):
-        again = torch.ops.vd.group_norm_silu_backward(g, x, 32, w, b, 1e-5, True)
-        for u, v in zip(first, again):
-            assert torch.equal(u, v)
     xr, wr, br = (t.double().requires_grad_() for t in (x, w, b))
     ref = torch.autograd.grad(reference_group_norm_silu(xr, 32, wr, br), (xr, wr, br), g.double())
-    for got, want, name in zip(first, ref, "xwb"):
-        assert_close_to(got, want, torch.float32, factor=5, what=f"grad {name}")
+    _, stats = torch.ops.vd.group_norm_silu_forward(x, 32, w, b, 1e-5, True)
+    for st in (None, stats):  # the statistics taken by the backward, and the forward's (mean as high + low parts)
+        if torch.cuda.get_device_capability(device)[0] >= 9:
+            names = cuda_kernels_run(lambda: torch.ops.vd.group_norm_silu_backward(g, x, 32, w, b, 1e-5, True, st))
+            assert any(("smem_cols_grad_kernel" if cl else "smem_grad_kernel") in n for n in names), sorted(set(names))
+        first = torch.ops.vd.group_norm_silu_backward(g, x, 32, w, b, 1e-5, True, st)
+        for _ in range(3):
+            again = torch.ops.vd.group_norm_silu_backward(g, x, 32, w, b, 1e-5, True, st)
+            for u, v in zip(first, again):
+                assert torch.equal(u, v)
+        for got, want, name in zip(first, ref, "xwb"):
+            assert_close_to(got, want, torch.float32, factor=5, what=f"grad {name} saved statistics={st is not None}")
 
 
 # Version 10 (channels_last backward on chip, sm_90): (shape, groups, taken in 16-bit, taken in fp32). Comments give
@@ -605,3 +617,134 @@ def test_backward_channels_last_on_chip(device, dtype, monkeypatch):
     x = channels_last(torch.randn(2, 320, 72, 128, device=device, dtype=dtype))
     names = cuda_kernels_run(lambda: torch.ops.vd.group_norm_silu_backward(x, x, 32, None, None, 1e-5, True))
     assert not any("smem_cols_grad_kernel" in n for n in names)
+
+
+# The forward's statistics (group_norm_silu_forward; autograd saves them for the backward, as eager GroupNorm saves
+# its mean and rstd): (3, N, G) of mean high part, mean low part, rstd.
+FORWARD_WITH_STATS = torch.ops.vd.group_norm_silu_forward.default
+test_opcheck_forward_with_stats = opcheck_test(FORWARD_WITH_STATS, sample_inputs, DEVICES)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_backward_with_stats(device):
+    from tests.common import run_opcheck
+    for x, groups, w, b, eps, silu in sample_inputs(device, False):
+        _, stats = FORWARD_WITH_STATS(x, groups, w, b, eps, silu)
+        run_opcheck(torch.ops.vd.group_norm_silu_backward.default,
+                    (torch.randn_like(x), x, groups, w, b, eps, silu, stats))
+
+
+def check_stats(stats, x, groups, eps, what):
+    """stats against the float64 group mean and 1 / sqrt(var + eps) of x."""
+    N = x.shape[0]
+    assert stats.shape == (3, N, groups) and stats.is_contiguous(), what
+    assert stats.dtype == (torch.float64 if x.dtype == torch.float64 else torch.float32), what
+    xg = x.double().reshape(N, groups, -1)
+    mean, var = xg.mean(-1), xg.var(-1, unbiased=False)
+    got_mean = stats[0].double() + stats[1].double()
+    # Each statistic within 1e-4 of the group's spread (a wrong group or a lost low part is off by far more).
+    std = var.sqrt()
+    assert ((got_mean - mean).abs() <= 1e-4 * std + 1e-7 * mean.abs()).all(), (what, (got_mean - mean).abs().max())
+    # rstd within 1e-4 relative; 1e-3 where the mean dwarfs the spread 2e4-fold (the two-pass kernels' float
+    # per-thread states hold deviations from a float running mean there: what the backward computing them gets).
+    rel = (stats[2].double() * (var + eps).sqrt() - 1).abs()
+    assert (rel <= (1e-3 if (mean.abs() > 1e3 * std).any() else 1e-4)).all(), (what, rel.max())
+
+
+@pytest.mark.parametrize("device", CUDA)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_forward_statistics(device, family, dtype):
+    # Every kernel family (pinned by VD_GROUP_NORM_KERNEL) on every layout writes the statistics; the output is the
+    # one group_norm_silu gives bit for bit. float32 also on a mean that dwarfs the spread (the low part kept).
+    torch.manual_seed(0)
+    for shape, groups, layout in family_cases():
+        C = shape[1]
+        for scale, shift in ((3, 1), (0.05, 1000)) if dtype == torch.float32 else ((3, 1),):
+            x = layout_input(shape, layout, dtype, device, scale, shift)
+            w, b = torch.randn(C, device=device, dtype=dtype), torch.randn(C, device=device, dtype=dtype)
+            what = f"{family} {layout} {shape} {dtype} shift={shift}"
+            out, stats = FORWARD_WITH_STATS(x, groups, w, b, 1e-5, True)
+            assert torch.equal(out, group_norm_silu(x, groups, w, b, 1e-5, True)), what
+            assert out.stride() == group_norm_silu(x, groups, w, b, 1e-5, True).stride(), what
+            check_stats(stats, x, groups, 1e-5, what)
+
+
+def test_forward_statistics_cpu():
+    torch.manual_seed(0)
+    for dtype in DTYPES:
+        for x in (torch.randn(2, 12, 5, 7) * 3 + 1, channels_last(torch.randn(2, 12, 5, 7) * 0.05 + 1000),
+                  frames_major(torch.randn(2, 3, 12, 4, 5))):
+            x = x.to(dtype)
+            out, stats = FORWARD_WITH_STATS(x, 4, None, None, 1e-5, False)
+            assert torch.equal(out, group_norm_silu(x, 4, None, None, 1e-5, False))
+            check_stats(stats, x, 4, 1e-5, f"cpu {dtype} {tuple(x.shape)}")
+    out, stats = FORWARD_WITH_STATS(torch.randn(0, 4, 3, 3), 2)
+    assert out.shape == (0, 4, 3, 3) and stats.shape == (3, 0, 2)
+
+
+STATS_KERNELS = ("stats_rows_kernel", "stats_cols_kernel", "stats_finalize_kernel")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last", "frames-major"])
+def test_backward_with_saved_statistics(device, dtype, layout, monkeypatch):
+    # The backward given the forward's statistics: against the float64 reference and against the backward computing
+    # them itself; through autograd it is what runs (the same bits). On CUDA also version 1's kernels
+    # (VD_GROUP_NORM_BACKWARD=twopass), which then launch no statistics kernels: x is read twice, not three times.
+    torch.manual_seed(0)
+    shape, groups = (2, 64, 12, 20), 8
+    if layout == "frames-major":
+        x = frames_major((torch.randn(2, 12, 64, 4, 5, device=device) * 3 + 1).to(dtype))
+        g = frames_major(torch.randn(2, 12, 64, 4, 5, device=device, dtype=dtype))
+    else:
+        x = (torch.randn(shape, device=device) * 3 + 1).to(dtype)
+        g = torch.randn(shape, device=device, dtype=dtype)
+        if layout == "channels_last":
+            x, g = channels_last(x), channels_last(g)
+    C = x.shape[1]
+    w, b = torch.randn(C, device=device, dtype=dtype), torch.randn(C, device=device, dtype=dtype)
+    xr, wr, br = (t.double().requires_grad_() for t in (x, w, b))
+    ref = torch.autograd.grad(reference_group_norm_silu(xr, groups, wr, br), (xr, wr, br), g.double())
+    for variant in ("default", "twopass") if device == "cuda" else ("default",):
+        if variant == "twopass":
+            monkeypatch.setenv("VD_GROUP_NORM_BACKWARD", "twopass")
+        _, stats = FORWARD_WITH_STATS(x, groups, w, b, 1e-5, True)
+        got = torch.ops.vd.group_norm_silu_backward(g, x, groups, w, b, 1e-5, True, stats)
+        own = torch.ops.vd.group_norm_silu_backward(g, x, groups, w, b, 1e-5, True)
+        for t, o, want, name, factor in zip(got, own, ref, "xwb", (1, 4, 4)):
+            what = f"grad {name} {variant} {layout} {dtype}"
+            assert_close_to(t, want, dtype, factor=factor, what=what)
+            assert_close_to(t, o.double(), dtype, factor=factor, what=what + " vs statistics recomputed")
+        xa, wa, ba = (t.detach().requires_grad_() for t in (x, w, b))
+        y = group_norm_silu(xa, groups, wa, ba)
+        assert "group_norm_silu_forward" in type(y.grad_fn).__name__
+        for t, a in zip(got, torch.autograd.grad(y, (xa, wa, ba), g)):
+            assert torch.equal(t, a)
+        if variant == "twopass":
+            with_stats = cuda_kernels_run(
+                lambda: torch.ops.vd.group_norm_silu_backward(g, x, groups, w, b, 1e-5, True, stats))
+            without = cuda_kernels_run(lambda: torch.ops.vd.group_norm_silu_backward(g, x, groups, w, b, 1e-5, True))
+            assert not any(k in n for n in with_stats for k in STATS_KERNELS), sorted(set(with_stats))
+            assert any(k in n for n in without for k in STATS_KERNELS), sorted(set(without))
+    with torch.no_grad():  # no gradient asked for: the op's own kernel, nothing saved
+        assert group_norm_silu(x.requires_grad_(), groups, w, b).grad_fn is None
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_statistics(device):
+    x = torch.randn(2, 8, 4, 4, device=device)
+    g = torch.randn_like(x)
+    _, stats = FORWARD_WITH_STATS(x, 4)
+    bwd = torch.ops.vd.group_norm_silu_backward
+    with pytest.raises(RuntimeError, match="stats must have shape \\(3, 2, 4\\)"):
+        bwd(g, x, 4, None, None, 1e-5, True, stats[:, :, :2])
+    with pytest.raises(RuntimeError, match="stats must have shape \\(3, 2, 2\\)"):
+        bwd(g, x, 2, None, None, 1e-5, True, stats)
+    with pytest.raises(TypeError, match="stats must be Float for x of dtype Float, got Double"):
+        bwd(g, x, 4, None, None, 1e-5, True, stats.double())
+    with pytest.raises(RuntimeError, match="stats must be contiguous"):
+        bwd(g, x, 4, None, None, 1e-5, True, stats.transpose(1, 2).contiguous().transpose(1, 2))
+    if device == "cpu" and torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="stats is on"):
+            bwd(g, x, 4, None, None, 1e-5, True, stats.cuda())

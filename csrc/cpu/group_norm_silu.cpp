@@ -80,10 +80,35 @@ void per_channel_affine(const GNShape& s, const std::vector<double>& rstd, const
     }
 }
 
-at::Tensor group_norm_silu_cpu(const at::Tensor& x_in, int64_t num_groups,
-                               const std::optional<at::Tensor>& weight,
-                               const std::optional<at::Tensor>& bias, double eps, bool silu) {
-  GNShape s = check_group_norm(x_in, num_groups, weight, bias, eps);
+// The statistics as the ops exchange them (norm.h): the double mean split into high and low parts of the
+// statistics' dtype, and rstd.
+template <typename stat_t>
+void write_stats(const std::vector<double>& mean, const std::vector<double>& rstd, at::Tensor& stats) {
+  stat_t* p = stats.mutable_data_ptr<stat_t>();
+  const int64_t NG = static_cast<int64_t>(mean.size());
+  for (int64_t i = 0; i < NG; ++i) {
+    const stat_t hi = static_cast<stat_t>(mean[i]);
+    p[i] = hi;
+    p[NG + i] = static_cast<stat_t>(mean[i] - static_cast<double>(hi));
+    p[2 * NG + i] = static_cast<stat_t>(rstd[i]);
+  }
+}
+
+template <typename stat_t>
+void read_stats(const at::Tensor& stats, std::vector<double>& mean, std::vector<double>& rstd) {
+  const stat_t* p = stats.const_data_ptr<stat_t>();
+  const int64_t NG = stats.size(1) * stats.size(2);
+  mean.resize(NG);
+  rstd.resize(NG);
+  for (int64_t i = 0; i < NG; ++i) {
+    mean[i] = static_cast<double>(p[i]) + static_cast<double>(p[NG + i]);
+    rstd[i] = static_cast<double>(p[2 * NG + i]);
+  }
+}
+
+// The forward; writes the statistics into stats when it is defined.
+at::Tensor forward_cpu(const at::Tensor& x_in, const GNShape& s, const std::optional<at::Tensor>& weight,
+                       const std::optional<at::Tensor>& bias, double eps, bool silu, at::Tensor stats) {
   at::Tensor x = x_in.contiguous(layout_memory_format(x_in));
   at::Tensor out = at::empty_like(x);
   if (x.numel() == 0) return group_norm_answer(out, x_in, s);
@@ -94,6 +119,10 @@ at::Tensor group_norm_silu_cpu(const at::Tensor& x_in, int64_t num_groups,
     const scalar_t* xp = x.const_data_ptr<scalar_t>();
     scalar_t* op = out.mutable_data_ptr<scalar_t>();
     group_stats(xp, s, eps, mean, rstd);
+    if (stats.defined()) {
+      if (stats.scalar_type() == at::kDouble) write_stats<double>(mean, rstd, stats);
+      else write_stats<float>(mean, rstd, stats);
+    }
     per_channel_affine<scalar_t>(s, rstd, w.defined() ? w.const_data_ptr<scalar_t>() : nullptr,
                                  b.defined() ? b.const_data_ptr<scalar_t>() : nullptr, scale, beta);
     const int64_t cpg = s.C / s.G;
@@ -126,12 +155,30 @@ at::Tensor group_norm_silu_cpu(const at::Tensor& x_in, int64_t num_groups,
   return group_norm_answer(out, x_in, s);
 }
 
+at::Tensor group_norm_silu_cpu(const at::Tensor& x, int64_t num_groups, const std::optional<at::Tensor>& weight,
+                               const std::optional<at::Tensor>& bias, double eps, bool silu) {
+  GNShape s = check_group_norm(x, num_groups, weight, bias, eps);
+  return forward_cpu(x, s, weight, bias, eps, silu, at::Tensor());
+}
+
+std::tuple<at::Tensor, at::Tensor> group_norm_silu_forward_cpu(const at::Tensor& x, int64_t num_groups,
+                                                               const std::optional<at::Tensor>& weight,
+                                                               const std::optional<at::Tensor>& bias, double eps,
+                                                               bool silu) {
+  GNShape s = check_group_norm(x, num_groups, weight, bias, eps);
+  at::Tensor stats = group_norm_stats_output(x, s);
+  if (x.numel() == 0) stats.zero_();  // samples without elements (C or S of 0): mean 0, rstd 0
+  at::Tensor out = forward_cpu(x, s, weight, bias, eps, silu, stats);
+  return {out, stats};
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_silu_backward_cpu(
     const at::Tensor& grad_out, const at::Tensor& x_in, int64_t num_groups,
     const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias, double eps,
-    bool silu) {
+    bool silu, const std::optional<at::Tensor>& stats) {
   GNShape s = check_group_norm(x_in, num_groups, weight, bias, eps);
   check_group_norm_grad_out(grad_out, x_in);
+  if (stats.has_value()) check_group_norm_stats(*stats, x_in, s);
   const auto fmt = layout_memory_format(x_in);
   at::Tensor x = x_in.contiguous(fmt);
   at::Tensor dy = grad_out.contiguous(fmt);
@@ -147,7 +194,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_silu_backward_cpu(
       const scalar_t* wp = w.defined() ? w.const_data_ptr<scalar_t>() : nullptr;
       scalar_t* dxp = dx.mutable_data_ptr<scalar_t>();
       std::vector<double> mean, rstd, scale, beta;
-      group_stats(xp, s, eps, mean, rstd);
+      if (!stats.has_value()) group_stats(xp, s, eps, mean, rstd);
+      else if (stats->scalar_type() == at::kDouble) read_stats<double>(*stats, mean, rstd);
+      else read_stats<float>(*stats, mean, rstd);
       per_channel_affine<scalar_t>(s, rstd, wp, b.defined() ? b.const_data_ptr<scalar_t>() : nullptr,
                                    scale, beta);
       const int64_t cpg = s.C / s.G;
@@ -216,6 +265,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_silu_backward_cpu(
 
 TORCH_LIBRARY_IMPL(vd, CPU, m) {
   m.impl("group_norm_silu", &group_norm_silu_cpu);
+  m.impl("group_norm_silu_forward", &group_norm_silu_forward_cpu);
   m.impl("group_norm_silu_backward", &group_norm_silu_backward_cpu);
 }
 

@@ -853,6 +853,20 @@ __global__ void __launch_bounds__(kThreads, 3) dx_cols_kernel(GNArgs<scalar_t, a
 constexpr int kFusedThreads = 256;
 constexpr int kFusedWarps = kFusedThreads / 32;
 
+// Where a forward leaves each group's statistics for the backward (group_norm_silu_forward; p == nullptr: not
+// asked for): p is (3, NG), the mean's high part, its low part and rstd (norm.h), written once a group.
+struct StatsOut {
+  float* p;
+  int64_t NG;
+  // Group ng, mean = pivot + m: TwoSum splits it into a float and its rounding error, exact whichever is larger.
+  __device__ __forceinline__ void write(int64_t ng, float pivot, float m, float rstd) const {
+    const float hi = __fadd_rn(pivot, m), bv = __fsub_rn(hi, pivot);
+    p[ng] = hi;
+    p[NG + ng] = __fadd_rn(__fsub_rn(pivot, __fsub_rn(hi, bv)), __fsub_rn(m, bv));
+    p[2 * NG + ng] = rstd;
+  }
+};
+
 template <typename scalar_t>
 struct FusedArgs {
   const scalar_t* x;
@@ -869,6 +883,7 @@ struct FusedArgs {
   int part;           // vectors per CTA; the last CTA of a group may hold fewer
   double eps;
   bool silu;
+  StatsOut stats;     // the forward's statistics (versions 3, 4 and 6), when asked for
 };
 
 // barrier.cluster arrive (release) / wait (acquire); a block barrier where there are no clusters.
@@ -1171,6 +1186,8 @@ __global__ void __launch_bounds__(kFusedThreads, fused_min_blocks<V>())
   cluster_arrive();
 
   fill_channel_table<kFusedThreads>(a, g, st, st.mean, sh_chan);
+  if (a.stats.p && tid == 0 && blockIdx.x % a.K == 0)
+    a.stats.write(blockIdx.x / a.K, pivot, st.mean, rsqrtf(__fdividef(st.m2, st.n) + static_cast<float>(a.eps)));
 
   if (a.silu) store_pass<scalar_t, V, true>(a, buf, mine, base, v0, pivot, sh_chan);
   else store_pass<scalar_t, V, false>(a, buf, mine, base, v0, pivot, sh_chan);
@@ -1308,6 +1325,8 @@ __global__ void __launch_bounds__(kL2Threads, 2) l2_rows_kernel(FusedArgs<scalar
   cluster_arrive();  // done reading the other CTAs' shared memory; the wait is just before exit
 
   fill_channel_table<THREADS>(a, g, st, kShift ? st.mean : st.mean + pivot, sh_chan);
+  if (a.stats.p && tid == 0 && blockIdx.x % a.K == 0)
+    a.stats.write(blockIdx.x / a.K, pivot, st.mean, rsqrtf(__fdividef(st.m2, st.n) + static_cast<float>(a.eps)));
 
   // Pass 2: the same vectors again (from L2), normalized and stored; whole batches, then the rest.
   {
@@ -1644,6 +1663,7 @@ __global__ void __launch_bounds__(kSmemThreads, 2) smem_rows_kernel(const SmemAr
         sh_chan[tid] = rstd * gw;
         sh_chan[a.cpg + tid] = fmaf(-shift, rstd * gw, gb);
       }
+      if (a.stats.p && tid == 0 && rank == 0) a.stats.write(ng, pivot0, st.mean, rstd);
       __syncthreads();
     }
 
@@ -1702,6 +1722,7 @@ struct SmemGradArgs {
   int dy_off;
   int max_runs;
   bool keep_dz;           // kDzFlag kernels: SiLU's dz kept (grad_keep_dz)
+  const float* stats;     // the forward's statistics (3, groups: norm.h), or nullptr: taken here from x
 };
 
 // A 16-byte store as one instruction (the compiler split a plain uint4 store into four 4-byte ones here).
@@ -1819,13 +1840,22 @@ __global__ void __launch_bounds__(kSmemThreads, BLOCKS) smem_grad_kernel(const S
       sh_gamma[tid] = a.w ? static_cast<float>(a.w[g * a.cpg + tid]) : 1.f;
       sh_beta[tid] = a.b ? static_cast<float>(a.b[g * a.cpg + tid]) : 0.f;
     }
-    if (nv > 0) wgmma::mbar_wait(bar0 + 8 * stage, ring.parity);
-
     // 1. Statistics. Below, xd = x - pivot0 (exact for x near pivot0) and x - mean = xd - md: z = xd * sc + bd
-    // with sc = rstd * gamma_c, bd = beta_c - md * sc.
-    float pivot0;
-    const Welford<float> st = smem_part_stats<scalar_t, THREADS>(xb, nv, xch, 2 * it, sh_warp, sh_sums, pivot0);
-    const float rstd = rsqrtf(__fdividef(st.m2, st.n) + static_cast<float>(a.eps)), md = st.mean;
+    // with sc = rstd * gamma_c, bd = beta_c - md * sc. The forward's where given (pivot0 the mean's high part,
+    // md its low part; exchange 2 it is then never used), else from the stage (exchange 2 it).
+    float pivot0, rstd, md;
+    if (sa.stats) {
+      pivot0 = sa.stats[ng];
+      md = sa.stats[sa.groups + ng];
+      rstd = sa.stats[2 * sa.groups + ng];
+      if (nv > 0) wgmma::mbar_wait(bar0 + 8 * stage, ring.parity);
+      __syncthreads();  // gamma and beta written
+    } else {
+      if (nv > 0) wgmma::mbar_wait(bar0 + 8 * stage, ring.parity);
+      const Welford<float> st = smem_part_stats<scalar_t, THREADS>(xb, nv, xch, 2 * it, sh_warp, sh_sums, pivot0);
+      rstd = rsqrtf(__fdividef(st.m2, st.n) + static_cast<float>(a.eps));
+      md = st.mean;
+    }
 
     // 2. Sums of dz and dz * xd a run.
     for_runs([&](int r, int k, int hi, int c) {
@@ -2011,6 +2041,7 @@ struct ColsArgs {
   int TCV, R;         // vector columns of a block row, thread rows a CTA (R * TCV <= threads)
   int K;              // CTAs a block (the cluster size)
   float eps;
+  StatsOut stats;     // the forward's statistics, when asked for
 };
 
 // Shared memory of l2_cols_kernel, in floats: per-thread-row sums (2 R W), the CTA's per-channel sums
@@ -2139,6 +2170,8 @@ __global__ void __launch_bounds__(kColsThreads, 2) l2_cols_kernel(ColsArgs<scala
     }
     sh_g[q] = mean;  // relative to the pivot
     sh_g[a.gb + q] = rsqrtf(M2 / (count * static_cast<float>(a.cpg)) + a.eps);
+    if (a.stats.p && rank == 0)
+      a.stats.write(cid * a.gb + q, static_cast<float>(a.x[sample + cb + q * a.cpg]), mean, sh_g[a.gb + q]);
   }
   __syncthreads();
   for (int c = tid; c < W; c += kColsThreads) {
@@ -2218,6 +2251,7 @@ struct SmemColsArgs {
   int K;              // CTAs a block (the cluster size)
   int stages, stage_bytes;
   float eps;
+  StatsOut stats;     // version 8: the forward's statistics, when asked for
 };
 
 // Dynamic shared memory of smem_cols_kernel (byte offsets): the stages, their barriers and the exchange's two,
@@ -2483,6 +2517,7 @@ __global__ void __launch_bounds__(kSmemColsThreads, 2)
             sh_chan[c] = make_float2(ac, fmaf(-shift, ac, p.y));
           }
           if (lane == 0) sh_pivot[q] = pivot0;
+          if (a.stats.p && lane == 0 && rank == 0) a.stats.write(item * a.gb + q, pivot0, st.mean, rstd);
         });
     __syncthreads();
 
@@ -2534,6 +2569,7 @@ struct SmemColsGradArgs {
   SmemColsArgs<scalar_t> f;  // out = dx; a stage holds x's rows, then dy's at dy_off
   float2* sums;              // [N * G][K][cpg]: each CTA's (sum dz, sum dz * xhat) per channel, as version 7's
   int dy_off;                // a multiple of 128 bytes
+  const float* stats;        // the forward's statistics (3, N * G: norm.h), or nullptr: taken here from x
 };
 
 // Dynamic shared memory of smem_cols_grad_kernel (byte offsets): the stages, their barriers and the exchange's two, a
@@ -2638,22 +2674,36 @@ __global__ void __launch_bounds__(kSmemColsThreads, 2)
     }
     if (valid > 0) wgmma::mbar_wait(bar0 + 8 * stage, ring.parity);
 
-    // 1. Statistics.
+    // 1. Statistics: a warp a group writes its channels' sc_c, bd_c and its (rstd, md, pivot0), x - mean = (x -
+    // pivot0) - md. The forward's where given (pivot0 the mean's high part, md its low part; exchange 2 it is then
+    // never used), else version 8's from the stage (exchange 2 it).
     float piv[VEC];
-    cols_block_stats<scalar_t>(
-        a, st_bytes, active, cnt, valid, c0, q0, slots, sh_state, sh_slots, xbars, 2 * it, piv,
-        [&] {
-          if (tid < a.W) sh_params[tid] = make_float2(pw, pb);
-        },
-        [&](int q, const Welford<float>& st, float pivot0) {
-          const float rstd = rsqrtf(__fdividef(st.m2, st.n) + a.eps);
-          for (int c = q * a.cpg + lane; c < (q + 1) * a.cpg; c += 32) {
-            const float2 p = sh_params[c];
-            const float sc = rstd * p.x;
-            sh_chan[c] = make_float2(sc, fmaf(-st.mean, sc, p.y));
-          }
-          if (lane == 0) sh_gstat[q] = make_float4(rstd, st.mean, pivot0, 0.f);
-        });
+    auto group = [&](int q, float rstd, float md, float pivot0) {
+      for (int c = q * a.cpg + lane; c < (q + 1) * a.cpg; c += 32) {
+        const float2 p = sh_params[c];
+        const float sc = rstd * p.x;
+        sh_chan[c] = make_float2(sc, fmaf(-md, sc, p.y));
+      }
+      if (lane == 0) sh_gstat[q] = make_float4(rstd, md, pivot0, 0.f);
+    };
+    if (ga.stats) {
+      if (tid < a.W) sh_params[tid] = make_float2(pw, pb);
+      __syncthreads();
+      const int64_t NG = a.items * a.gb;
+      for (int q = warp; q < a.gb; q += WARPS) {
+        const int64_t ng = n * G + static_cast<int64_t>(blk) * a.gb + q;
+        group(q, ga.stats[2 * NG + ng], ga.stats[NG + ng], ga.stats[ng]);
+      }
+    } else {
+      cols_block_stats<scalar_t>(
+          a, st_bytes, active, cnt, valid, c0, q0, slots, sh_state, sh_slots, xbars, 2 * it, piv,
+          [&] {
+            if (tid < a.W) sh_params[tid] = make_float2(pw, pb);
+          },
+          [&](int q, const Welford<float>& st, float pivot0) {
+            group(q, rsqrtf(__fdividef(st.m2, st.n) + a.eps), st.mean, pivot0);
+          });
+    }
     __syncthreads();
     float sc[VEC], bd[VEC];
 #pragma unroll
@@ -2883,9 +2933,9 @@ struct Launcher {
 
   // mean (hi, lo) and rstd per (n, g), 3 * N * G values of acc_t, a points at them afterwards; the
   // returned buffer holds them (and the partial states before them: one allocation, host time counts on
-  // the small shapes).
+  // the small shapes), or out does where given (the forward's statistics output).
   static at::Tensor stats(Args& a, bool channels_last, bool vec, double eps, const at::TensorOptions& opts,
-                          int device, cudaStream_t stream) {
+                          int device, cudaStream_t stream, acc_t* out = nullptr) {
     const int v = vec ? kVec : 1;
     Args s = a;
     // 16-bit and float "rows" statistics: chunks of kStatBatches batches (stats_rows_kernel)
@@ -2900,7 +2950,7 @@ struct Launcher {
     auto* pp = reinterpret_cast<Welford<double>*>(buf.mutable_data_ptr<double>());
     if (channels_last && s.ctiles > 1)
       C10_CUDA_CHECK(cudaMemsetAsync(pp, 0, n_part * sizeof(double), stream));
-    acc_t* mean = reinterpret_cast<acc_t*>(buf.mutable_data_ptr<double>() + n_part);
+    acc_t* mean = out ? out : reinterpret_cast<acc_t*>(buf.mutable_data_ptr<double>() + n_part);
     const unsigned blocks = grid_of(channels_last ? s.items : ceil_div(s.items, kWarps), kOp);
     if (!channels_last) {
       if (vec) stats_rows_kernel<scalar_t, acc_t, kVec><<<blocks, kThreads, 0, stream>>>(s, pp);
@@ -3083,7 +3133,7 @@ void launch_clusters(Kernel kernel, const Args& a, int64_t groups, int K, int th
 // F: the frames of a frames-major x (its groups are F segments), else 1.
 template <typename scalar_t>
 bool forward_l2(const GNShape& s, int64_t F, const scalar_t* x, scalar_t* out, const scalar_t* w, const scalar_t* b,
-                double eps, bool silu, bool vec, int device, cudaStream_t stream) {
+                double eps, bool silu, bool vec, StatsOut stats, int device, cudaStream_t stream) {
   if constexpr (std::is_same_v<scalar_t, double>) {
     return false;  // float statistics only; fp64 keeps the double-precision path
   } else {
@@ -3101,7 +3151,8 @@ bool forward_l2(const GNShape& s, int64_t F, const scalar_t* x, scalar_t* out, c
     const size_t smem = 2 * cpg * sizeof(float);
     auto kernel = silu ? l2_rows_kernel<scalar_t, true> : l2_rows_kernel<scalar_t, false>;
     if (!cluster_ok(kernel, K, device, kL2Threads, smem)) return false;
-    const auto a = fused_args(s, F, x, out, w, b, eps, silu, kL2Threads, K, ceil_div(M / kVec, K));
+    auto a = fused_args(s, F, x, out, w, b, eps, silu, kL2Threads, K, ceil_div(M / kVec, K));
+    a.stats = stats;
     launch_clusters(kernel, a, s.N * s.G, K, kL2Threads, smem, stream);
     return true;
   }
@@ -3110,7 +3161,7 @@ bool forward_l2(const GNShape& s, int64_t F, const scalar_t* x, scalar_t* out, c
 // Runs version 6 when the shape, dtype, alignment and device allow it; false leaves the work to the others.
 template <typename scalar_t>
 bool forward_smem(const GNShape& s, int64_t F, const scalar_t* x, scalar_t* out, const scalar_t* w, const scalar_t* b,
-                  double eps, bool silu, bool vec, int device, cudaStream_t stream) {
+                  double eps, bool silu, bool vec, StatsOut stats, int device, cudaStream_t stream) {
   if constexpr (std::is_same_v<scalar_t, double>) {
     return false;
   } else {
@@ -3137,6 +3188,7 @@ bool forward_smem(const GNShape& s, int64_t F, const scalar_t* x, scalar_t* out,
     if (clusters == 0) return false;
     SmemArgs<scalar_t> a{};
     a.f = fused_args(s, F, x, out, w, b, eps, silu, threads, K, part);
+    a.f.stats = stats;
     a.groups = s.N * s.G;
     a.stages = stages;
     a.stage_bytes = static_cast<int>(stage_bytes);
@@ -3229,8 +3281,9 @@ void on_chip_param_grads(const GNShape& s, int K, const at::Tensor& like, at::Sc
 // parameters' dtypes (wdtype, bdtype); false (nothing launched) leaves the work to version 1.
 template <typename scalar_t>
 bool backward_smem(const GNShape& s, const scalar_t* x, const scalar_t* dy, scalar_t* dx, const scalar_t* w,
-                   const scalar_t* b, double eps, bool silu, bool vec, const at::Tensor& like, at::ScalarType wdtype,
-                   at::ScalarType bdtype, cudaStream_t stream, at::Tensor& dw, at::Tensor& db) {
+                   const scalar_t* b, double eps, bool silu, bool vec, const float* stats, const at::Tensor& like,
+                   at::ScalarType wdtype, at::ScalarType bdtype, cudaStream_t stream, at::Tensor& dw,
+                   at::Tensor& db) {
   if constexpr (std::is_same_v<scalar_t, double>) {
     return false;
   } else {
@@ -3267,6 +3320,7 @@ bool backward_smem(const GNShape& s, const scalar_t* x, const scalar_t* dy, scal
     a.dy_off = static_cast<int>(p.stage_bytes / 2);
     a.max_runs = p.max_runs;
     a.keep_dz = keep;
+    a.stats = stats;
     on_chip_param_grads<scalar_t>(s, K, like, wdtype, bdtype, stream, dw, db, [&](float2* sums) {
       a.sums = sums;
       launch_clusters(kernel, a, std::min<int64_t>(a.groups, p.clusters), K, kSmemThreads, p.smem, stream);
@@ -3293,7 +3347,7 @@ inline int64_t cols_block(const GNShape& s, int vec, int64_t elt) {
 // version 1's cols kernels.
 template <typename scalar_t>
 bool forward_l2_cols(const GNShape& s, const scalar_t* x, scalar_t* out, const scalar_t* w, const scalar_t* b,
-                     double eps, bool silu, bool vec, int device, cudaStream_t stream) {
+                     double eps, bool silu, bool vec, StatsOut stats, int device, cudaStream_t stream) {
   if constexpr (std::is_same_v<scalar_t, double>) {
     return false;
   } else {
@@ -3330,6 +3384,7 @@ bool forward_l2_cols(const GNShape& s, const scalar_t* x, scalar_t* out, const s
     a.R = static_cast<int>(R);
     a.K = static_cast<int>(K);
     a.eps = static_cast<float>(eps);
+    a.stats = stats;
     launch_clusters(kernel, a, s.N * blocks, static_cast<int>(K), kColsThreads, smem, stream);
     return true;
   }
@@ -3365,7 +3420,7 @@ inline int cols_slots(int64_t TCV, int64_t cpg, int vec) {
 // work to version 5 and then version 1.
 template <typename scalar_t>
 bool forward_smem_cols(const GNShape& s, const at::Tensor& x, scalar_t* out, const scalar_t* w, const scalar_t* b,
-                       double eps, bool silu, bool vec, int device, cudaStream_t stream) {
+                       double eps, bool silu, bool vec, StatsOut stats, int device, cudaStream_t stream) {
 #if defined(VD_SM90A)
   if constexpr (std::is_same_v<scalar_t, double>) {
     return false;
@@ -3423,6 +3478,7 @@ bool forward_smem_cols(const GNShape& s, const at::Tensor& x, scalar_t* out, con
     a.stages = stages;
     a.stage_bytes = static_cast<int>(stage_bytes);
     a.eps = static_cast<float>(eps);
+    a.stats = stats;
     launch_clusters(kernel, a, std::min<int64_t>(items, clusters), K, kSmemColsThreads, lay.bytes, stream, tx);
     return true;
   }
@@ -3438,8 +3494,9 @@ constexpr int64_t kColsGradSmem = 112 * 1024;
 // grad_weight / grad_bias in the parameters' dtypes; false (nothing launched) leaves the work to version 1.
 template <typename scalar_t>
 bool backward_smem_cols(const GNShape& s, const at::Tensor& x, const at::Tensor& dy, scalar_t* dx, const scalar_t* w,
-                        const scalar_t* b, double eps, bool silu, bool vec, at::ScalarType wdtype,
-                        at::ScalarType bdtype, cudaStream_t stream, at::Tensor& dw, at::Tensor& db) {
+                        const scalar_t* b, double eps, bool silu, bool vec, const float* stats,
+                        at::ScalarType wdtype, at::ScalarType bdtype, cudaStream_t stream, at::Tensor& dw,
+                        at::Tensor& db) {
 #if defined(VD_SM90A)
   if constexpr (std::is_same_v<scalar_t, double>) {
     return false;
@@ -3528,6 +3585,7 @@ bool backward_smem_cols(const GNShape& s, const at::Tensor& x, const at::Tensor&
     f.stage_bytes = static_cast<int>(stage_bytes);
     f.eps = static_cast<float>(eps);
     a.dy_off = static_cast<int>(best.part);
+    a.stats = stats;
     on_chip_param_grads<scalar_t>(s, best.K, x, wdtype, bdtype, stream, dw, db, [&](float2* sums) {
       a.sums = sums;
       launch_clusters(kernel, a, std::min<int64_t>(items, clusters), best.K, kSmemColsThreads, lay.bytes, stream, tx,
@@ -3543,7 +3601,8 @@ bool backward_smem_cols(const GNShape& s, const at::Tensor& x, const at::Tensor&
 // Runs version 3 when the shape, dtype and alignment allow it; false leaves the work to version 1.
 template <typename scalar_t>
 bool forward_fused(const GNShape& s, int64_t F, const scalar_t* x, scalar_t* out, const scalar_t* w,
-                   const scalar_t* b, double eps, bool silu, bool vec, int device, cudaStream_t stream) {
+                   const scalar_t* b, double eps, bool silu, bool vec, StatsOut stats, int device,
+                   cudaStream_t stream) {
   if constexpr (std::is_same_v<scalar_t, double>) {
     return false;
   } else {
@@ -3557,7 +3616,8 @@ bool forward_fused(const GNShape& s, int64_t F, const scalar_t* x, scalar_t* out
                            : fused_rows_kernel<scalar_t, 12>;
     // The occupancy query asks for the most shared memory any launch of this kernel does.
     if (!cluster_ok(kernel, p.K, device, kFusedThreads, 2 * kFusedMaxCpg * sizeof(float))) return false;
-    const auto a = fused_args(s, F, x, out, w, b, eps, silu, kFusedThreads, p.K, p.part);
+    auto a = fused_args(s, F, x, out, w, b, eps, silu, kFusedThreads, p.K, p.part);
+    a.stats = stats;
     launch_clusters(kernel, a, s.N * s.G, p.K, kFusedThreads, 2 * cpg * sizeof(float), stream);
     return true;
   }
@@ -3579,9 +3639,9 @@ GNArgs<scalar_t, at::opmath_type<scalar_t>> make_args(const GNShape& s, const at
   return a;
 }
 
-at::Tensor group_norm_silu_cuda(const at::Tensor& x_in, int64_t num_groups, const std::optional<at::Tensor>& weight,
-                                const std::optional<at::Tensor>& bias, double eps, bool silu) {
-  GNShape s = check_group_norm(x_in, num_groups, weight, bias, eps);
+// The forward; every kernel family also writes the statistics into stats ((3, N, G), norm.h) when it is defined.
+at::Tensor forward_cuda(const at::Tensor& x_in, const GNShape& s, const std::optional<at::Tensor>& weight,
+                        const std::optional<at::Tensor>& bias, double eps, bool silu, const at::Tensor& stats) {
   const c10::cuda::CUDAGuard guard(x_in.device());
   at::Tensor out = group_norm_output(x_in, s);
   if (x_in.numel() == 0) return out;
@@ -3597,6 +3657,9 @@ at::Tensor group_norm_silu_cuda(const at::Tensor& x_in, int64_t num_groups, cons
     a.x = x.const_data_ptr<scalar_t>();
     a.out = out.mutable_data_ptr<scalar_t>();
     const bool vec = L::can_vectorize(a, s.channels_last, {a.x, a.out});
+    acc_t* const st = stats.defined() ? stats.mutable_data_ptr<acc_t>() : nullptr;
+    // The float-statistics families (not taken for float64 x) write float statistics.
+    const StatsOut so{std::is_same_v<acc_t, float> ? reinterpret_cast<float*>(st) : nullptr, s.N * s.G};
     if (s.frames_major) {  // version 1 walks (n, f, c) rows of H * W elements
       a.F = x.size(2);
       a.S = s.S / a.F;
@@ -3607,16 +3670,16 @@ at::Tensor group_norm_silu_cuda(const at::Tensor& x_in, int64_t num_groups, cons
     // frames-major only) first for small inputs, and offered once.
     auto l2 = [&] {
       return s.channels_last
-                 ? forward_l2_cols<scalar_t>(s, a.x, a.out, a.w, a.b, eps, silu, vec, x.get_device(), stream)
-                 : forward_l2<scalar_t>(s, a.F, a.x, a.out, a.w, a.b, eps, silu, vec, x.get_device(), stream);
+                 ? forward_l2_cols<scalar_t>(s, a.x, a.out, a.w, a.b, eps, silu, vec, so, x.get_device(), stream)
+                 : forward_l2<scalar_t>(s, a.F, a.x, a.out, a.w, a.b, eps, silu, vec, so, x.get_device(), stream);
     };
     auto onchip = [&] {
-      return forward_fused<scalar_t>(s, a.F, a.x, a.out, a.w, a.b, eps, silu, vec, x.get_device(), stream);
+      return forward_fused<scalar_t>(s, a.F, a.x, a.out, a.w, a.b, eps, silu, vec, so, x.get_device(), stream);
     };
     auto smem = [&] {
       return s.channels_last
-                 ? forward_smem_cols<scalar_t>(s, x, a.out, a.w, a.b, eps, silu, vec, x.get_device(), stream)
-                 : forward_smem<scalar_t>(s, a.F, a.x, a.out, a.w, a.b, eps, silu, vec, x.get_device(), stream);
+                 ? forward_smem_cols<scalar_t>(s, x, a.out, a.w, a.b, eps, silu, vec, so, x.get_device(), stream)
+                 : forward_smem<scalar_t>(s, a.F, a.x, a.out, a.w, a.b, eps, silu, vec, so, x.get_device(), stream);
     };
     if ((any || use == GNKernels::kSmem) && smem()) return;
     const bool small = x.numel() * static_cast<int64_t>(sizeof(scalar_t)) < kSmallBytes;
@@ -3631,7 +3694,7 @@ at::Tensor group_norm_silu_cuda(const at::Tensor& x_in, int64_t num_groups, cons
                            x.numel() * static_cast<int64_t>(sizeof(scalar_t)) <= l2_cache_bytes(x.get_device()));
     if (((any && l2_first) || use == GNKernels::kL2) && l2()) return;
     if (((any && !small) || use == GNKernels::kOnChip) && onchip()) return;
-    const at::Tensor stats = L::stats(a, s.channels_last, vec, eps, x.options(), x.get_device(), stream);
+    const at::Tensor buf = L::stats(a, s.channels_last, vec, eps, x.options(), x.get_device(), stream, st);
     const int v = vec ? L::kVec : 1;
     plan(a, v, a.S, s.channels_last);
     const unsigned blocks = grid_of(s.channels_last ? a.items : ceil_div(a.items, kWarps), kOp);
@@ -3647,11 +3710,29 @@ at::Tensor group_norm_silu_cuda(const at::Tensor& x_in, int64_t num_groups, cons
   return out;
 }
 
+at::Tensor group_norm_silu_cuda(const at::Tensor& x, int64_t num_groups, const std::optional<at::Tensor>& weight,
+                                const std::optional<at::Tensor>& bias, double eps, bool silu) {
+  const GNShape s = check_group_norm(x, num_groups, weight, bias, eps);
+  return forward_cuda(x, s, weight, bias, eps, silu, at::Tensor());
+}
+
+std::tuple<at::Tensor, at::Tensor> group_norm_silu_forward_cuda(const at::Tensor& x, int64_t num_groups,
+                                                                const std::optional<at::Tensor>& weight,
+                                                                const std::optional<at::Tensor>& bias, double eps,
+                                                                bool silu) {
+  const GNShape s = check_group_norm(x, num_groups, weight, bias, eps);
+  at::Tensor stats = group_norm_stats_output(x, s);
+  if (x.numel() == 0) stats.zero_();  // samples without elements (C or S of 0): mean 0, rstd 0, as on the CPU
+  at::Tensor out = forward_cuda(x, s, weight, bias, eps, silu, stats);
+  return {out, stats};
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_silu_backward_cuda(
     const at::Tensor& grad_out, const at::Tensor& x_in, int64_t num_groups, const std::optional<at::Tensor>& weight,
-    const std::optional<at::Tensor>& bias, double eps, bool silu) {
+    const std::optional<at::Tensor>& bias, double eps, bool silu, const std::optional<at::Tensor>& stats_in) {
   GNShape s = check_group_norm(x_in, num_groups, weight, bias, eps);
   check_group_norm_grad_out(grad_out, x_in);
+  if (stats_in.has_value()) check_group_norm_stats(*stats_in, x_in, s);
   const c10::cuda::CUDAGuard guard(x_in.device());
   const auto fmt = layout_memory_format(x_in);
   // Frames-major x and grad_out (what SVD's temporal blocks pass and get back) are read in place, as
@@ -3681,14 +3762,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_silu_backward_cuda(
     }
     // In place, dx's rows move by whole rows of S: vectors need S a multiple of the vector.
     const bool vec = L::can_vectorize(a, s.channels_last, {a.x, a.dy, a.out}) && (!in_place || a.S % L::kVec == 0);
-    if (!in_place && backward_smem<scalar_t>(s, a.x, a.dy, a.out, a.w, a.b, eps, silu, vec, x, wdtype, bdtype, stream,
-                                             dw, db))
+    // The forward's statistics as the float kernels read them (versions 7 and 10 take float input only).
+    const float* stats_f = stats_in.has_value() && std::is_same_v<acc_t, float>
+                               ? reinterpret_cast<const float*>(stats_in->const_data_ptr<acc_t>())
+                               : nullptr;
+    if (!in_place && backward_smem<scalar_t>(s, a.x, a.dy, a.out, a.w, a.b, eps, silu, vec, stats_f, x, wdtype,
+                                             bdtype, stream, dw, db))
       return;
-    if (!in_place && backward_smem_cols<scalar_t>(s, x, dy, a.out, a.w, a.b, eps, silu, vec, wdtype, bdtype, stream,
-                                                  dw, db))
+    if (!in_place && backward_smem_cols<scalar_t>(s, x, dy, a.out, a.w, a.b, eps, silu, vec, stats_f, wdtype, bdtype,
+                                                  stream, dw, db))
       return;
     const int64_t NG = s.N * s.G;
-    const at::Tensor stats = L::stats(a, s.channels_last, vec, eps, x.options(), x.get_device(), stream);
+    // The forward's statistics where given: version 1 then reads x twice, not three times.
+    at::Tensor stats;
+    if (stats_in.has_value()) {
+      const acc_t* st = stats_in->const_data_ptr<acc_t>();
+      a.mean = st;
+      a.mean_lo = st + NG;
+      a.rstd = st + 2 * NG;
+    } else {
+      stats = L::stats(a, s.channels_last, vec, eps, x.options(), x.get_device(), stream);
+    }
 
     // Per (n, c) partial sums of dz and dz * xhat, their sums per (n, c) and the group means m1, m2 in one
     // workspace: allocations and launches are most of the host time on the small shapes.
@@ -3744,6 +3838,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_silu_backward_cuda(
 
 TORCH_LIBRARY_IMPL(vd, CUDA, m) {
   m.impl("group_norm_silu", &group_norm_silu_cuda);
+  m.impl("group_norm_silu_forward", &group_norm_silu_forward_cuda);
   m.impl("group_norm_silu_backward", &group_norm_silu_backward_cuda);
 }
 

@@ -68,9 +68,23 @@ def _group_norm_silu_fake(x, num_groups, weight=None, bias=None, eps=1e-5, silu=
     return empty_in_layout(x)
 
 
+def _stats_dtype(x):
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+@torch.library.register_fake("vd::group_norm_silu_forward")
+def _group_norm_silu_forward_fake(x, num_groups, weight=None, bias=None, eps=1e-5, silu=True):
+    out = _group_norm_silu_fake(x, num_groups, weight, bias, eps, silu)
+    return out, x.new_empty((3, x.shape[0], num_groups), dtype=_stats_dtype(x))
+
+
 @torch.library.register_fake("vd::group_norm_silu_backward")
-def _group_norm_silu_backward_fake(grad_out, x, num_groups, weight, bias, eps, silu):
+def _group_norm_silu_backward_fake(grad_out, x, num_groups, weight, bias, eps, silu, stats=None):
     _check_args(x, num_groups, weight, bias)
+    if stats is not None:
+        torch._check(stats.shape == (3, x.shape[0], num_groups) and stats.dtype == _stats_dtype(x),
+                     lambda: f"vd::group_norm_silu_backward: stats must be {_stats_dtype(x)} of shape "
+                             f"(3, {x.shape[0]}, {num_groups}), got {stats.dtype} {tuple(stats.shape)}")
     C = x.shape[1]
     wdtype = weight.dtype if weight is not None else x.dtype
     bdtype = bias.dtype if bias is not None else wdtype
@@ -81,17 +95,36 @@ def _group_norm_silu_backward_fake(grad_out, x, num_groups, weight, bias, eps, s
 _DEFAULTS = (None, None, 1e-5, True)
 
 
+# Autograd runs group_norm_silu_forward, which also returns each group's statistics (as eager GroupNorm saves
+# its mean and rstd): the backward then reads x twice on the two-pass path instead of three times.
 def _setup_context(ctx, inputs, output):
     x, num_groups, weight, bias, eps, silu = pad_inputs(inputs, 2, _DEFAULTS)
-    ctx.save_for_backward(x, weight, bias)
+    stats = output[1]
+    ctx.mark_non_differentiable(stats)
+    ctx.save_for_backward(x, weight, bias, stats)
     ctx.num_groups, ctx.eps, ctx.silu = num_groups, eps, silu
 
 
-def _backward(ctx, grad):
-    x, weight, bias = ctx.saved_tensors
+def _backward(ctx, grad, _grad_stats):
+    x, weight, bias, stats = ctx.saved_tensors
     dx, dw, db = torch.ops.vd.group_norm_silu_backward.default(
-        grad, x, ctx.num_groups, weight, bias, ctx.eps, ctx.silu)
+        grad, x, ctx.num_groups, weight, bias, ctx.eps, ctx.silu, stats)
     return grads_for(ctx, dx, None, dw, db, None, None)
 
 
-torch.library.register_autograd("vd::group_norm_silu", _backward, setup_context=_setup_context)
+torch.library.register_autograd("vd::group_norm_silu_forward", _backward, setup_context=_setup_context)
+
+_LIB = torch.library.Library("vd", "IMPL")
+
+
+def _group_norm_silu_autograd(keyset, x, num_groups, weight=None, bias=None, eps=1e-5, silu=True):
+    """vd::group_norm_silu's autograd kernel: group_norm_silu_forward when a gradient is needed (its
+    statistics are saved for the backward), else the op's own kernel, without the statistics."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
+        return torch.ops.vd.group_norm_silu_forward.default(x, num_groups, weight, bias, eps, silu)[0]
+    with torch._C._AutoDispatchBelowAutograd():
+        return torch.ops.vd.group_norm_silu.default.redispatch(
+            keyset & torch._C._after_autograd_keyset, x, num_groups, weight, bias, eps, silu)
+
+
+_LIB.impl("group_norm_silu", _group_norm_silu_autograd, "Autograd", with_keyset=True)
