@@ -62,9 +62,11 @@ inline at::ScalarType group_norm_stats_dtype(const at::Tensor& x) {
   return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
 }
 
-// The forward's statistics (3, N, G): mean high part, mean low part, rstd; a contiguous view of them.
+// The forward's statistics (3, N, G): mean high part, mean low part, rstd; zeros where x has no elements (C or S
+// of 0), which no kernel runs for.
 inline at::Tensor group_norm_stats_output(const at::Tensor& x, const GNShape& s) {
-  return at::empty({3, s.N, s.G}, x.options().dtype(group_norm_stats_dtype(x)));
+  const auto opts = x.options().dtype(group_norm_stats_dtype(x));
+  return x.numel() == 0 ? at::zeros({3, s.N, s.G}, opts) : at::empty({3, s.N, s.G}, opts);
 }
 
 // The backward's stats argument (group_norm_silu_forward's): contiguous (3, N, G) of the statistics' dtype.

@@ -1062,12 +1062,14 @@ __device__ __forceinline__ ClusterPart cluster_part(const A& a) {
   return {g, (ng / a.G) * a.nstride + g * a.seg, v0, v1 - v0 > tid ? (v1 - v0 - tid + THREADS - 1) / THREADS : 0};
 }
 
-// The per-channel table of group g from its statistics st: sh_chan[c] = a_c = rstd * gamma_c and
-// sh_chan[cpg + c] = b_c = beta_c - shift * a_c, then a block barrier.
+// The per-channel table of group g from its statistics st (of x - pivot): sh_chan[c] = a_c = rstd * gamma_c and
+// sh_chan[cpg + c] = b_c = beta_c - shift * a_c, then a block barrier; rank 0 also leaves the statistics for the
+// backward where asked (versions 3 and 4: a cluster a group, group blockIdx.x / K).
 template <int THREADS, typename A>
-__device__ __forceinline__ void fill_channel_table(const A& a, int64_t g, const Welford<float>& st, float shift,
-                                                   float* sh_chan) {
+__device__ __forceinline__ void fill_channel_table(const A& a, int64_t g, const Welford<float>& st, float pivot,
+                                                   float shift, float* sh_chan) {
   const float rstd = rsqrtf(__fdividef(st.m2, st.n) + static_cast<float>(a.eps));
+  if (a.stats.p && threadIdx.x == 0 && blockIdx.x % a.K == 0) a.stats.write(blockIdx.x / a.K, pivot, st.mean, rstd);
   const int64_t c0 = g * a.cpg;
   for (int c = threadIdx.x; c < a.cpg; c += THREADS) {
     const float ac = rstd * (a.w ? static_cast<float>(a.w[c0 + c]) : 1.f);
@@ -1185,9 +1187,7 @@ __global__ void __launch_bounds__(kFusedThreads, fused_min_blocks<V>())
   // leaves while its state may still be read.
   cluster_arrive();
 
-  fill_channel_table<kFusedThreads>(a, g, st, st.mean, sh_chan);
-  if (a.stats.p && tid == 0 && blockIdx.x % a.K == 0)
-    a.stats.write(blockIdx.x / a.K, pivot, st.mean, rsqrtf(__fdividef(st.m2, st.n) + static_cast<float>(a.eps)));
+  fill_channel_table<kFusedThreads>(a, g, st, pivot, st.mean, sh_chan);
 
   if (a.silu) store_pass<scalar_t, V, true>(a, buf, mine, base, v0, pivot, sh_chan);
   else store_pass<scalar_t, V, false>(a, buf, mine, base, v0, pivot, sh_chan);
@@ -1324,9 +1324,7 @@ __global__ void __launch_bounds__(kL2Threads, 2) l2_rows_kernel(FusedArgs<scalar
   st = cluster_combine<THREADS / 32>(st, a.K, sh_warp, &sh_cta);
   cluster_arrive();  // done reading the other CTAs' shared memory; the wait is just before exit
 
-  fill_channel_table<THREADS>(a, g, st, kShift ? st.mean : st.mean + pivot, sh_chan);
-  if (a.stats.p && tid == 0 && blockIdx.x % a.K == 0)
-    a.stats.write(blockIdx.x / a.K, pivot, st.mean, rsqrtf(__fdividef(st.m2, st.n) + static_cast<float>(a.eps)));
+  fill_channel_table<THREADS>(a, g, st, pivot, kShift ? st.mean : st.mean + pivot, sh_chan);
 
   // Pass 2: the same vectors again (from L2), normalized and stored; whole batches, then the rest.
   {
@@ -1844,7 +1842,7 @@ __global__ void __launch_bounds__(kSmemThreads, BLOCKS) smem_grad_kernel(const S
     // with sc = rstd * gamma_c, bd = beta_c - md * sc. The forward's where given (pivot0 the mean's high part,
     // md its low part; exchange 2 it is then never used), else from the stage (exchange 2 it).
     float pivot0, rstd, md;
-    if (sa.stats) {
+    if (sa.stats) {  // loaded ahead of the stage's wait
       pivot0 = sa.stats[ng];
       md = sa.stats[sa.groups + ng];
       rstd = sa.stats[2 * sa.groups + ng];
@@ -2691,7 +2689,7 @@ __global__ void __launch_bounds__(kSmemColsThreads, 2)
       __syncthreads();
       const int64_t NG = a.items * a.gb;
       for (int q = warp; q < a.gb; q += WARPS) {
-        const int64_t ng = n * G + static_cast<int64_t>(blk) * a.gb + q;
+        const int64_t ng = item * a.gb + q;  // as version 8 writes them
         group(q, ga.stats[2 * NG + ng], ga.stats[NG + ng], ga.stats[ng]);
       }
     } else {
@@ -3722,7 +3720,6 @@ std::tuple<at::Tensor, at::Tensor> group_norm_silu_forward_cuda(const at::Tensor
                                                                 bool silu) {
   const GNShape s = check_group_norm(x, num_groups, weight, bias, eps);
   at::Tensor stats = group_norm_stats_output(x, s);
-  if (x.numel() == 0) stats.zero_();  // samples without elements (C or S of 0): mean 0, rstd 0, as on the CPU
   at::Tensor out = forward_cuda(x, s, weight, bias, eps, silu, stats);
   return {out, stats};
 }
