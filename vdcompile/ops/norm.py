@@ -101,11 +101,16 @@ def _setup_context(ctx, inputs, output):
     x, num_groups, weight, bias, eps, silu = pad_inputs(inputs, 2, _DEFAULTS)
     stats = output[1]
     ctx.mark_non_differentiable(stats)
+    # stats gets no gradient: without this, autograd would allocate and zero-fill one (a kernel launch) on
+    # every backward call only for _backward to ignore it.
+    ctx.set_materialize_grads(False)
     ctx.save_for_backward(x, weight, bias, stats)
     ctx.num_groups, ctx.eps, ctx.silu = num_groups, eps, silu
 
 
 def _backward(ctx, grad, _grad_stats):
+    if grad is None:  # y's gradient unused (grads are not materialized)
+        return grads_for(ctx, None, None, None, None, None, None)
     x, weight, bias, stats = ctx.saved_tensors
     dx, dw, db = torch.ops.vd.group_norm_silu_backward.default(
         grad, x, ctx.num_groups, weight, bias, ctx.eps, ctx.silu, stats)
