@@ -102,8 +102,9 @@ def main():
                                             ((1, 64, 14, 32, 64), 8)]:
                 x = torch.randn(B, F, C, H, W, device=dev, dtype=dtype).transpose(1, 2)
                 torch.ops.vd.group_norm_silu(x, groups, None, None, 1e-5, True)
-            # The backward on frames-major x and grad_out, read in place (vector and scalar rows).
-            for (B, C, F, H, W) in [(2, 64, 3, 4, 8), (1, 32, 3, 5, 7)]:
+            # The backward on frames-major x and grad_out, read in place (vector and scalar rows; rows of whole
+            # batches of loads and a rest, two chunks a row).
+            for (B, C, F, H, W) in [(2, 64, 3, 4, 8), (1, 32, 3, 5, 7), (1, 16, 2, 40, 65)]:
                 x = torch.randn(B, F, C, H, W, device=dev, dtype=dtype).transpose(1, 2)
                 g = torch.randn(B, F, C, H, W, device=dev, dtype=dtype).transpose(1, 2)
                 w = torch.randn(C, device=dev, dtype=dtype)

@@ -232,11 +232,13 @@ def test_frames_major(device, shape, groups, dtype):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("shape,groups", [((2, 16, 3, 4, 8), 4), ((1, 32, 3, 5, 7), 4), ((2, 64, 5, 6, 8), 8)])
+@pytest.mark.parametrize("shape,groups", [((2, 16, 3, 4, 8), 4), ((1, 32, 3, 5, 7), 4), ((2, 64, 5, 6, 8), 8),
+                                          ((1, 32, 3, 24, 40), 4), ((1, 16, 2, 40, 65), 4)])
 @pytest.mark.parametrize("dy_layout", ["frames-major", "contiguous"])
 def test_frames_major_backward(device, shape, groups, dy_layout):
     # Frames-major x with a frames-major grad_out is read in place on CUDA (rows (n, f, c), dx written to its
-    # contiguous rows; H * W = 35 takes the scalar path); with a contiguous grad_out both are copied.
+    # contiguous rows; H * W = 35 takes the scalar path); with a contiguous grad_out both are copied. Rows of
+    # 960 and 2600 elements: whole batches of loads and the rest after them, two chunks a row at 2600.
     torch.manual_seed(0)
     B, C, F, H, W = shape
     for dtype in DTYPES:
