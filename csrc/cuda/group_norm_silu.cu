@@ -1754,8 +1754,8 @@ __global__ void __launch_bounds__(kSmemThreads, 2) smem_rows_kernel(const SmemAr
 //      CTA the group's. With SiLU it also writes dz over dy in the stage (grad_keep_dz);
 //   3. dx = rstd * (dz * gamma - m1 - xhat * m2), 16-byte stores.
 // grad_params_kernel then adds the CTAs' sums over samples and ranks (fixed order). Two CTAs an SM with stages of
-// up to 48 KB (one of up to 96 KB at K = 16), or three with up to 36 KB where that keeps the cluster as small
-// (backward_smem).
+// up to 48 KB (one of up to 96 KB), or three with up to 36 KB (one of up to 72 KB) where that keeps the cluster as
+// small (backward_smem).
 
 // A stage holds x's part and dy's; stages * stage_bytes <= 2 * grad_stage_bytes<BLOCKS>(), BLOCKS CTAs an SM:
 // 2 with stages of up to 48 KB, 3 with up to 36 KB (registers capped at 85 a thread).
@@ -3299,8 +3299,9 @@ GradPlan plan_grad(Kernel kernel, int64_t cpg, int64_t S, int device) {
   // and the SM's other CTA overlaps a CTA's single stage. Against the smallest cluster with parts of <= 48 KB in
   // two stages (H200, same-process A/B, us): bf16 (28, 320, 72, 128) 190.5 vs 219.3, (28, 640, 36, 64) 103.8 vs
   // 114.7, (14, 512, 72, 128) 168.8 vs 178.1; fp32 (28, 320, 72, 128) 410.6 vs 499.4, (28, 640, 36, 64) 210.6 vs
-  // 237.3. Three CTAs an SM keep parts of <= 36 KB.
-  const int64_t limit = (BLOCKS == 2 ? 2 : 1) * grad_stage_bytes<BLOCKS>();
+  // 237.3. Three CTAs an SM: one stage of up to 72 KB (backward_smem takes it where two CTAs an SM do not split
+  // the group finer).
+  const int64_t limit = 2 * grad_stage_bytes<BLOCKS>();
   int K = 1;
   while (K < 16 && stage_of(ceil_div(Mv, K)) > limit) K *= 2;
   p.part = ceil_div(Mv, K);
@@ -3352,14 +3353,16 @@ bool backward_smem(const GNShape& s, const scalar_t* x, const scalar_t* dy, scal
     auto kernel = grad_kernel<scalar_t, 2>(silu, keep);
     GradPlan p = plan_grad<scalar_t, 2>(kernel, cpg, s.S, device);
     if (p.K == 0) return false;
-    // Three CTAs an SM (36 KB stages) where the cluster stays as small. Since two CTAs an SM take parts of up to
-    // 96 KB, that is only K = 1 with x and dy of a group within 36 KB; measured when both took parts of <= 48 KB
-    // (H200, bf16): (14, 512, 72, 128) 0.209 vs 0.243 ms at K = 16, and where K doubled the exchanges cost more
-    // than the extra CTAs gave (0.302 vs 0.250 ms at (28, 320, 72, 128)).
+    // Three CTAs an SM where the cluster stays as small: with 2-4 stages of up to 36 KB where two CTAs an SM would
+    // take K = 1 with x and dy of a group within 36 KB (measured when both took parts of <= 48 KB (H200, bf16):
+    // (14, 512, 72, 128) 0.209 vs 0.243 ms at K = 16; where K doubled, the exchanges cost more than the extra CTAs
+    // gave: 0.302 vs 0.250 ms at (28, 320, 72, 128)); with one stage of up to 72 KB where two CTAs an SM take a
+    // single stage too (same-process A/B, H200, us: bf16 (28, 960, 72, 128) 493 vs 582, (14, 512, 72, 128) 134 vs
+    // 149; fp16 488 vs 578, 132 vs 149).
     if (choice == 3) {
       auto kernel3 = grad_kernel<scalar_t, 3>(silu, keep);
       const GradPlan p3 = plan_grad<scalar_t, 3>(kernel3, cpg, s.S, device);
-      if (p3.K == p.K) {
+      if (p3.K == p.K && (p3.stages > 1 || p.stages == 1)) {
         p = p3;
         kernel = kernel3;
       }
