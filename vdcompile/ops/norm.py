@@ -4,7 +4,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from vdcompile.ops._utils import empty_frames_major, empty_in_layout, frames_major_layout, grads_for, pad_inputs
+from vdcompile.ops._utils import (compute_dtype, empty_frames_major, empty_in_layout, frames_major_layout, grads_for,
+                                  pad_inputs)
 
 __all__ = ["group_norm_silu", "reference_group_norm_silu"]
 
@@ -68,22 +69,18 @@ def _group_norm_silu_fake(x, num_groups, weight=None, bias=None, eps=1e-5, silu=
     return empty_in_layout(x)
 
 
-def _stats_dtype(x):
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
 @torch.library.register_fake("vd::group_norm_silu_forward")
 def _group_norm_silu_forward_fake(x, num_groups, weight=None, bias=None, eps=1e-5, silu=True):
     out = _group_norm_silu_fake(x, num_groups, weight, bias, eps, silu)
-    return out, x.new_empty((3, x.shape[0], num_groups), dtype=_stats_dtype(x))
+    return out, x.new_empty((3, x.shape[0], num_groups), dtype=compute_dtype(x.dtype))
 
 
 @torch.library.register_fake("vd::group_norm_silu_backward")
 def _group_norm_silu_backward_fake(grad_out, x, num_groups, weight, bias, eps, silu, stats=None):
     _check_args(x, num_groups, weight, bias)
     if stats is not None:
-        torch._check(stats.shape == (3, x.shape[0], num_groups) and stats.dtype == _stats_dtype(x),
-                     lambda: f"vd::group_norm_silu_backward: stats must be {_stats_dtype(x)} of shape "
+        torch._check(stats.shape == (3, x.shape[0], num_groups) and stats.dtype == compute_dtype(x.dtype),
+                     lambda: f"vd::group_norm_silu_backward: stats must be {compute_dtype(x.dtype)} of shape "
                              f"(3, {x.shape[0]}, {num_groups}), got {stats.dtype} {tuple(stats.shape)}")
     C = x.shape[1]
     wdtype = weight.dtype if weight is not None else x.dtype
