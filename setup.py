@@ -37,7 +37,8 @@ def _cuda_arch_flags() -> list[str]:
 
 
 def _extension():
-    sources = [os.path.relpath(p, ROOT) for p in ["csrc/ops.cpp", *sorted(glob.glob("csrc/cpu/*.cpp"))]]
+    sources = [os.path.relpath(p, ROOT) for p in ["csrc/ops.cpp", "csrc/autograd.cpp",
+                                                        *sorted(glob.glob("csrc/cpu/*.cpp"))]]
     # No -std flag: torch adds the standard it was built with (C++17 for 2.11, C++20 for 2.13).
     cxx = ["-O3", "-fopenmp"] if os.name != "nt" else ["/O2"]
     define_macros = []

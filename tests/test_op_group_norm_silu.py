@@ -720,7 +720,7 @@ def test_backward_with_saved_statistics(device, dtype, layout, monkeypatch):
             assert_close_to(t, o.double(), dtype, factor=factor, what=what + " vs statistics recomputed")
         xa, wa, ba = (t.detach().requires_grad_() for t in (x, w, b))
         y = group_norm_silu(xa, groups, wa, ba)
-        assert "group_norm_silu_forward" in type(y.grad_fn).__name__
+        assert "GroupNormSiluFn" in y.grad_fn.name(), y.grad_fn.name()
         for t, a in zip(got, torch.autograd.grad(y, (xa, wa, ba), g)):
             assert torch.equal(t, a)
         if variant == "twopass":
@@ -750,3 +750,43 @@ def test_bad_statistics(device):
     if device == "cpu" and torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="stats is on"):
             bwd(g, x, 4, None, None, 1e-5, True, stats.cuda())
+
+
+def _vd_events(fn, name):
+    with torch.profiler.profile() as prof:
+        fn()
+    return [e.name for e in prof.events() if e.name == f"vd::{name}"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op", ["group_norm_silu", "group_norm_silu_forward"])
+def test_autograd_kernel(device, op):
+    # The Autograd-key kernels are csrc/autograd.cpp's: a call without a gradient goes on to the backend by
+    # redispatch (one dispatcher event, no grad_fn, no statistics written by group_norm_silu); with one, a single
+    # C++ node whose backward runs group_norm_silu_backward on the saved statistics.
+    line = next(ln for ln in torch._C._dispatch_dump(f"vd::{op}").splitlines() if ln.startswith("Autograd"))
+    assert "csrc/autograd.cpp" in line, line
+    overload = getattr(torch.ops.vd, op).default
+    torch.manual_seed(0)
+    x = torch.randn(2, 16, 5, 6, device=device)
+    w, b = torch.randn(16, device=device), torch.randn(16, device=device)
+
+    def first(out):
+        return out[0] if isinstance(out, tuple) else out
+    for args in ((x, 4, w, b, 1e-5, True), (x.requires_grad_(), 4, w, b, 1e-5, True)):
+        assert len(_vd_events(lambda: overload(*args), op)) == 1
+        with torch.no_grad():
+            assert first(overload(*args)).grad_fn is None
+    out = overload(x, 4, w.requires_grad_(), b)  # trailing defaults left out; bias needs no gradient
+    y = first(out)
+    assert "GroupNormSiluFn" in y.grad_fn.name(), y.grad_fn.name()
+    if op == "group_norm_silu_forward":
+        assert not out[1].requires_grad  # the statistics are not differentiable
+    g = torch.randn_like(y)
+    dx, dw = torch.autograd.grad(y, (x, w), g)
+    stats = FORWARD_WITH_STATS(x.detach(), 4, w.detach(), b)[1]
+    want = torch.ops.vd.group_norm_silu_backward(g, x.detach(), 4, w.detach(), b, 1e-5, True, stats)
+    assert torch.equal(dx, want[0]) and torch.equal(dw, want[1])
+    # Parameters absent: their gradients are None, not zeros.
+    y = first(overload(x, 4, None, None, 1e-5, False))
+    assert torch.autograd.grad(y.sum(), x)[0].shape == x.shape

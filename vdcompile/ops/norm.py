@@ -4,8 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from vdcompile.ops._utils import (compute_dtype, empty_frames_major, empty_in_layout, frames_major_layout, grads_for,
-                                  pad_inputs)
+from vdcompile.ops._utils import compute_dtype, empty_frames_major, empty_in_layout, frames_major_layout
 
 __all__ = ["group_norm_silu", "reference_group_norm_silu"]
 
@@ -88,45 +87,8 @@ def _group_norm_silu_backward_fake(grad_out, x, num_groups, weight, bias, eps, s
     return empty_in_layout(x), x.new_empty((C,), dtype=wdtype), x.new_empty((C,), dtype=bdtype)
 
 
-# Schema defaults of the trailing arguments (setup_context only sees what the caller passed).
-_DEFAULTS = (None, None, 1e-5, True)
-
-
-# Autograd runs group_norm_silu_forward, which also returns each group's statistics (as eager GroupNorm saves
-# its mean and rstd): the backward then reads x twice on the two-pass path instead of three times.
-def _setup_context(ctx, inputs, output):
-    x, num_groups, weight, bias, eps, silu = pad_inputs(inputs, 2, _DEFAULTS)
-    stats = output[1]
-    ctx.mark_non_differentiable(stats)
-    # stats gets no gradient: without this, autograd would allocate and zero-fill one (a kernel launch) on
-    # every backward call only for _backward to ignore it.
-    ctx.set_materialize_grads(False)
-    ctx.save_for_backward(x, weight, bias, stats)
-    ctx.num_groups, ctx.eps, ctx.silu = num_groups, eps, silu
-
-
-def _backward(ctx, grad, _grad_stats):
-    if grad is None:  # y's gradient unused (grads are not materialized)
-        return grads_for(ctx, None, None, None, None, None, None)
-    x, weight, bias, stats = ctx.saved_tensors
-    dx, dw, db = torch.ops.vd.group_norm_silu_backward.default(
-        grad, x, ctx.num_groups, weight, bias, ctx.eps, ctx.silu, stats)
-    return grads_for(ctx, dx, None, dw, db, None, None)
-
-
-torch.library.register_autograd("vd::group_norm_silu_forward", _backward, setup_context=_setup_context)
-
-_LIB = torch.library.Library("vd", "IMPL")
-
-
-def _group_norm_silu_autograd(keyset, x, num_groups, weight=None, bias=None, eps=1e-5, silu=True):
-    """vd::group_norm_silu's autograd kernel: group_norm_silu_forward when a gradient is needed (its
-    statistics are saved for the backward), else the op's own kernel, without the statistics."""
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
-        return torch.ops.vd.group_norm_silu_forward.default(x, num_groups, weight, bias, eps, silu)[0]
-    with torch._C._AutoDispatchBelowAutograd():
-        return torch.ops.vd.group_norm_silu.default.redispatch(
-            keyset & torch._C._after_autograd_keyset, x, num_groups, weight, bias, eps, silu)
-
-
-_LIB.impl("group_norm_silu", _group_norm_silu_autograd, "Autograd", with_keyset=True)
+# Autograd: csrc/autograd.cpp holds the Autograd-key kernels of group_norm_silu and group_norm_silu_forward (in
+# C++: a short call's backward is host-bound, and a Python formula added its interpreter time to every call, with
+# or without a gradient). With a gradient they run group_norm_silu_forward, which also returns each group's
+# statistics (as eager GroupNorm saves its mean and rstd), and the backward hands them to group_norm_silu_backward:
+# the two-pass path then reads x twice instead of three times.
