@@ -23,8 +23,8 @@ PyObject* PyInit__C(void) {
 }
 
 TORCH_LIBRARY(vd, m) {
-  // Each family's fake kernels and autograd formulas live in vdcompile/ops/<family>.py (group_norm_silu's
-  // autograd in csrc/autograd.cpp);
+  // Each family's fake kernels and autograd formulas live in vdcompile/ops/<family>.py (those of
+  // group_norm_silu, temporal_conv and conv_bn_silu in csrc/autograd.cpp);
   // set_python_module applies to the defs that follow it.
   m.set_python_module("vdcompile.ops.attention");
   // softmax(q k^T * scale + mask) v over (B, H, L, D); returns (out, lse) where lse is the

@@ -102,3 +102,28 @@ def cuda_kernels_run(fn) -> list[str]:
         fn()
         torch.cuda.synchronize()
     return [e.name for e in prof.events()]
+
+
+def check_cpp_autograd(op: str, args_no_grad, args_grad, node: str) -> torch.Tensor:
+    """vd::<op>'s Autograd-key kernel is csrc/autograd.cpp's: a call hands on to the backend by redispatch (one
+    dispatcher event, with or without a gradient), makes no graph under no_grad or without inputs that require
+    grad, and otherwise one C++ node named ``node``. Returns the op's (first) output of a call with ``args_grad``."""
+    line = next(ln for ln in torch._C._dispatch_dump(f"vd::{op}").splitlines() if ln.startswith("Autograd"))
+    assert "csrc/autograd.cpp" in line, line
+    overload = getattr(torch.ops.vd, op).default
+
+    def first(out):
+        return out[0] if isinstance(out, tuple) else out
+
+    def events(args):
+        with torch.profiler.profile() as prof:
+            overload(*args)
+        return [e.name for e in prof.events() if e.name == f"vd::{op}"]
+    for args in (args_no_grad, args_grad):
+        assert len(events(args)) == 1
+        with torch.no_grad():
+            assert first(overload(*args)).grad_fn is None
+    assert first(overload(*args_no_grad)).grad_fn is None
+    out = first(overload(*args_grad))
+    assert node in out.grad_fn.name(), out.grad_fn.name()
+    return out

@@ -6,8 +6,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from tests.common import (assert_close_to, assert_fake_matches_real, cuda_kernels_run, device_params, opcheck_test,
-                          run_opcheck, sample_tensor)
+from tests.common import (assert_close_to, assert_fake_matches_real, check_cpp_autograd, cuda_kernels_run,
+                          device_params, opcheck_test, run_opcheck, sample_tensor)
 from vdcompile import built_backends
 from vdcompile.ops import conv_bn_silu, reference_conv_bn_silu
 
@@ -637,3 +637,23 @@ def test_hopper_kernel_over_2_31_elements(device, dtype, monkeypatch):
         ref = ref[:, :, 1:3] if rows.start > 0 else ref[:, :, 0:2]
         assert_close_to(out[:, :, rows], ref, tf32_tol(dtype), what=f"rows {rows}")
     del x, out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_autograd_kernel(device):
+    # With a gradient: one C++ node whose backward runs conv_bn_silu_backward; the running statistics' gradients
+    # follow from dgamma and dbeta (their values: test_gradcheck).
+    torch.manual_seed(0)
+    args = sample_inputs(device, requires_grad=False)[0]
+    grad_args = list(sample_inputs(device, requires_grad=True)[0])
+    grad_args[5:7] = [t.detach().requires_grad_() for t in grad_args[5:7]]  # the running statistics too
+    out = check_cpp_autograd("conv_bn_silu", args, grad_args, "ConvBnSiluFn")
+    tensors = [a for a in grad_args if isinstance(a, torch.Tensor) and a.requires_grad]
+    assert len(tensors) == 7
+    grads = torch.autograd.grad(out.square().sum(), tensors)
+    for t, gr in zip(tensors, grads):
+        assert gr.shape == t.shape and gr.dtype == t.dtype and bool(torch.isfinite(gr).all())
+    want = torch.ops.vd.conv_bn_silu_backward(2 * out.detach(), *(a.detach() if isinstance(a, torch.Tensor) else a
+                                                                  for a in grad_args))
+    for gr, w_ in zip(grads, want):
+        assert torch.equal(gr, w_)

@@ -6,8 +6,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from tests.common import (assert_close_to, assert_fake_matches_real, cuda_kernels_run, device_params, opcheck_test,
-                          run_opcheck)
+from tests.common import (assert_close_to, assert_fake_matches_real, check_cpp_autograd, cuda_kernels_run,
+                          device_params, opcheck_test, run_opcheck)
 from vdcompile.ops import reference_temporal_conv, temporal_conv
 
 OP = torch.ops.vd.temporal_conv.default
@@ -371,3 +371,19 @@ def test_over_2_31_elements(device, layout):
     for rows in (slice(0, 1), slice(h - 1, h)):
         ref = reference_temporal_conv(x[..., rows, :].double(), weight.double(), bias.double(), 1)
         assert_close_to(out[..., rows, :], ref, torch.bfloat16, what=f"rows {rows}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_autograd_kernel(device):
+    # With a gradient: one C++ node whose backward runs temporal_conv_backward; a bias kept in another dtype gets
+    # its gradient in that dtype.
+    torch.manual_seed(0)
+    x = torch.randn(1, 4, 5, 3, 2, device=device)
+    w, b = torch.randn(6, 4, 3, 1, 1, device=device), torch.randn(6, device=device, dtype=torch.float64)
+    xg, wg, bg = (t.clone().requires_grad_() for t in (x, w, b))
+    out = check_cpp_autograd("temporal_conv", (x, w, b, 1), (xg, wg, bg, 1), "TemporalConvFn")
+    g = torch.randn_like(out)
+    dx, dw, db = torch.autograd.grad(out, (xg, wg, bg), g)
+    want = torch.ops.vd.temporal_conv_backward(g, x, w, 1)
+    assert torch.equal(dx, want[0]) and torch.equal(dw, want[1]) and db.dtype == torch.float64
+    assert torch.equal(db, want[2].double())

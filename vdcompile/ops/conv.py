@@ -7,8 +7,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from vdcompile.ops._utils import (FLOAT_DTYPES, compute_dtype, empty_frames_major, empty_in_layout,
-                                  frames_major_layout, grads_for, pad_inputs)
+from vdcompile.ops._utils import FLOAT_DTYPES, empty_frames_major, empty_in_layout, frames_major_layout
 
 __all__ = ["conv_bn_silu", "reference_conv_bn_silu", "temporal_conv", "reference_temporal_conv"]
 
@@ -226,55 +225,5 @@ def _temporal_conv_backward_fake(grad_out, x, weight, padding):
 
 
 # ---------------------------------------------------------------------------------------------
-# Autograd.
-
-# Schema defaults of the trailing arguments (setup_context only sees what the caller passed).
-_CBS_DEFAULTS = (True,)
-
-
-def _conv_bn_silu_setup_context(ctx, inputs, output):
-    (x, weight, bias, bn_weight, bn_bias, bn_mean, bn_var, eps, stride, padding, dilation, groups,
-     silu) = pad_inputs(inputs, 12, _CBS_DEFAULTS)
-    ctx.save_for_backward(x, weight, bias, bn_weight, bn_bias, bn_mean, bn_var)
-    ctx.conv_args = (eps, stride, padding, dilation, groups, silu)
-
-
-def _conv_bn_silu_backward(ctx, grad):
-    x, weight, bias, bn_weight, bn_bias, bn_mean, bn_var = ctx.saved_tensors
-    eps = ctx.conv_args[0]
-    dx, dw, db, dgamma, dbeta = torch.ops.vd.conv_bn_silu_backward.default(
-        grad, x, weight, bias, bn_weight, bn_bias, bn_mean, bn_var, *ctx.conv_args)
-    # The running statistics enter z only through s and (b - mean) * s, so their gradients follow
-    # from the others: dz/dmean = -s, dz/dvar = -gamma / (2 (var + eps)) * dz/dgamma.
-    dmean = dvar = None
-    if any(ctx.needs_input_grad[5:7]):
-        acc = compute_dtype(x.dtype)
-        inv_var = 1.0 / (bn_var.to(acc) + eps)
-        gamma = bn_weight.to(acc)
-        dmean = (-gamma * inv_var.sqrt() * dbeta.to(acc)).to(bn_mean.dtype)
-        dvar = (-0.5 * gamma * inv_var * dgamma.to(acc)).to(bn_var.dtype)
-    return grads_for(ctx, dx, dw, db if bias is not None else None, dgamma, dbeta, dmean, dvar,
-                     None, None, None, None, None, None)
-
-
-torch.library.register_autograd(_CBS, _conv_bn_silu_backward, setup_context=_conv_bn_silu_setup_context)
-
-_TC_DEFAULTS = (None, 0)
-
-
-def _temporal_conv_setup_context(ctx, inputs, output):
-    x, weight, bias, padding = pad_inputs(inputs, 2, _TC_DEFAULTS)
-    ctx.save_for_backward(x, weight)
-    ctx.padding = padding
-    ctx.bias_dtype = None if bias is None else bias.dtype
-
-
-def _temporal_conv_backward(ctx, grad):
-    x, weight = ctx.saved_tensors
-    dx, dw, db = torch.ops.vd.temporal_conv_backward.default(grad, x, weight, ctx.padding)
-    # The op returns grad_bias in x's dtype; the bias may be kept in another float dtype.
-    db = None if ctx.bias_dtype is None else db.to(ctx.bias_dtype)
-    return grads_for(ctx, dx, dw, db, None)
-
-
-torch.library.register_autograd(_TC, _temporal_conv_backward, setup_context=_temporal_conv_setup_context)
+# Autograd: csrc/autograd.cpp holds both ops' Autograd-key kernels (in C++: a Python formula ran on every call,
+# with or without a gradient). conv_bn_silu's running statistics get their gradients from dgamma and dbeta there.
