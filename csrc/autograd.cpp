@@ -68,7 +68,7 @@ struct GroupNormSiluFn : public torch::autograd::Function<GroupNormSiluFn> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    if (!grads[0].defined()) return variable_list(8);  // y's gradient unused
+    if (!grads[0].defined()) return variable_list(7);  // y's gradient undefined (grads are not materialized)
     static const auto op = op_handle<GNBackwardSig>("vd::group_norm_silu_backward");
     const auto saved = ctx->get_saved_variables();
     const OptTensor w = as_optional(saved[1]), b = as_optional(saved[2]);

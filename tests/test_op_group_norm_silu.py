@@ -770,3 +770,15 @@ def test_autograd_kernel(device, op):
     stats = FORWARD_WITH_STATS(x.detach(), 4, w.detach(), b)[1]
     want = torch.ops.vd.group_norm_silu_backward(g, x.detach(), 4, w.detach(), b, 1e-5, True, stats)
     assert torch.equal(dx, want[0]) and torch.equal(dw, want[1])
+
+    class DropFirst(torch.autograd.Function):  # hands back no gradient for its first input
+        @staticmethod
+        def forward(ctx, a, c):
+            return c.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            return None, g
+    c = torch.randn(3, device=device, requires_grad=True)
+    got = torch.autograd.grad(DropFirst.apply(out, c).sum(), (xg, wg, c), allow_unused=True)
+    assert got[0] is None and got[1] is None and torch.equal(got[2], torch.ones_like(c))
