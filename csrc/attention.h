@@ -60,18 +60,13 @@ inline double attention_scale(std::optional<double> scale, int64_t head_dim,
   return *scale;
 }
 
-// lse is accumulated in float32, in float64 for float64 inputs.
-inline at::ScalarType attention_lse_dtype(const at::Tensor& q) {
-  return q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-}
-
 // The tensors a backward op gets besides q, k, v (already checked by check_attention):
 // grad_out and out shaped and typed like q's output, lse and grad_lse (B, H, Lq) in lse's dtype.
 inline void check_attention_backward(const at::Tensor& grad_out, const at::Tensor& q,
                                      const at::Tensor& out, const at::Tensor& lse,
                                      const std::optional<at::Tensor>& grad_lse, const char* op) {
   const std::vector<int64_t> lse_shape = {q.size(0), q.size(1), q.size(2)};
-  const auto lse_dtype = attention_lse_dtype(q);
+  const auto lse_dtype = compute_dtype(q);
   for (auto [t, name] : {std::pair{&grad_out, "grad_out"}, std::pair{&out, "out"}}) {
     check_same_device(q, *t, op, "q", name);
     check_same_dtype(q, *t, op, "q", name);

@@ -8,6 +8,8 @@
 #include <torch/autograd.h>
 #include <torch/library.h>
 
+#include "checks.h"
+
 namespace vd {
 namespace {
 
@@ -36,8 +38,6 @@ bool grad_needed(const Ts&... ts) {
   return at::GradMode::is_enabled() && (wants_grad(ts) || ...);
 }
 
-// The kernels' accumulation dtype: float64 for float64 inputs, float32 otherwise.
-at::ScalarType compute_dtype(const Tensor& t) { return t.scalar_type() == at::kDouble ? at::kDouble : at::kFloat; }
 
 // Saved optional tensors come back undefined when they were absent.
 OptTensor as_optional(const Tensor& t) { return t.defined() ? OptTensor(t) : std::nullopt; }

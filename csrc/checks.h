@@ -1,4 +1,4 @@
-// Input validation shared by every backend: clear errors that name the argument.
+// Input validation shared by every backend (clear errors that name the argument), and the accumulation dtype rule.
 #pragma once
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -7,6 +7,12 @@
 namespace vd {
 
 #define VD_CHECK(cond, ...) TORCH_CHECK(cond, __VA_ARGS__)
+
+// The kernels' accumulation dtype, and that of their float side outputs (attention's lse, group_norm_silu's
+// statistics): float64 for float64 input, float32 otherwise (vdcompile/ops/_utils.py's compute_dtype).
+inline at::ScalarType compute_dtype(const at::Tensor& t) {
+  return t.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+}
 
 inline void check_float_dtype(const at::Tensor& t, const char* op, const char* name) {
   auto d = t.scalar_type();

@@ -17,11 +17,6 @@ inline at::MemoryFormat conv_format(const ConvShape& s) {
   return s.channels_last ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous;
 }
 
-// Per-channel math runs in float (double for float64 inputs).
-inline at::ScalarType acc_dtype(const at::Tensor& x) {
-  return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-}
-
 struct Folded {
   at::Tensor inv_std;  // 1 / sqrt(bn_var + eps), acc dtype
   at::Tensor scale;    // s = bn_weight * inv_std, acc dtype
@@ -33,7 +28,7 @@ struct Folded {
 inline Folded fold_bn(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                const at::Tensor& bn_weight, const at::Tensor& bn_bias, const at::Tensor& bn_mean,
                const at::Tensor& bn_var, double eps, at::MemoryFormat fmt) {
-  const auto acc = acc_dtype(x);
+  const auto acc = compute_dtype(x);
   Folded f;
   f.inv_std = (bn_var.to(acc) + eps).rsqrt();
   f.scale = bn_weight.to(acc) * f.inv_std;
@@ -128,7 +123,7 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> co
                                    stride, padding, dilation, groups);
   check_conv_grad_out(grad_out, x_in, {s.N, s.C_out, s.H_out, s.W_out}, kConvBnSiluOp);
   const auto fmt = conv_format(s);
-  const auto acc = acc_dtype(x_in);
+  const auto acc = compute_dtype(x_in);
   at::Tensor x = x_in.contiguous(fmt);
   at::Tensor g = grad_out.contiguous(fmt);
   Folded f = fold_bn(x, weight, bias, bn_weight, bn_bias, bn_mean, bn_var, eps, fmt);
@@ -341,7 +336,7 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> temporal_conv_backward(con
   check_conv_grad_out(grad_out, x_in, {s.B, s.C_out, s.F_out, s.H, s.W}, kTemporalConvOp);
   const auto fmt = temporal_format(s);
   // Weight and bias gradients accumulate over samples in float (double for float64).
-  const auto acc = acc_dtype(x_in);
+  const auto acc = compute_dtype(x_in);
   at::Tensor x = x_in.contiguous(fmt);
   at::Tensor g = grad_out.contiguous(fmt);
   // at::zeros has no memory_format argument (it would drop the one in the options).

@@ -57,15 +57,10 @@ inline void check_group_norm_grad_out(const at::Tensor& grad_out, const at::Tens
   check_same_device(x, grad_out, kGroupNormOp, "x", "grad_out");
 }
 
-// The statistics' dtype: the kernels' accumulation type (float64 for float64 x, float32 otherwise).
-inline at::ScalarType group_norm_stats_dtype(const at::Tensor& x) {
-  return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-}
-
 // The forward's statistics (3, N, G): mean high part, mean low part, rstd; zeros where x has no elements (C or S
 // of 0), which no kernel runs for.
 inline at::Tensor group_norm_stats_output(const at::Tensor& x, const GNShape& s) {
-  const auto opts = x.options().dtype(group_norm_stats_dtype(x));
+  const auto opts = x.options().dtype(compute_dtype(x));
   return x.numel() == 0 ? at::zeros({3, s.N, s.G}, opts) : at::empty({3, s.N, s.G}, opts);
 }
 
@@ -75,8 +70,8 @@ inline void check_group_norm_stats(const at::Tensor& stats, const at::Tensor& x,
   TORCH_CHECK(stats.dim() == 3 && stats.size(0) == 3 && stats.size(1) == s.N && stats.size(2) == s.G, kGroupNormOp,
               "_backward: stats must have shape (3, ", s.N, ", ", s.G, ") (mean high, mean low, rstd per sample and "
               "group), got ", stats.sizes());
-  TORCH_CHECK_TYPE(stats.scalar_type() == group_norm_stats_dtype(x), kGroupNormOp, "_backward: stats must be ",
-                   group_norm_stats_dtype(x), " for x of dtype ", x.scalar_type(), ", got ", stats.scalar_type());
+  TORCH_CHECK_TYPE(stats.scalar_type() == compute_dtype(x), kGroupNormOp, "_backward: stats must be ",
+                   compute_dtype(x), " for x of dtype ", x.scalar_type(), ", got ", stats.scalar_type());
   TORCH_CHECK(stats.is_contiguous(), kGroupNormOp, "_backward: stats must be contiguous, got strides ",
               stats.strides());
 }

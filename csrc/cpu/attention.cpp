@@ -453,7 +453,7 @@ at::Tensor new_output(const at::Tensor& like_rows, const at::Tensor& q) {
 }
 
 at::Tensor new_lse(const at::Tensor& q) {
-  return at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(attention_lse_dtype(q)));
+  return at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(compute_dtype(q)));
 }
 
 std::tuple<at::Tensor, at::Tensor> fused_attention_cpu(const at::Tensor& q, const at::Tensor& k,

@@ -3957,7 +3957,7 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(const char* op, const at::T
                                                      bool compute_lse = true) {
   const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), D = q.size(3);
   at::Tensor out = at::empty({B, H, Lq, D}, q.options());
-  at::Tensor lse = at::empty({B, H, Lq}, q.options().dtype(attention_lse_dtype(q)));
+  at::Tensor lse = at::empty({B, H, Lq}, q.options().dtype(compute_dtype(q)));
   auto result = [&]() -> std::tuple<at::Tensor, at::Tensor> {
     return {out, compute_lse ? lse : at::empty({B, H, 0}, lse.options())};
   };
@@ -3992,7 +3992,7 @@ at::Tensor attention_backward(const char* op, const at::Tensor& grad_out, const 
   const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), Lk = k.size(2), D = q.size(3);
   at::Tensor dq = at::empty({B, H, Lq, D}, q.options());
   if (B * H == 0) return dq;
-  const auto acc_type = attention_lse_dtype(q);
+  const auto acc_type = compute_dtype(q);
   const at::Tensor lse = lse_in.to(acc_type).contiguous();
   const at::Tensor grad_lse = grad_lse_in.has_value() ? grad_lse_in->to(acc_type).contiguous() : at::Tensor();
   at::Tensor delta = at::empty({B, H, Lq}, q.options().dtype(acc_type));

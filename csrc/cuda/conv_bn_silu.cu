@@ -112,7 +112,7 @@ void bias_act_cuda_(at::Tensor& y, const at::Tensor& shift, bool silu, const Con
 // Returns sum(dz) per output channel in float (double for float64); dz is written into y when silu.
 at::Tensor grad_z_cuda_(at::Tensor& y, const at::Tensor& g, const at::Tensor& shift, bool silu,
                         const ConvShape& s) {
-  const auto acc = acc_dtype(g);
+  const auto acc = compute_dtype(g);
   if (!silu) return g.sum({0, 2, 3}, /*keepdim=*/false, acc);
   const int64_t n = y.numel();
   auto stream = c10::cuda::getCurrentCUDAStream();

@@ -2349,8 +2349,8 @@ __device__ __forceinline__ void cols_send(const float4& v, int q, int b, int gb,
 // publishes the states.
 template <typename scalar_t, typename Before, typename Group>
 __device__ __forceinline__ void cols_block_stats(const SmemColsArgs<scalar_t>& a, const unsigned char* st_bytes,
-                                                 bool active, int cnt, int valid, int c0, int q0, unsigned slots, float4* sh_state,
-                                                 float4* sh_slots, uint64_t* xbars, int64_t e,
+                                                 bool active, int cnt, int valid, int q0, unsigned slots,
+                                                 float4* sh_state, float4* sh_slots, uint64_t* xbars, int64_t e,
                                                  float (&piv)[max_vec<scalar_t>()], Before&& before, Group&& group) {
   constexpr int THREADS = kSmemColsThreads, VEC = max_vec<scalar_t>(), NS = kSmemColsSlots;
   constexpr bool kShift = sizeof(scalar_t) > 2;
@@ -2558,7 +2558,7 @@ __global__ void __launch_bounds__(kSmemColsThreads, 2)
 
     float piv[VEC];
     cols_block_stats<scalar_t>(
-        a, st_bytes, active, cnt, valid, c0, q0, slots, sh_state, sh_slots, xbars, it, piv,
+        a, st_bytes, active, cnt, valid, q0, slots, sh_state, sh_slots, xbars, it, piv,
         [&] {
           if (tid < a.W) sh_params[tid] = make_float2(pw, pb);
         },
@@ -2751,7 +2751,7 @@ __global__ void __launch_bounds__(kSmemColsThreads, 2)
       }
     } else {
       cols_block_stats<scalar_t>(
-          a, st_bytes, active, cnt, valid, c0, q0, slots, sh_state, sh_slots, xbars, 2 * it, piv,
+          a, st_bytes, active, cnt, valid, q0, slots, sh_state, sh_slots, xbars, 2 * it, piv,
           [&] {
             if (tid < a.W) sh_params[tid] = make_float2(pw, pb);
           },
