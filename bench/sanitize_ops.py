@@ -164,11 +164,12 @@ def main():
                     torch.ops.vd.group_norm_silu_forward(x, 8, None, None, 1e-5, True)
                     # channels_last (version 5 under "l2", 8 under "smem"): clusters of 8 and 1-4, groups straddled
                     # by vectors, a 5-D channels_last_3d input, a block narrower than 128 bytes.
-                    # Under "smem" version 8: also one 90 KB stage a CTA at K 16, and K 1 with stages reused.
+                    # Under "smem" version 8: also one 90 KB stage a CTA at K 16, K 1 with stages reused, and 24
+                    # blocks of one 51 KB stage (2 boxes) at K 16 over fewer clusters (16-bit: refilled box by box).
                     cl_shapes = [((14, 320, 32, 32), 32), ((2, 1280, 18, 32), 32), ((2, 48, 6, 6), 16),
                                  ((2, 40, 4, 4, 3), 4), ((2, 24, 5, 7), 3)]
                     if family == "smem":
-                        cl_shapes += [((1, 320, 72, 128), 32), ((600, 1280, 2, 4), 32)]
+                        cl_shapes += [((1, 320, 72, 128), 32), ((600, 1280, 2, 4), 32), ((6, 320, 50, 100), 32)]
                     for shape, groups in cl_shapes:
                         fmt = torch.channels_last if len(shape) == 4 else torch.channels_last_3d
                         x = torch.randn(shape, device=dev, dtype=dtype).to(memory_format=fmt)

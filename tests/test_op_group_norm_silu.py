@@ -359,6 +359,9 @@ def test_channels_last_version_8(device, dtype, smem_family):
     for shape, groups, want in [((40, 1280, 9, 16), 32, True),   # 23 KB blocks: K 1, 4 stages, 640 blocks (reused)
                                 ((20, 640, 36, 64), 32, True),   # K 8, parts of 144-row boxes x 2, 2 stages
                                 ((2, 320, 72, 128), 32, True),   # K 16, one stage of 90 KB a CTA (3 boxes)
+                                # the same with 24 blocks over fewer clusters: the stage refilled box by box for
+                                # the next block (16-bit); the last rank's third box partly past the sample
+                                ((6, 320, 72, 125), 32, True),
                                 ((2, 960, 72, 128), 32, False),  # 138 KB parts at K 16: version 5 / 1
                                 ((2, 24, 5, 7), 3, True),        # 35 rows in a box of 40 (past the sample: zeros)
                                 ((2, 40, 4, 4, 3), 4, True),     # 5-D channels_last_3d, 80-byte rows
