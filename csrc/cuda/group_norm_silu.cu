@@ -943,20 +943,9 @@ struct FusedArgs {
   StatsOut stats;     // the forward's statistics (versions 3, 4 and 6), when asked for
 };
 
-// barrier.cluster arrive (release) / wait (acquire); a block barrier where there are no clusters.
-__device__ __forceinline__ void cluster_arrive() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
-#else
-  __syncthreads();
-#endif
-}
-
-__device__ __forceinline__ void cluster_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-#endif
-}
+using wgmma::cluster_arrive;
+using wgmma::cluster_map;
+using wgmma::cluster_wait;
 
 // *p in the shared memory of the cluster's CTA of rank r.
 template <typename T>
@@ -1459,12 +1448,6 @@ struct ClusterExchange {
   uint64_t* bars;      // [parity], arrival count 1, K * 16 bytes a phase
   int K, rank;
 };
-
-__device__ __forceinline__ uint32_t cluster_map(uint32_t local, int rank) {
-  uint32_t r;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(local), "r"(rank));
-  return r;
-}
 
 // Returns, in lane l < K of every warp, rank l's value of iteration it (zeros in the other lanes).
 __device__ __forceinline__ float4 cluster_exchange(const ClusterExchange& x, float4 v, int64_t it) {
@@ -3083,60 +3066,6 @@ FusedPlan plan_fused(int64_t M, int64_t seg, int64_t cpg, int vec) {
     p.part = static_cast<int>(part);
   }
   return p;
-}
-
-// The launch attribute for clusters of K CTAs along x.
-inline cudaLaunchAttribute cluster_attr(int K) {
-  cudaLaunchAttribute at{};
-  at.id = cudaLaunchAttributeClusterDimension;
-  at.val.clusterDim.x = K;
-  at.val.clusterDim.y = 1;
-  at.val.clusterDim.z = 1;
-  return at;
-}
-
-
-// Clusters of K CTAs (`threads` threads, `smem` bytes of dynamic shared memory) resident on `device` at once:
-// the persistent grid of version 6. 0 where the kernel has no sm_90 code or the device cannot place one.
-// Allows clusters of 16 (over the portable 8) on the kernel first. Cached: the answer depends only on these.
-template <typename Kernel>
-int resident_clusters(Kernel kernel, int K, int device, int threads, size_t smem) {
-  static std::mutex mu;
-  static std::map<std::tuple<const void*, int, int, int, size_t>, int> cache;
-  const auto key = std::make_tuple(reinterpret_cast<const void*>(kernel), K, device, threads, smem);
-  const std::lock_guard<std::mutex> lock(mu);
-  const auto it = cache.find(key);
-  if (it != cache.end()) return it->second;
-  cudaFuncAttributes fa{};
-  C10_CUDA_CHECK(cudaFuncGetAttributes(&fa, kernel));
-  // The kernel may take up to all of the opt-in shared memory (set once to the maximum, so that launches
-  // with different sizes never see a smaller limit set by another).
-  int optin = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  const int max_dyn = optin - static_cast<int>(fa.sharedSizeBytes);
-  int n = 0;
-  if (fa.binaryVersion >= 90 && smem <= static_cast<size_t>(max_dyn) &&
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, max_dyn) == cudaSuccess &&
-      (K <= 8 || cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess)) {
-    if (K == 1) {
-      int per_sm = 0, sms = 0;
-      C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
-      C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-      n = per_sm * sms;
-    } else {
-      cudaLaunchConfig_t cfg{};
-      cfg.gridDim = dim3(K);
-      cfg.blockDim = dim3(threads);
-      cfg.dynamicSmemBytes = smem;
-      cudaLaunchAttribute at = cluster_attr(K);
-      cfg.attrs = &at;
-      cfg.numAttrs = 1;
-      if (cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) != cudaSuccess) n = 0;
-    }
-  }
-  (void)cudaGetLastError();  // a refusal above is an answer (none), not an error to carry on
-  cache.emplace(key, n);
-  return n;
 }
 
 // Whether `kernel` can run in clusters of K CTAs on `device` (K = 1: no cluster, any device runs it).

@@ -1,5 +1,5 @@
-// Host-side pieces shared by the kernels of attention.cu and temporal_conv.cu: which device runs the
-// Hopper (sm_90a: wgmma + TMA) kernels, persistent grids, and the driver's tensor-map encoder.
+// Host-side pieces shared by the Hopper kernels: which device runs the sm_90a (wgmma + TMA) kernels,
+// persistent grids (of clusters too), and the driver's tensor-map encoder.
 #pragma once
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
@@ -9,6 +9,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <map>
+#include <mutex>
+#include <tuple>
 
 namespace vd {
 
@@ -45,6 +48,60 @@ unsigned persistent_blocks(Kernel kernel, int threads, size_t smem, int64_t work
   C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
   const int64_t resident = static_cast<int64_t>(sm_count()) * std::max(per_sm, 1);
   return static_cast<unsigned>(std::max<int64_t>(1, std::min(resident, work_blocks)));
+}
+
+// The launch attribute for clusters of K CTAs along x.
+inline cudaLaunchAttribute cluster_attr(int K) {
+  cudaLaunchAttribute at{};
+  at.id = cudaLaunchAttributeClusterDimension;
+  at.val.clusterDim.x = K;
+  at.val.clusterDim.y = 1;
+  at.val.clusterDim.z = 1;
+  return at;
+}
+
+
+// Clusters of K CTAs (`threads` threads, `smem` bytes of dynamic shared memory) resident on `device` at once:
+// a persistent grid of clusters. 0 where the kernel has no sm_90 code or the device cannot place one.
+// Allows clusters of 16 (over the portable 8) on the kernel first. Cached: the answer depends only on these.
+template <typename Kernel>
+int resident_clusters(Kernel kernel, int K, int device, int threads, size_t smem) {
+  static std::mutex mu;
+  static std::map<std::tuple<const void*, int, int, int, size_t>, int> cache;
+  const auto key = std::make_tuple(reinterpret_cast<const void*>(kernel), K, device, threads, smem);
+  const std::lock_guard<std::mutex> lock(mu);
+  const auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+  cudaFuncAttributes fa{};
+  C10_CUDA_CHECK(cudaFuncGetAttributes(&fa, kernel));
+  // The kernel may take up to all of the opt-in shared memory (set once to the maximum, so that launches
+  // with different sizes never see a smaller limit set by another).
+  int optin = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  const int max_dyn = optin - static_cast<int>(fa.sharedSizeBytes);
+  int n = 0;
+  if (fa.binaryVersion >= 90 && smem <= static_cast<size_t>(max_dyn) &&
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, max_dyn) == cudaSuccess &&
+      (K <= 8 || cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess)) {
+    if (K == 1) {
+      int per_sm = 0, sms = 0;
+      C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
+      C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+      n = per_sm * sms;
+    } else {
+      cudaLaunchConfig_t cfg{};
+      cfg.gridDim = dim3(K);
+      cfg.blockDim = dim3(threads);
+      cfg.dynamicSmemBytes = smem;
+      cudaLaunchAttribute at = cluster_attr(K);
+      cfg.attrs = &at;
+      cfg.numAttrs = 1;
+      if (cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) != cudaSuccess) n = 0;
+    }
+  }
+  (void)cudaGetLastError();  // a refusal above is an answer (none), not an error to carry on
+  cache.emplace(key, n);
+  return n;
 }
 
 #if defined(VD_SM90A)

@@ -1,5 +1,5 @@
 // Hopper (sm_90a) warpgroup matrix multiply: thin wrappers over the PTX of wgmma.mma_async and its
-// shared-memory descriptors, for the kernels that use them (attention.cu, temporal_conv.cu). Compiled only for the
+// shared-memory descriptors, TMA, mbarriers and clusters, for the kernels that use them. Compiled only for the
 // arch-specific target (__CUDA_ARCH_FEAT_SM90_ALL); callers guard their use the same way.
 //
 // Operand layouts used here: both shared-memory operands in the 128-byte swizzle (a row of 64
@@ -207,6 +207,26 @@ __device__ __forceinline__ void mma_m64n64k8_tf32_rs(float (&d)[32], const unsig
 
 // ---- mbarriers (shared::cta), the bulk tensor copy engine (TMA) and register reallocation ----
 
+// barrier.cluster arrive (release) / wait (acquire); a block barrier where there are no clusters.
+__device__ __forceinline__ void cluster_arrive() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
+#else
+  __syncthreads();
+#endif
+}
+__device__ __forceinline__ void cluster_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+#endif
+}
+// The shared::cluster address of `local` (a shared::cta address) in the CTA of rank `rank` of the cluster.
+__device__ __forceinline__ uint32_t cluster_map(uint32_t local, int rank) {
+  uint32_t r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(local), "r"(rank));
+  return r;
+}
+
 __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
 }
@@ -226,6 +246,11 @@ __device__ __forceinline__ void init_stage_ring(uint32_t bar, int stages, uint32
 }
 __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// Arrives on a barrier of another CTA of the cluster (its shared::cluster address, from cluster_map). The default
+// semantics (release at CTA scope): a cluster-scope release cost a fence an arrival and slowed a multicast ring 2-4x.
+__device__ __forceinline__ void mbar_arrive_cluster(uint32_t remote_bar) {
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(remote_bar) : "memory");
 }
 // Arrives and announces `bytes` of copies that will complete on this phase.
 __device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
@@ -247,6 +272,16 @@ __device__ __forceinline__ void tma_load_4d(uint32_t dst, const void* tmap, uint
       "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], "
       "[%6];\n" ::"r"(dst),
       "l"(tmap), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
+      : "memory");
+}
+// The same box written to the same offset of every CTA of the cluster in `mask` (bit r: rank r), each completing
+// its bytes on its own barrier at offset `bar`.
+__device__ __forceinline__ void tma_load_4d_multicast(uint32_t dst, const void* tmap, uint32_t bar, int c0, int c1,
+                                                      int c2, int c3, uint16_t mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1, {%2, "
+      "%3, %4, %5}], [%6], %7;\n" ::"r"(dst),
+      "l"(tmap), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar), "h"(mask)
       : "memory");
 }
 // An im2col box of a 4-D tensor map (C, W, H, N) into shared memory, completing on the barrier: the map's
