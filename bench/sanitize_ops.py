@@ -214,6 +214,12 @@ def main():
                     for tile in ("128", "256", "64x256"):
                         with env_var("VD_CONV_BN_SILU_TILE", tile):
                             torch.ops.vd.conv_bn_silu(xh, wh, None, *bh, 1e-5, [1, 1], [1, 1], [1, 1], 1, True)
+                    # 64-pixel tiles run in clusters above (3 of them: 144 pixels); 5 (288 pixels, the weight in 4
+                    # multicast slices, the last tile half full), and outside clusters
+                    x5 = torch.randn(2, 64, 9, 16, device=dev, dtype=dtype).to(memory_format=cl)
+                    torch.ops.vd.conv_bn_silu(x5, w256, None, *b256, 1e-5, [1, 1], [1, 1], [1, 1], 1, True)
+                    with env_var("VD_CONV_BN_SILU_CLUSTER", "0"):
+                        torch.ops.vd.conv_bn_silu(x5, w256, None, *b256, 1e-5, [1, 1], [1, 1], [1, 1], 1, True)
             ran.append("conv_bn_silu")
         if want("temporal_conv"):
             x = torch.randn(2, 8, 7, 5, 6, device=dev, dtype=dtype)

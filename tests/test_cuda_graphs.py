@@ -72,6 +72,10 @@ CASES = {
     "conv_bn_silu_stream_k_fp32": (lambda: [_rand(2, 256, 32, 16, dtype=torch.float32, channels_last=True),
                                             _rand(200, 256, 3, 3, dtype=torch.float32, channels_last=True) / 48],
                                    None),
+    # 64-pixel tiles in a cluster of 5 (288 pixels), the weight multicast, a channel tile cut between clusters.
+    "conv_bn_silu_cluster_fp32": (lambda: [_rand(2, 512, 9, 16, dtype=torch.float32, channels_last=True),
+                                           _rand(256, 512, 3, 3, dtype=torch.float32, channels_last=True) / 64],
+                                  None),
     "temporal_conv": (lambda: [_rand(2, 32, 7, 9, 10), _rand(48, 32, 3, 1, 1), _rand(48)],
                       lambda x, w, b: torch.ops.vd.temporal_conv(x, w, b, 1)),
     "scheduler_step": (lambda: [_rand(2, 14, 4, 9, 16, dtype=torch.float32), _rand(2, 14, 4, 9, 16, dtype=torch.float32),
@@ -90,11 +94,11 @@ def _flat(out):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_cuda_graph_capture_and_replay(case, monkeypatch):
     torch.manual_seed(0)
-    if case == "conv_bn_silu_stream_k_fp32":
+    if case.startswith("conv_bn_silu") and case.endswith("_fp32"):
         monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
     make, fn = CASES[case]
     if case.startswith("conv_bn_silu"):
-        bn = _bn(48 if case == "conv_bn_silu" else 200)
+        bn = _bn({"conv_bn_silu": 48, "conv_bn_silu_cluster_fp32": 256}.get(case, 200))
         fn = lambda x, w: torch.ops.vd.conv_bn_silu(x, w, None, *bn, 1e-5, [1, 1], [1, 1], [1, 1], 1, True)  # noqa: E731
     static = make()
     s = torch.cuda.Stream()

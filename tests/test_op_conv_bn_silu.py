@@ -502,6 +502,8 @@ def on_hopper(device) -> bool:
 # that are not whole 64-channel chunks; a partial channel tile (200 = 128 + 72) and a partial pixel tile
 # (80 pixels); 1x1, 3x5 and dilated kernels; a "valid" convolution (no padding: W_out = W - 2); K long
 # enough that each tile is cut between several CTAs (1280 channels at 9 x 16: 30 tiles of 180 K steps).
+# At 64-pixel tiles, clusters of 2 (80 and 128 pixels), 4, 5 (the last tile half full; 1280 channels: a channel
+# tile cut between clusters) and none (9 tiles).
 HOPPER_CASES = [
     (2, 64, 128, 8, 16, (3, 3), (1, 1), (1, 1)),
     (1, 72, 200, 9, 64, (3, 3), (1, 1), (1, 1)),
@@ -522,14 +524,20 @@ def tf32_tol(dtype):
 
 @pytest.mark.parametrize("device", CUDA)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("tile", ["128", "160", "256", "64x128", "64x256"])
+@pytest.mark.parametrize("tile", ["128", "160", "256", "64x128", "64x256", "64x256-nocluster"])
 @pytest.mark.parametrize("case", HOPPER_CASES, ids=lambda c: "x".join(map(str, c[:5])) + f"-k{c[5][0]}{c[5][1]}")
 def test_hopper_kernel_matches_reference(device, dtype, tile, case, monkeypatch):
     """The kernel pinned (VD_CONV_BN_SILU_KERNEL=wgmma: no choice by shape) at each tile (128 pixels x 128, 160
-    or 256 channels; 64 pixels x 128 or 256 channels); float32 with TF32 allowed, as in eager's default."""
+    or 256 channels; 64 pixels x 128 or 256 channels, in clusters where there are 2-8 such tiles, or not);
+    float32 with TF32 allowed, as in eager's default."""
+    tile, _, nocluster = tile.partition("-")
     bm, bn = tile.split("x") if "x" in tile else ("128", tile)
     n, c_in, c_out, h, w, k, padding, dilation = case
     monkeypatch.setenv("VD_CONV_BN_SILU_TILE", tile)
+    if nocluster:
+        monkeypatch.setenv("VD_CONV_BN_SILU_CLUSTER", "0")
+    else:
+        monkeypatch.delenv("VD_CONV_BN_SILU_CLUSTER", raising=False)
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
     torch.manual_seed(0)
     x = torch.randn(n, c_in, h, w, device=device).to(dtype).contiguous(memory_format=torch.channels_last)
@@ -537,11 +545,13 @@ def test_hopper_kernel_matches_reference(device, dtype, tile, case, monkeypatch)
         params = make_params(c_in, c_out, k, bias=has_bias, device=device, dtype=dtype)
         args = (*params, 1e-5, [1, 1], list(padding), list(dilation), 1, silu)
         ref = reference_conv_bn_silu(x.double(), *(None if t is None else t.double() for t in params), *args[6:])
+        pixel_tiles = -(-ref.shape[0] * ref.shape[2] * ref.shape[3] // int(bm))
+        clustered = bm == "64" and not nocluster and 2 <= pixel_tiles <= 8
         monkeypatch.setenv("VD_CONV_BN_SILU_KERNEL", "wgmma")
         out = OP(x, *args)
         ran = " ".join(cuda_kernels_run(lambda: OP(x, *args)))
         assert (HOPPER_KERNEL in ran) == on_hopper(device), ran
-        assert not on_hopper(device) or f"{bn}, {bm}>" in ran, ran
+        assert not on_hopper(device) or f"{bn}, {bm}, {str(clustered).lower()}>" in ran, ran
         assert out.is_contiguous(memory_format=torch.channels_last)
         assert_close_to(out, ref, tf32_tol(dtype), what=f"bias={has_bias} silu={silu}")
         assert torch.equal(OP(x, *args), out)  # the stream-K sums run in a fixed order
@@ -554,7 +564,9 @@ def test_hopper_kernel_matches_reference(device, dtype, tile, case, monkeypatch)
 def test_hopper_kernel_choice_by_channels(device, monkeypatch):
     """Unpinned, with at least 8 pixel tiles of 128: 256-channel tiles where C_out is a multiple of 256, 160 where
     it is one of 160, else 128, and cuDNN where a last 128-channel tile would be at most half full (C_out 448);
-    with 3-4 of them, 64-pixel tiles of 256 channels where C_out is a multiple of 256, else cuDNN."""
+    with fewer, 64-pixel tiles of 256 channels where C_out is a multiple of 256: in clusters at 3-8 of those (float32,
+    TF32 allowed: 3-5), outside clusters (VD_CONV_BN_SILU_CLUSTER=0) at 3-4 tiles of 128 (16-bit only), else
+    cuDNN."""
     monkeypatch.delenv("VD_CONV_BN_SILU_KERNEL", raising=False)
     monkeypatch.delenv("VD_CONV_BN_SILU_TILE", raising=False)
     torch.manual_seed(0)
@@ -562,11 +574,21 @@ def test_hopper_kernel_choice_by_channels(device, monkeypatch):
     big = torch.randn(1, 64, 32, 32, device=device, dtype=torch.bfloat16).contiguous(memory_format=cl)
     small = torch.randn(1, 64, 16, 24, device=device, dtype=torch.bfloat16).contiguous(memory_format=cl)  # 3 tiles
     tiny = torch.randn(1, 64, 8, 16, device=device, dtype=torch.bfloat16).contiguous(memory_format=cl)  # 1 tile
-    cases = [(big, 512, "256, 128>"), (big, 320, "160, 128>"), (big, 384, "128, 128>"), (big, 200, "128, 128>"),
-             (big, 448, None),
-             (small, 512, "256, 64>"), (small, 320, None), (tiny, 512, None)]
-    for x, c_out, want in cases:
-        params = make_params(64, c_out, 3, device=device, dtype=torch.bfloat16)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
+    mid = torch.randn(1, 64, 12, 16, device=device, dtype=torch.bfloat16).contiguous(memory_format=cl)  # 3 of 64
+    mid32 = torch.randn(1, 64, 12, 24, device=device).contiguous(memory_format=cl)  # 5 of 64
+    cases = [(big, 512, "256, 128, false>", None), (big, 320, "160, 128, false>", None),
+             (big, 384, "128, 128, false>", None), (big, 200, "128, 128, false>", None), (big, 448, None, None),
+             (small, 512, "256, 64, true>", None), (mid, 512, "256, 64, true>", None),
+             (mid32, 512, "256, 64, true>", None), (small.float(), 512, None, None),
+             (small, 512, "256, 64, false>", "0"), (mid, 512, None, "0"), (mid32, 512, None, "0"),
+             (small, 320, None, None), (tiny, 512, None, None)]
+    for x, c_out, want, cluster in cases:
+        if cluster is None:
+            monkeypatch.delenv("VD_CONV_BN_SILU_CLUSTER", raising=False)
+        else:
+            monkeypatch.setenv("VD_CONV_BN_SILU_CLUSTER", cluster)
+        params = make_params(64, c_out, 3, device=device, dtype=x.dtype)
         args = (*params, 1e-5, [1, 1], [1, 1], [1, 1], 1, True)
         ran = " ".join(cuda_kernels_run(lambda: OP(x, *args)))
         if want is None or not on_hopper(device):
@@ -574,7 +596,7 @@ def test_hopper_kernel_choice_by_channels(device, monkeypatch):
         else:
             assert HOPPER_KERNEL in ran and want in ran, ran
         ref = reference_conv_bn_silu(x.double(), *(t.double() for t in params), *args[6:])
-        assert_close_to(OP(x, *args), ref, torch.bfloat16, what=f"C_out {c_out}, {tuple(x.shape)}")
+        assert_close_to(OP(x, *args), ref, tf32_tol(x.dtype), what=f"C_out {c_out}, {tuple(x.shape)} {x.dtype}")
 
 
 @pytest.mark.parametrize("device", CUDA)

@@ -146,6 +146,10 @@ at::Tensor grad_z_cuda_(at::Tensor& y, const at::Tensor& g, const at::Tensor& sh
 // count themselves in the tile's flag; the owner waits for the count, adds the slots and runs the epilogue.
 // Only owners wait, and on CTAs that run before any waiting, so every CTA must be resident at once: the
 // grid is at most one CTA an SM.
+// With few pixel tiles (2-8 of 64), every pixel tile re-reads the whole weight: there the CTAs run in clusters
+// of one CTA a pixel tile, the cluster's K steps (a channel tile's) cut stream-K between clusters; each
+// weight stage is loaded once, in slices by the first CTAs, multicast into all, and a stage is refilled only
+// when every CTA's consumers have handed it back.
 #if defined(VD_SM90A)
 struct CbsArgs {
   const float* shift;  // b', C_out floats
@@ -158,6 +162,9 @@ struct CbsArgs {
   int pad_h, pad_w, dil_h, dil_w;
   int silu;
   float* out;  // the output where it is float32 (written from registers; fp16 / bf16 go through `to`)
+  int cm;      // CTAs a cluster (>= 2: one a pixel tile, the weight multicast to all; units then count channel
+               // tiles x iters) or 1 (no cluster)
+  int bslices;  // CTAs of a cluster that load a slice of the weight stage each (BN / bslices rows)
 };
 
 // BN: 128, 160 or 256 output channels a tile (256: m64n256k16 reads the warpgroup's pixel rows once for 256
@@ -238,7 +245,8 @@ __device__ __forceinline__ int ld_acquire(const int* p) {
   return v;
 }
 
-template <typename scalar_t, int BN, int BM>
+// MC: in clusters of a.cm CTAs (the weight multicast); the kernels without it are compiled for cm = 1.
+template <typename scalar_t, int BN, int BM, bool MC = false>
 __global__ void __launch_bounds__(384, 1)
     conv_bn_silu_wgmma_kernel(const CbsArgs a, const __grid_constant__ CUtensorMap tw,
                               const __grid_constant__ CUtensorMap tx, const __grid_constant__ CUtensorMap to,
@@ -254,18 +262,30 @@ __global__ void __launch_bounds__(384, 1)
   auto sB = [&](int st) { return base + st * T::stage_bytes + T::a_bytes; };
   auto full = [&](int st) { return bar + 8 * st; };
   auto empty = [&](int st) { return bar + 8 * (S + st); };
-  const int tid = threadIdx.x, wg = tid / 128, G = gridDim.x, g = blockIdx.x;
-  if (tid == 0) wgmma::init_stage_ring(bar, S, 8);  // empty: one arrival per consumer warp
-  __syncthreads();
+  // G, g: the clusters and this CTA's (CTAs where cm = 1); rank: its pixel tile in the cluster.
+  const int tid = threadIdx.x, wg = tid / 128, cm = MC ? a.cm : 1, G = gridDim.x / cm, g = blockIdx.x / cm;
+  const int rank = MC ? blockIdx.x % cm : 0;
+  // empty: one arrival per consumer warp of every CTA writing into the stage (the cluster's, with multicast)
+  if (tid == 0) wgmma::init_stage_ring(bar, S, 8 * cm);
+  if (cm > 1) {
+    wgmma::cluster_arrive();  // the barriers initialized in every CTA before any copy or arrival targets them
+    wgmma::cluster_wait();
+  } else {
+    __syncthreads();
+  }
   const int64_t v0 = static_cast<int64_t>(g) * a.units / G, v1 = static_cast<int64_t>(g + 1) * a.units / G;
+  // Tile t of a part (a channel tile where cm > 1) as the tile this CTA computes: pixel tile rank.
+  auto tile_of = [&](int64_t t) { return cm > 1 ? rank * a.n_nt + t : t; };
+  const int slice_rows = T::BN / a.bslices;
 
   if (wg == 0) {
-    wgmma::setmaxnreg_dec<40>();  // the producer needs few registers; the consumers' accumulators many
+    wgmma::setmaxnreg_dec<MC ? 56 : 40>();  // the producer needs few registers; the consumers' accumulators many
     if (tid == 0) {
       uint32_t u = 0;  // stages filled so far (runs on across tiles)
       for (int64_t v = v0; v < v1;) {
-        const auto [t, k0, k1] = cbs_part(a, v, v1);
+        const auto [tp, k0, k1] = cbs_part(a, v, v1);
         v += k1 - k0;
+        const int64_t t = tile_of(tp);
         const int nt = static_cast<int>(t % a.n_nt);
         const CbsPix q = cbs_pix(a, (t / a.n_nt) * T::BM);  // the tile's first output pixel
         const int w0 = q.w - a.pad_w, h0 = q.h - a.pad_h;  // its position at tap (0, 0)
@@ -275,7 +295,11 @@ __global__ void __launch_bounds__(384, 1)
           const int st = static_cast<int>(u % S);
           wgmma::mbar_wait(empty(st), ((u / S) & 1) ^ 1u);
           wgmma::mbar_expect_tx(full(st), T::stage_bytes);
-          wgmma::tma_load_4d(sB(st), &tw, full(st), c * T::BK, tap, nt * T::BN, 0);
+          if (cm == 1)
+            wgmma::tma_load_4d(sB(st), &tw, full(st), c * T::BK, tap, nt * T::BN, 0);
+          else if (rank < a.bslices)  // this CTA's slice of the weight rows, into every CTA of the cluster
+            wgmma::tma_load_4d_multicast(sB(st) + rank * slice_rows * 128, &tw, full(st), c * T::BK, tap,
+                                         nt * T::BN + rank * slice_rows, 0, static_cast<uint16_t>((1u << cm) - 1));
           wgmma::tma_load_im2col_4d(sA(st), &tx, full(st), c * T::BK, w0, h0, q.n,
                                     static_cast<uint16_t>(s * a.dil_w), static_cast<uint16_t>(r * a.dil_h));
           if (++c == a.chunks) {
@@ -285,10 +309,14 @@ __global__ void __launch_bounds__(384, 1)
         }
       }
     }
+    if (cm > 1) {  // no CTA leaves while the cluster's copies and arrivals may still target its shared memory
+      wgmma::cluster_arrive();
+      wgmma::cluster_wait();
+    }
     return;
   }
 
-  wgmma::setmaxnreg_inc<232>();
+  wgmma::setmaxnreg_inc<MC ? 224 : 232>();  // MC: 64-pixel tiles, a producer with more state
   // The consumer warpgroup's index through a shuffle, so the compiler sees it uniform (ptxas C7518).
   const int cw = __shfl_sync(kFullMask, wg - 1, 0), warp = (tid / 32) % 4, lane = tid % 32, tw_id = tid % 128;
   const int gq = lane >> 2, tig = lane & 3;
@@ -296,9 +324,18 @@ __global__ void __launch_bounds__(384, 1)
   const uint32_t sOut = base + T::out_off + cw * T::wg_out_bytes;
   float4* ws = reinterpret_cast<float4*>(a.ws);
   uint32_t u = 0;
+  // A consumed stage goes back to every CTA that writes into it: lane r of each consumer warp tells rank r.
+  auto release = [&](int st) {
+    if (cm == 1) {
+      if (lane == 0) wgmma::mbar_arrive(empty(st));
+    } else if (lane < cm) {
+      wgmma::mbar_arrive_cluster(wgmma::cluster_map(empty(st), lane));
+    }
+  };
   for (int64_t v = v0; v < v1;) {
-    const auto [t, k0, k1] = cbs_part(a, v, v1);
+    const auto [tp, k0, k1] = cbs_part(a, v, v1);
     v += k1 - k0;
+    const int64_t t = tile_of(tp);
     float acc[NACC];
     int prev = -1;  // the stage whose products may still be reading shared memory
     for (int k = k0; k < k1; ++k, ++u) {
@@ -326,15 +363,18 @@ __global__ void __launch_bounds__(384, 1)
       }
       wgmma::commit();
       wgmma::wait<1>();  // the previous stage's products are done: hand it back
-      if (prev >= 0 && lane == 0) wgmma::mbar_arrive(empty(prev));
+      if (prev >= 0) release(prev);
       prev = st;
     }
     wgmma::wait<0>();
     wgmma::fence_regs(acc);
-    if (prev >= 0 && lane == 0) wgmma::mbar_arrive(empty(prev));
+    if (prev >= 0) release(prev);
 
     // This warpgroup's slot of this CTA's partial sums: float4 j of thread i at j * 128 + i.
-    auto slot = [&](int cta) { return ws + (static_cast<int64_t>(cta) * 2 + cw) * (NACC / 4) * 128 + tw_id; };
+    // (cluster g's CTA of rank `rank` where cm > 1.)
+    auto slot = [&](int cta) {
+      return ws + ((static_cast<int64_t>(cta) * cm + rank) * 2 + cw) * (NACC / 4) * 128 + tw_id;
+    };
     if (k0 > 0) {  // the tile's owner is an earlier CTA: hand it this part (only a CTA's first part can be)
       float4* dst = slot(g);
 #pragma unroll
@@ -346,7 +386,7 @@ __global__ void __launch_bounds__(384, 1)
       continue;
     }
     if (k1 < a.iters) {  // the owner of a tile cut between CTAs: the later ones' parts
-      const int last = cbs_cta_of(t * a.iters + a.iters - 1, a.units, G);
+      const int last = cbs_cta_of(tp * a.iters + a.iters - 1, a.units, G);
       if (leader)
         while (ld_acquire(a.flags + 2 * t + cw) < last - g) __nanosleep(64);
       wgmma::named_sync(1 + cw, 128);
@@ -424,21 +464,28 @@ __global__ void __launch_bounds__(384, 1)
   }
   // The copy engine must have finished with the staging buffers before the CTA's shared memory goes.
   if (tid % 128 == 0) wgmma::bulk_wait();
+  if (cm > 1) {
+    wgmma::cluster_arrive();
+    wgmma::cluster_wait();
+  }
 #endif
 }
 #endif
 
 // VD_CONV_BN_SILU_KERNEL: "cudnn" keeps the cuDNN convolution and the bias + SiLU pass on Hopper too,
 // "wgmma" takes the Hopper kernel wherever it applies (no choice by shape); benchmarks and tests compare
-// them. VD_CONV_BN_SILU_TILE=128|160|256 pins the channel tile (of 128 pixels), 64x128|64x256 64-pixel tiles.
+// them. VD_CONV_BN_SILU_TILE=128|160|256 pins the channel tile (of 128 pixels), 64x128|64x256 64-pixel tiles;
+// VD_CONV_BN_SILU_CLUSTER=0 keeps 64-pixel tiles out of clusters.
 std::string env_str(const char* name) {
   const char* e = std::getenv(name);
   return e == nullptr ? std::string() : std::string(e);
 }
 
 #if defined(VD_SM90A)
+// cm >= 2: clusters of cm CTAs, one a pixel tile (cm = the pixel tiles), the weight stage loaded once a cluster.
 template <int BN, int BM>
-bool launch_conv_wgmma(const at::Tensor& x, const Folded& f, const ConvShape& s, bool silu, at::Tensor& y) {
+bool launch_conv_wgmma(const at::Tensor& x, const Folded& f, const ConvShape& s, bool silu, at::Tensor& y,
+                       int cm = 1) {
   using T = CbsTile<BN, 2, BM>;  // the tile geometry is the same for all element sizes
   const int BK = 128 / static_cast<int>(x.element_size());
   const bool f32 = x.scalar_type() == at::kFloat;
@@ -449,9 +496,11 @@ bool launch_conv_wgmma(const at::Tensor& x, const Folded& f, const ConvShape& s,
   const int lower[2] = {static_cast<int>(-s.padding[1]), static_cast<int>(-s.padding[0])};
   const int upper[2] = {static_cast<int>(s.padding[1] - (s.kW - 1) * s.dilation[1]),
                         static_cast<int>(s.padding[0] - (s.kH - 1) * s.dilation[0])};
+  // The CTAs of a cluster that each multicast a slice of the weight rows (whole 8-row swizzle atoms).
+  const int bslices = cm >= 8 ? 8 : cm >= 4 ? 4 : cm >= 2 ? 2 : 1;
   CUtensorMap tw, tx, to{}, to32{};
   if (!tensor_map_4d(&tw, w, {s.C_in, taps, s.C_out, 1}, {s.C_in, taps * s.C_in, s.C_out * taps * s.C_in},
-                     {static_cast<uint32_t>(BK), 1, T::BN, 1}) ||
+                     {static_cast<uint32_t>(BK), 1, static_cast<uint32_t>(T::BN / bslices), 1}) ||
       !im2col_map_4d(&tx, x, {s.C_in, s.W, s.H, s.N}, {x.stride(3), x.stride(2), x.stride(0)}, lower, upper,
                      BK, T::BM))
     return false;
@@ -472,7 +521,10 @@ bool launch_conv_wgmma(const at::Tensor& x, const Folded& f, const ConvShape& s,
   a.iters = static_cast<int>(taps) * a.chunks;
   a.kW = static_cast<int>(s.kW);
   const int64_t tiles = ceil_div(a.P, T::BM) * a.n_nt;
-  a.units = tiles * a.iters;
+  if (cm > 1 && ceil_div(a.P, T::BM) != cm) return false;
+  a.cm = cm;
+  a.bslices = bslices;
+  a.units = (cm > 1 ? a.n_nt : tiles) * a.iters;
   a.C_out = static_cast<int>(s.C_out);
   a.H_out = static_cast<int>(s.H_out);
   a.W_out = static_cast<int>(s.W_out);
@@ -485,21 +537,46 @@ bool launch_conv_wgmma(const at::Tensor& x, const Folded& f, const ConvShape& s,
 
   auto stream = c10::cuda::getCurrentCUDAStream();
   auto launch = [&](auto kernel, size_t smem) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-    const unsigned G = persistent_blocks(kernel, 384, smem, a.units);
+    unsigned G = 0;  // CTAs
+    if (cm > 1) {
+      int device = 0;
+      C10_CUDA_CHECK(cudaGetDevice(&device));
+      const int clusters = resident_clusters(kernel, cm, device, 384, smem);
+      if (clusters == 0) return false;
+      G = static_cast<unsigned>(std::min<int64_t>(clusters, a.units)) * cm;
+    } else {
+      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+      G = persistent_blocks(kernel, 384, smem, a.units);
+    }
     // One partial slot a CTA (BM x BN floats), then the tiles' flags (zeroed on the stream: graph-safe).
     const int64_t slot_floats = static_cast<int64_t>(T::BM) * T::BN;
     at::Tensor ws = at::empty({G * slot_floats + 2 * tiles}, x.options().dtype(at::kFloat));
     a.ws = ws.mutable_data_ptr<float>();
     a.flags = reinterpret_cast<int*>(a.ws + G * slot_floats);
     C10_CUDA_CHECK(cudaMemsetAsync(a.flags, 0, 2 * tiles * sizeof(int), stream));
-    kernel<<<G, 384, smem, stream>>>(a, tw, tx, to, to32);
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = dim3(G);
+    cfg.blockDim = dim3(384);
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = stream;
+    cudaLaunchAttribute at = cluster_attr(cm);
+    cfg.attrs = &at;
+    cfg.numAttrs = cm > 1 ? 1 : 0;
+    C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, a, tw, tx, to, to32));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return true;
   };
-  if (f32) launch(conv_bn_silu_wgmma_kernel<float, BN, BM>, CbsTile<BN, 4, BM>::smem_bytes);
-  else if (x.scalar_type() == at::kBFloat16) launch(conv_bn_silu_wgmma_kernel<at::BFloat16, BN, BM>, T::smem_bytes);
-  else launch(conv_bn_silu_wgmma_kernel<at::Half, BN, BM>, T::smem_bytes);
-  return true;
+  if constexpr (BM == 64) {  // clusters only for 64-pixel tiles (a few pixel tiles)
+    if (cm > 1) {
+      if (f32) return launch(conv_bn_silu_wgmma_kernel<float, BN, BM, true>, CbsTile<BN, 4, BM>::smem_bytes);
+      if (x.scalar_type() == at::kBFloat16)
+        return launch(conv_bn_silu_wgmma_kernel<at::BFloat16, BN, BM, true>, T::smem_bytes);
+      return launch(conv_bn_silu_wgmma_kernel<at::Half, BN, BM, true>, T::smem_bytes);
+    }
+  }
+  if (f32) return launch(conv_bn_silu_wgmma_kernel<float, BN, BM>, CbsTile<BN, 4, BM>::smem_bytes);
+  if (x.scalar_type() == at::kBFloat16) return launch(conv_bn_silu_wgmma_kernel<at::BFloat16, BN, BM>, T::smem_bytes);
+  return launch(conv_bn_silu_wgmma_kernel<at::Half, BN, BM>, T::smem_bytes);
 }
 #endif
 
@@ -528,16 +605,24 @@ at::Tensor conv_bn_silu_wgmma(const at::Tensor& x, const Folded& f, const ConvSh
   // Chosen by shape unless pinned. Fewer than 8 pixel tiles of 128 cut each tile between several CTAs.
   // With 3-4 of them (2 x 1280 x 9 x 16: 288 pixels), 64-pixel tiles of 256 channels (bf16 on the H200: 33.6
   // us against 40.2 for cuDNN's convolution with the bias + SiLU pass; at 384 pixels 35.1 against 45.6); with
-  // fewer they tie with cuDNN, with more cuDNN was ahead (768 pixels: 37.4 against 45.7-51.4 us), and in
-  // float32 (9 x 16: 54.5 against 60.2 us): cuDNN there, and where C_out is not a multiple of 256.
+  // fewer they tie with cuDNN, with more cuDNN was ahead (768 pixels: 37.4 against 45.7-51.4 us): cuDNN there,
+  // and where C_out is not a multiple of 256. float32 there only in clusters (without: 60.2 against cuDNN's 54.5).
   // Otherwise the channel tile: 256 where C_out fills it (m64n256k16: the least shared-memory traffic a
   // product), else 160 where C_out is a multiple of 160 (320, 640: no empty columns), else 128; where a last
   // 128-channel tile would be at most half full, cuDNN again.
-  const std::string tile = env_str("VD_CONV_BN_SILU_TILE");
-  const int64_t tiles128 = ceil_div(s.N * s.H_out * s.W_out, 128);
-  const bool few = tiles128 < 8;
-  if (choice != "wgmma" && tile.empty() && few && (tiles128 < 3 || tiles128 > 4 || tf32 || s.C_out % 256 != 0))
-    return {};
+  // With 2-8 pixel tiles of 64, the CTAs of one channel tile's pixel tiles run as a cluster and load each weight
+  // stage once (multicast; VD_CONV_BN_SILU_CLUSTER=0 turns it off): the weight, re-read from L2 by every pixel
+  // tile, held them to ~6 TB/s of L2 reads. In clusters (H200, 1280 channels, device us against cuDNN's path):
+  // 16-bit at 3-8 such tiles (144-512 pixels) 23.1-33.4 against 24.2-46.2; float32 at 3-5 (144, 288 pixels)
+  // 37.5 / 45.4 against 45.3 / 56.1, at 6 and 8 behind or level (52.9 / 55.9 against 47.1 / 57.0), at 2 behind
+  // (36.2 against 30.4): cuDNN there.
+  const std::string tile = env_str("VD_CONV_BN_SILU_TILE"), cluster = env_str("VD_CONV_BN_SILU_CLUSTER");
+  const int64_t tiles128 = ceil_div(s.N * s.H_out * s.W_out, 128), tiles64 = ceil_div(s.N * s.H_out * s.W_out, 64);
+  const bool few = tiles128 < 8, clusters = cluster != "0";
+  const bool take_few = s.C_out % 256 == 0 && (tf32       ? clusters && tiles64 >= 3 && tiles64 <= 5
+                                               : clusters ? tiles64 >= 3 && tiles64 <= 8
+                                                          : tiles128 >= 3 && tiles128 <= 4);
+  if (choice != "wgmma" && tile.empty() && few && !take_few) return {};
   const bool pinned64 = tile.rfind("64x", 0) == 0;
   const bool small = pinned64 || (tile.empty() && few);  // 64-pixel tiles
   const std::string tn = pinned64 ? tile.substr(3) : tile;
@@ -547,8 +632,9 @@ at::Tensor conv_bn_silu_wgmma(const at::Tensor& x, const Folded& f, const ConvSh
                                                                      : 128;
   if (choice != "wgmma" && bn == 128 && s.C_out > 128 && s.C_out % 128 != 0 && s.C_out % 128 <= 64) return {};
   at::Tensor y = at::empty({s.N, s.C_out, s.H_out, s.W_out}, x.options().memory_format(at::MemoryFormat::ChannelsLast));
-  const bool ok = small       ? (bn == 256 ? launch_conv_wgmma<256, 64>(x, f, s, silu, y)
-                                           : launch_conv_wgmma<128, 64>(x, f, s, silu, y))
+  const int cm = small && clusters && tiles64 >= 2 && tiles64 <= 8 ? static_cast<int>(tiles64) : 1;
+  const bool ok = small       ? (bn == 256 ? launch_conv_wgmma<256, 64>(x, f, s, silu, y, cm)
+                                           : launch_conv_wgmma<128, 64>(x, f, s, silu, y, cm))
                   : bn == 256 ? launch_conv_wgmma<256, 128>(x, f, s, silu, y)
                   : bn == 160 ? launch_conv_wgmma<160, 128>(x, f, s, silu, y)
                               : launch_conv_wgmma<128, 128>(x, f, s, silu, y);
