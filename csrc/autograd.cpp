@@ -38,6 +38,12 @@ bool grad_needed(const Ts&... ts) {
   return at::GradMode::is_enabled() && (wants_grad(ts) || ...);
 }
 
+// op's kernel below autograd (the backend's, or the tracer's), from the key set this Autograd kernel got.
+template <typename Sig, typename... Args>
+auto below_autograd(const c10::TypedOperatorHandle<Sig>& op, Keys ks, const Args&... args) {
+  at::AutoDispatchBelowADInplaceOrView guard;
+  return op.redispatch(ks & c10::after_autograd_keyset, args...);
+}
 
 // Saved optional tensors come back undefined when they were absent.
 OptTensor as_optional(const Tensor& t) { return t.defined() ? OptTensor(t) : std::nullopt; }
@@ -46,8 +52,7 @@ Tensor or_undefined(const OptTensor& t) { return t.has_value() ? *t : Tensor(); 
 std::tuple<Tensor, Tensor> forward_below(Keys ks, const Tensor& x, int64_t G, const OptTensor& w,
                                          const OptTensor& b, double eps, bool silu) {
   static const auto op = op_handle<GNForwardSig>("vd::group_norm_silu_forward");
-  at::AutoDispatchBelowADInplaceOrView guard;
-  return op.redispatch(ks & c10::after_autograd_keyset, x, G, w, b, eps, silu);
+  return below_autograd(op, ks, x, G, w, b, eps, silu);
 }
 
 // ---- group_norm_silu ----
@@ -83,8 +88,7 @@ Tensor group_norm_silu_autograd(Keys ks, const Tensor& x, int64_t G, const OptTe
                                 double eps, bool silu) {
   if (!grad_needed(x, w, b)) {
     static const auto op = op_handle<GNSig>("vd::group_norm_silu");
-    at::AutoDispatchBelowADInplaceOrView guard;
-    return op.redispatch(ks & c10::after_autograd_keyset, x, G, w, b, eps, silu);
+    return below_autograd(op, ks, x, G, w, b, eps, silu);
   }
   return GroupNormSiluFn::apply(ks, x, G, w, b, eps, silu)[0];
 }
@@ -102,8 +106,7 @@ using TCBackwardSig = std::tuple<Tensor, Tensor, Tensor>(const Tensor&, const Te
 
 Tensor temporal_conv_below(Keys ks, const Tensor& x, const Tensor& w, const OptTensor& b, int64_t padding) {
   static const auto op = op_handle<TCSig>("vd::temporal_conv");
-  at::AutoDispatchBelowADInplaceOrView guard;
-  return op.redispatch(ks & c10::after_autograd_keyset, x, w, b, padding);
+  return below_autograd(op, ks, x, w, b, padding);
 }
 
 struct TemporalConvFn : public torch::autograd::Function<TemporalConvFn> {
@@ -141,9 +144,7 @@ Tensor conv_bn_silu_below(Keys ks, const Tensor& x, const Tensor& w, const OptTe
                           const Tensor& beta, const Tensor& mean, const Tensor& var, double eps, at::IntArrayRef stride,
                           at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups, bool silu) {
   static const auto op = op_handle<CBSSig>("vd::conv_bn_silu");
-  at::AutoDispatchBelowADInplaceOrView guard;
-  return op.redispatch(ks & c10::after_autograd_keyset, x, w, b, gamma, beta, mean, var, eps, stride, padding, dilation,
-                       groups, silu);
+  return below_autograd(op, ks, x, w, b, gamma, beta, mean, var, eps, stride, padding, dilation, groups, silu);
 }
 
 struct ConvBnSiluFn : public torch::autograd::Function<ConvBnSiluFn> {

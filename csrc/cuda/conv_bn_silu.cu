@@ -521,7 +521,7 @@ bool launch_conv_wgmma(const at::Tensor& x, const Folded& f, const ConvShape& s,
   a.iters = static_cast<int>(taps) * a.chunks;
   a.kW = static_cast<int>(s.kW);
   const int64_t tiles = ceil_div(a.P, T::BM) * a.n_nt;
-  if (cm > 1 && ceil_div(a.P, T::BM) != cm) return false;
+  TORCH_INTERNAL_ASSERT(cm == 1 || ceil_div(a.P, T::BM) == cm, "a cluster is one CTA a pixel tile");
   a.cm = cm;
   a.bslices = bslices;
   a.units = (cm > 1 ? a.n_nt : tiles) * a.iters;
@@ -537,33 +537,24 @@ bool launch_conv_wgmma(const at::Tensor& x, const Folded& f, const ConvShape& s,
 
   auto stream = c10::cuda::getCurrentCUDAStream();
   auto launch = [&](auto kernel, size_t smem) {
-    unsigned G = 0;  // CTAs
+    int64_t G = 0;  // clusters (CTAs where cm = 1)
     if (cm > 1) {
       int device = 0;
       C10_CUDA_CHECK(cudaGetDevice(&device));
       const int clusters = resident_clusters(kernel, cm, device, 384, smem);
       if (clusters == 0) return false;
-      G = static_cast<unsigned>(std::min<int64_t>(clusters, a.units)) * cm;
+      G = std::min<int64_t>(clusters, a.units);
     } else {
       C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
       G = persistent_blocks(kernel, 384, smem, a.units);
     }
     // One partial slot a CTA (BM x BN floats), then the tiles' flags (zeroed on the stream: graph-safe).
     const int64_t slot_floats = static_cast<int64_t>(T::BM) * T::BN;
-    at::Tensor ws = at::empty({G * slot_floats + 2 * tiles}, x.options().dtype(at::kFloat));
+    at::Tensor ws = at::empty({G * cm * slot_floats + 2 * tiles}, x.options().dtype(at::kFloat));
     a.ws = ws.mutable_data_ptr<float>();
-    a.flags = reinterpret_cast<int*>(a.ws + G * slot_floats);
+    a.flags = reinterpret_cast<int*>(a.ws + G * cm * slot_floats);
     C10_CUDA_CHECK(cudaMemsetAsync(a.flags, 0, 2 * tiles * sizeof(int), stream));
-    cudaLaunchConfig_t cfg{};
-    cfg.gridDim = dim3(G);
-    cfg.blockDim = dim3(384);
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = stream;
-    cudaLaunchAttribute at = cluster_attr(cm);
-    cfg.attrs = &at;
-    cfg.numAttrs = cm > 1 ? 1 : 0;
-    C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, a, tw, tx, to, to32));
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch_clusters(kConvBnSiluOp, kernel, a, G, cm, 384, smem, stream, tw, tx, to, to32);
     return true;
   };
   if constexpr (BM == 64) {  // clusters only for 64-pixel tiles (a few pixel tiles)

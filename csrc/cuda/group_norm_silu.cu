@@ -2603,7 +2603,7 @@ __global__ void __launch_bounds__(kSmemColsThreads, 2)
       for (int i = 0; i < boxes; ++i) {
         const int k1 = min(cnt, max(0, ((i + 1) * a.rbox - trow + a.R - 1) / a.R));
         store_rows(k0, k1);
-        k0 = max(k0, k1);
+        k0 = k1;
         __syncthreads();
         if (tid == 0) issue_boxes(it + 1, 0, i, i + 1);
       }
@@ -3124,22 +3124,6 @@ FusedArgs<scalar_t> fused_args(const GNShape& s, int64_t F, const scalar_t* x, s
   return a;
 }
 
-// Launches `kernel` over groups * K CTAs in clusters of K, with arguments a (then `more`).
-template <typename Kernel, typename Args, typename... More>
-void launch_clusters(Kernel kernel, const Args& a, int64_t groups, int K, int threads, size_t smem,
-                     cudaStream_t stream, const More&... more) {
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(grid_of(groups * K, kOp));
-  cfg.blockDim = dim3(threads);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute at = cluster_attr(K);
-  cfg.attrs = &at;
-  cfg.numAttrs = K > 1 ? 1 : 0;  // no cluster attribute at all for K = 1: pre-sm_90 devices reject it
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, a, more...));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
 // Runs version 4 when the shape, dtype and alignment allow it; false leaves the work to the others.
 // F: the frames of a frames-major x (its groups are F segments), else 1.
 template <typename scalar_t>
@@ -3164,7 +3148,7 @@ bool forward_l2(const GNShape& s, int64_t F, const scalar_t* x, scalar_t* out, c
     if (!cluster_ok(kernel, K, device, kL2Threads, smem)) return false;
     auto a = fused_args(s, F, x, out, w, b, eps, silu, kL2Threads, K, ceil_div(M / kVec, K));
     a.stats = stats;
-    launch_clusters(kernel, a, s.N * s.G, K, kL2Threads, smem, stream);
+    launch_clusters(kOp, kernel, a, s.N * s.G, K, kL2Threads, smem, stream);
     return true;
   }
 }
@@ -3203,7 +3187,7 @@ bool forward_smem(const GNShape& s, int64_t F, const scalar_t* x, scalar_t* out,
     a.groups = s.N * s.G;
     a.stages = stages;
     a.stage_bytes = static_cast<int>(stage_bytes);
-    launch_clusters(kernel, a, std::min<int64_t>(a.groups, clusters), K, threads, smem, stream);
+    launch_clusters(kOp, kernel, a, std::min<int64_t>(a.groups, clusters), K, threads, smem, stream);
     return true;
   }
 }
@@ -3337,7 +3321,7 @@ bool backward_smem(const GNShape& s, const scalar_t* x, const scalar_t* dy, scal
     a.stats = stats;
     on_chip_param_grads<scalar_t>(s, K, like, wdtype, bdtype, stream, dw, db, [&](float2* sums) {
       a.sums = sums;
-      launch_clusters(kernel, a, std::min<int64_t>(a.groups, p.clusters), K, kSmemThreads, p.smem, stream);
+      launch_clusters(kOp, kernel, a, std::min<int64_t>(a.groups, p.clusters), K, kSmemThreads, p.smem, stream);
     });
     return true;
   }
@@ -3399,7 +3383,7 @@ bool forward_l2_cols(const GNShape& s, const scalar_t* x, scalar_t* out, const s
     a.K = static_cast<int>(K);
     a.eps = static_cast<float>(eps);
     a.stats = stats;
-    launch_clusters(kernel, a, s.N * blocks, static_cast<int>(K), kColsThreads, smem, stream);
+    launch_clusters(kOp, kernel, a, s.N * blocks, static_cast<int>(K), kColsThreads, smem, stream);
     return true;
   }
 }
@@ -3493,7 +3477,7 @@ bool forward_smem_cols(const GNShape& s, const at::Tensor& x, scalar_t* out, con
     a.stage_bytes = static_cast<int>(stage_bytes);
     a.eps = static_cast<float>(eps);
     a.stats = stats;
-    launch_clusters(kernel, a, std::min<int64_t>(items, clusters), K, kSmemColsThreads, lay.bytes, stream, tx);
+    launch_clusters(kOp, kernel, a, std::min<int64_t>(items, clusters), K, kSmemColsThreads, lay.bytes, stream, tx);
     return true;
   }
 #else
@@ -3602,8 +3586,8 @@ bool backward_smem_cols(const GNShape& s, const at::Tensor& x, const at::Tensor&
     a.stats = stats;
     on_chip_param_grads<scalar_t>(s, best.K, x, wdtype, bdtype, stream, dw, db, [&](float2* sums) {
       a.sums = sums;
-      launch_clusters(kernel, a, std::min<int64_t>(items, clusters), best.K, kSmemColsThreads, lay.bytes, stream, tx,
-                      tdy);
+      launch_clusters(kOp, kernel, a, std::min<int64_t>(items, clusters), best.K, kSmemColsThreads, lay.bytes, stream,
+                      tx, tdy);
     });
     return true;
   }
@@ -3632,7 +3616,7 @@ bool forward_fused(const GNShape& s, int64_t F, const scalar_t* x, scalar_t* out
     if (!cluster_ok(kernel, p.K, device, kFusedThreads, 2 * kFusedMaxCpg * sizeof(float))) return false;
     auto a = fused_args(s, F, x, out, w, b, eps, silu, kFusedThreads, p.K, p.part);
     a.stats = stats;
-    launch_clusters(kernel, a, s.N * s.G, p.K, kFusedThreads, 2 * cpg * sizeof(float), stream);
+    launch_clusters(kOp, kernel, a, s.N * s.G, p.K, kFusedThreads, 2 * cpg * sizeof(float), stream);
     return true;
   }
 }

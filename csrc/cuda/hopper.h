@@ -13,6 +13,8 @@
 #include <mutex>
 #include <tuple>
 
+#include "launch.h"
+
 namespace vd {
 
 // The current device's compute capability as 10 * major + minor.
@@ -60,7 +62,6 @@ inline cudaLaunchAttribute cluster_attr(int K) {
   return at;
 }
 
-
 // Clusters of K CTAs (`threads` threads, `smem` bytes of dynamic shared memory) resident on `device` at once:
 // a persistent grid of clusters. 0 where the kernel has no sm_90 code or the device cannot place one.
 // Allows clusters of 16 (over the portable 8) on the kernel first. Cached: the answer depends only on these.
@@ -102,6 +103,23 @@ int resident_clusters(Kernel kernel, int K, int device, int threads, size_t smem
   (void)cudaGetLastError();  // a refusal above is an answer (none), not an error to carry on
   cache.emplace(key, n);
   return n;
+}
+
+// Launches `kernel` over groups * K CTAs in clusters of K, with arguments a (then `more`); op names the caller in
+// errors.
+template <typename Kernel, typename Args, typename... More>
+void launch_clusters(const char* op, Kernel kernel, const Args& a, int64_t groups, int K, int threads,
+                     size_t smem, cudaStream_t stream, const More&... more) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(grid_of(groups * K, op));
+  cfg.blockDim = dim3(threads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute at = cluster_attr(K);
+  cfg.attrs = &at;
+  cfg.numAttrs = K > 1 ? 1 : 0;  // no cluster attribute at all for K = 1: pre-sm_90 devices reject it
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, a, more...));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 #if defined(VD_SM90A)
