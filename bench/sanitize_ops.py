@@ -6,7 +6,8 @@ compute-sanitizer (memcheck, racecheck):
 FAMILY (attention, group_norm_silu, conv_bn_silu, temporal_conv, scheduler_step) limits the run to those
 families; default: all. attention_backward (not in the default set) is a small masked bf16 backward at head
 dims 64 and 128 (the default kernels and the deterministic pair), small enough for racecheck (the full
-attention set takes it several minutes).
+attention set takes it several minutes). group_norm_silu_three_ctas (not in the default set either) is version 8 at
+three CTAs an SM alone (the whole group_norm_silu set outlasts racecheck's time on a device call).
 """
 from __future__ import annotations
 
@@ -176,6 +177,17 @@ def main():
                         w, b = torch.randn(shape[1], device=dev, dtype=dtype), torch.randn(shape[1], device=dev, dtype=dtype)
                         torch.ops.vd.group_norm_silu_forward(x, groups, w, b, 1e-5, True)
             ran.append("group_norm_silu")
+        if "group_norm_silu_three_ctas" in only and has_cuda_kernels("group_norm_silu"):
+            # Version 8 at three CTAs an SM (one stage of <= ~72 KB, group states folded over warps): a last rank
+            # with fewer rows and a box partly past the sample; 64 KB parts in two boxes with more blocks than
+            # resident clusters (16-bit: refilled box by box); with and without SiLU, statistics written.
+            for shape in [(3, 512, 72, 125), (5, 512, 64, 128)]:
+                x = torch.randn(shape, device=dev, dtype=dtype).to(memory_format=torch.channels_last)
+                w, b = torch.randn(shape[1], device=dev, dtype=dtype), torch.randn(shape[1], device=dev, dtype=dtype)
+                with env_var("VD_GROUP_NORM_KERNEL", "smem"):
+                    torch.ops.vd.group_norm_silu_forward(x, 32, w, b, 1e-5, True)
+                    torch.ops.vd.group_norm_silu(x, 32, None, None, 1e-5, False)
+            ran.append("group_norm_silu_three_ctas")
         if want("conv_bn_silu"):
             x = torch.randn(2, 16, 9, 13, device=dev, dtype=dtype)
             w = torch.randn(24, 16, 3, 3, device=dev, dtype=dtype)

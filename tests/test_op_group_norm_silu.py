@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import re
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -375,6 +376,42 @@ def test_channels_last_version_8(device, dtype, smem_family):
         for silu in (True, False):
             out = check_kernel_serves("smem_cols_kernel", want, x, groups, w, b, silu, f"{shape} silu={silu}")
             assert out.stride() == x.stride(), "the output keeps the input's layout"
+
+
+@pytest.mark.parametrize("device", CUDA)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_channels_last_version_8_three_ctas(device, dtype, smem_family, monkeypatch):
+    # Version 8 with one stage of up to ~72 KB a CTA runs three CTAs an SM (sm_90: 228 KB an SM), its group states
+    # folded over each warp's rows first; VD_GROUP_NORM_THREE_CTAS=0 keeps two. Pins the instantiation that runs
+    # (the kernel's last template argument) and checks both against the reference.
+    def ctas(x, silu):
+        names = [n for n in cuda_kernels_run(lambda: group_norm_silu(x, 32, None, None, 1e-5, silu))
+                 if "smem_cols_kernel" in n]
+        assert len(set(names)) == 1, names
+        return int(re.search(r"smem_cols_kernel<[^>]*, (\d+)>", names[0]).group(1))
+
+    cases = [((2, 512, 72, 128), 3 if dtype.itemsize == 4 else 2),  # 72 KB stages: fp32 fits a third CTA, 16-bit not
+             ((3, 512, 72, 125), 3),  # 70.5 KB (563 rows): the last rank's part shorter, the third box partly past
+             ((5, 512, 64, 128), 3)]  # 64 KB; 16-bit: 40 blocks over fewer clusters, refilled box by box
+    for shape, want in cases:
+        C = shape[1]
+        x = channels_last((torch.randn(shape, device=device) * 3 + 1).to(dtype))
+        w, b = torch.randn(C, device=device, dtype=dtype), torch.randn(C, device=device, dtype=dtype)
+        for silu in (True, False):
+            assert ctas(x, silu) == want, (shape, silu)
+            out3 = check_kernel_serves("smem_cols_kernel", True, x, 32, w, b, silu, f"{shape} silu={silu}")
+            with monkeypatch.context() as m:
+                m.setenv("VD_GROUP_NORM_THREE_CTAS", "0")
+                assert ctas(x, silu) == 2, (shape, silu)
+                out2 = check_kernel_serves("smem_cols_kernel", True, x, 32, w, b, silu, f"{shape} silu={silu} two")
+            # The same statistics up to the order of the merges: outputs within a few units of the last place.
+            torch.testing.assert_close(out3.float(), out2.float(), rtol=4 * torch.finfo(dtype).eps, atol=1e-5)
+        # The forward's statistics (for the backward) from the folded states too.
+        y, stats = torch.ops.vd.group_norm_silu_forward(x, 32, w, b, 1e-5, True)
+        y2 = group_norm_silu(x, 32, w, b, 1e-5, True)
+        assert torch.equal(y, y2)
+        xd = x.double().reshape(shape[0], 32, -1)
+        torch.testing.assert_close(stats[2].double(), xd.var(-1, unbiased=False).add(1e-5).rsqrt(), rtol=1e-4, atol=0)
 
 
 @pytest.mark.parametrize("device", CUDA)

@@ -2298,14 +2298,14 @@ struct SmemColsArgs {
 };
 
 // Dynamic shared memory of smem_cols_kernel (byte offsets): the stages, their barriers and the exchange's two,
-// per-thread group states (float4 [threads][ns]), per-group pivots (float [gb]), the exchange's slots
-// (float4 [2][K][gb]), per-channel gamma / beta and (a_c, b_c) (float2 [W] each).
+// group states (float4 [threads, or 8 * TCV folded over warps][ns]), per-group pivots (float [gb]), the exchange's
+// slots (float4 [2][K][gb]), per-channel gamma / beta and (a_c, b_c) (float2 [W] each).
 struct SmemColsLayout {
   int bars, states, slots, params, chan, pivots, bytes;
-  __host__ __device__ SmemColsLayout(int stages, int stage_bytes, int ns, int gb, int K, int W) {
+  __host__ __device__ SmemColsLayout(int stages, int stage_bytes, int ns, int gb, int K, int W, int TCV, bool fold) {
     bars = stages * stage_bytes;
     states = bars + ((stages + 2) * 8 + 15) / 16 * 16;
-    slots = states + kSmemColsThreads * ns * 16;
+    slots = states + (fold ? kSmemColsThreads / 32 * TCV : kSmemColsThreads) * ns * 16;
     params = slots + 2 * K * gb * 16;
     chan = params + W * 8;
     pivots = chan + W * 8;
@@ -2334,8 +2334,8 @@ __device__ __forceinline__ void cols_send(const float4& v, int q, int b, int gb,
 // a warp a group merges the CTA's threads in a fixed order and sends the result to every rank (exchange e: slots
 // and barrier by e's parity); then a warp a group merges the ranks in order and calls group(q, st, pivot0) with
 // group q's (mean of x - pivot0, m2, n), the same bits in every CTA. before() runs ahead of the block barrier that
-// publishes the states.
-template <typename scalar_t, typename Before, typename Group>
+// publishes the states. FOLD: the states are folded over each warp's rows first (TCV divides 32).
+template <bool FOLD, typename scalar_t, typename Before, typename Group>
 __device__ __forceinline__ void cols_block_stats(const SmemColsArgs<scalar_t>& a, const unsigned char* st_bytes,
                                                  bool active, int cnt, int valid, int q0, unsigned slots,
                                                  float4* sh_state, float4* sh_slots, uint64_t* xbars, int64_t e,
@@ -2421,7 +2421,28 @@ __device__ __forceinline__ void cols_block_stats(const SmemColsArgs<scalar_t>& a
 #pragma unroll
     for (int s = 0; s < NS; ++s) g[s].z *= static_cast<float>(cnt);
   }
-  if (active) {
+  if constexpr (FOLD) {
+    // Lane = (thread row in the warp) * TCV + column: fold the warp's rows of each column (xor butterflies, a fixed
+    // order) and keep one state a (warp, column), 32 / TCV times fewer bytes (three CTAs an SM then fit).
+    for (int o = a.TCV; o < 32; o *= 2)
+#pragma unroll
+      for (int s = 0; s < NS; ++s) {
+        const float4 t = make_float4(__shfl_xor_sync(kFullMask, g[s].x, o), __shfl_xor_sync(kFullMask, g[s].y, o),
+                                     __shfl_xor_sync(kFullMask, g[s].z, o), 0.f);
+        if constexpr (!kShift) {
+          g[s].x += t.x;
+          g[s].y += t.y;
+        } else {
+          const Welford<float> m = combine_f({g[s].x, g[s].y, g[s].z}, {t.x, t.y, t.z});
+          g[s] = make_float4(m.mean, m.m2, m.n, 0.f);
+        }
+      }
+    if (lane < a.TCV) {
+#pragma unroll
+      for (int s = 0; s < NS; ++s)
+        if (s < a.ns) sh_state[(warp * a.TCV + lane) * a.ns + s] = g[s];
+    }
+  } else if (active) {
 #pragma unroll
     for (int s = 0; s < NS; ++s)
       if (s < a.ns) sh_state[tid * a.ns + s] = g[s];
@@ -2434,11 +2455,12 @@ __device__ __forceinline__ void cols_block_stats(const SmemColsArgs<scalar_t>& a
   const uint32_t xbar = static_cast<uint32_t>(__cvta_generic_to_shared(&xbars[b]));
   if (tid == 0 && K > 1) wgmma::mbar_expect_tx(xbar, static_cast<uint32_t>(K * a.gb) * 16u);
   for (int q = warp; q < a.gb; q += THREADS / 32) {
-    // Lane l: thread rows l, l + 32 (R <= 64), the columns lo..hi whose vectors touch group q.
+    // Lane l: state rows l, l + 32 (thread rows, R <= 64, or warps once folded), the columns lo..hi whose vectors
+    // touch group q.
     const int lo = q * a.cpg / VEC, hi = ((q + 1) * a.cpg - 1) / VEC;
     float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
     Welford<float> w{0.f, 0.f, 0.f};
-    for (int tr = lane; tr < a.R; tr += 32)
+    for (int tr = lane; tr < (FOLD ? THREADS / 32 : a.R); tr += 32)
       for (int c = lo; c <= hi; ++c) {
         const float4 t = sh_state[(tr * a.TCV + c) * a.ns + (q - c * VEC / a.cpg)];
         if constexpr (!kShift) {
@@ -2475,8 +2497,9 @@ __device__ __forceinline__ void cols_block_stats(const SmemColsArgs<scalar_t>& a
   }
 }
 
-template <typename scalar_t, bool SILU>
-__global__ void __launch_bounds__(kSmemColsThreads, 2)
+// CTAS: the CTAs an SM it is built for (2; 3 where the states are folded over warps and a part fits 75 KB).
+template <typename scalar_t, bool SILU, int CTAS>
+__global__ void __launch_bounds__(kSmemColsThreads, CTAS)
     smem_cols_kernel(const SmemColsArgs<scalar_t> a, const __grid_constant__ CUtensorMap tx) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr int VEC = max_vec<scalar_t>();
@@ -2484,7 +2507,7 @@ __global__ void __launch_bounds__(kSmemColsThreads, 2)
   extern __shared__ __align__(16) unsigned char smem_raw[];
   // Tensor copies land on 128-byte boundaries (the host adds the slack).
   unsigned char* smem = smem_raw + ((128u - (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) & 127u)) & 127u);
-  const SmemColsLayout lay(a.stages, a.stage_bytes, a.ns, a.gb, a.K, a.W);
+  const SmemColsLayout lay(a.stages, a.stage_bytes, a.ns, a.gb, a.K, a.W, a.TCV, CTAS == 3);
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + lay.bars);
   uint64_t* xbars = full + a.stages;
   float4* sh_state = reinterpret_cast<float4*>(smem + lay.states);
@@ -2551,7 +2574,7 @@ __global__ void __launch_bounds__(kSmemColsThreads, 2)
     if (valid > 0) wgmma::mbar_wait(bar0 + 8 * stage, ring.parity);
 
     float piv[VEC];
-    cols_block_stats<scalar_t>(
+    cols_block_stats<CTAS == 3, scalar_t>(
         a, st_bytes, active, cnt, valid, q0, slots, sh_state, sh_slots, xbars, it, piv,
         [&] {
           if (tid < a.W) sh_params[tid] = make_float2(pw, pb);
@@ -2760,7 +2783,7 @@ __global__ void __launch_bounds__(kSmemColsThreads, 2)
         group(q, ga.stats[2 * NG + ng], ga.stats[NG + ng], ga.stats[ng]);
       }
     } else {
-      cols_block_stats<scalar_t>(
+      cols_block_stats<false, scalar_t>(
           a, st_bytes, active, cnt, valid, q0, slots, sh_state, sh_slots, xbars, 2 * it, piv,
           [&] {
             if (tid < a.W) sh_params[tid] = make_float2(pw, pb);
@@ -3414,6 +3437,12 @@ inline int cols_slots(int64_t TCV, int64_t cpg, int vec) {
   return ns;
 }
 
+// VD_GROUP_NORM_THREE_CTAS=0: version 8 keeps two CTAs an SM (benchmarks compare both in one process).
+inline bool three_ctas_allowed() {
+  const char* e = std::getenv("VD_GROUP_NORM_THREE_CTAS");
+  return e == nullptr || std::string(e) != "0";
+}
+
 // Runs version 8 (channels_last, sm_90) when the shape, dtype, alignment and device allow it; false leaves the
 // work to version 5 and then version 1.
 template <typename scalar_t>
@@ -3450,9 +3479,25 @@ bool forward_smem_cols(const GNShape& s, const at::Tensor& x, scalar_t* out, con
     const int stages = part <= kSmemPartBytes
                            ? static_cast<int>(std::min<int64_t>(kSmemMaxStages, kSmemDataBytes / stage_bytes))
                            : 1;
-    const SmemColsLayout lay(stages, static_cast<int>(stage_bytes), ns, static_cast<int>(gb), K, static_cast<int>(W));
-    auto kernel = silu ? smem_cols_kernel<scalar_t, true> : smem_cols_kernel<scalar_t, false>;
-    const int clusters = resident_clusters(kernel, K, device, kSmemColsThreads, lay.bytes);
+    SmemColsLayout lay(stages, static_cast<int>(stage_bytes), ns, static_cast<int>(gb), K, static_cast<int>(W),
+                       static_cast<int>(TCV), false);
+    auto kernel = silu ? smem_cols_kernel<scalar_t, true, 2> : smem_cols_kernel<scalar_t, false, 2>;
+    int clusters = resident_clusters(kernel, K, device, kSmemColsThreads, lay.bytes);
+    // One stage a CTA: its next block's load waits for this one's stores, and the SM's other CTA is all that
+    // overlaps them. With the group states folded over warps a part of up to ~72 KB leaves room for a third CTA
+    // (<= 80 registers) where the device places more clusters that way (sm_90: 228 KB an SM, 1 KB reserved a
+    // CTA). VD_GROUP_NORM_THREE_CTAS=0 keeps two.
+    if (stages == 1 && 32 % TCV == 0 && three_ctas_allowed()) {
+      const SmemColsLayout lay3(1, static_cast<int>(stage_bytes), ns, static_cast<int>(gb), K, static_cast<int>(W),
+                                static_cast<int>(TCV), true);
+      auto kernel3 = silu ? smem_cols_kernel<scalar_t, true, 3> : smem_cols_kernel<scalar_t, false, 3>;
+      const int clusters3 = resident_clusters(kernel3, K, device, kSmemColsThreads, lay3.bytes);
+      if (clusters3 > clusters) {
+        lay = lay3;
+        kernel = kernel3;
+        clusters = clusters3;
+      }
+    }
     if (clusters == 0) return false;
     CUtensorMap tx;
     if (!cols_tensor_map(&tx, x, s, W, rbox)) return false;
