@@ -1,0 +1,120 @@
+"""Same-process A/B of group_norm_silu's forward under kernel switches (environment settings the op reads on
+every call), beside eager and inductor on the same tensors.
+
+    python bench/gn_env_ab.py --env VD_GROUP_NORM_THREE_CTAS=0 [--env NAME=VALUE ...] [--dtype fp32,bf16]
+                              [--shapes 14x512x72x128,...] [--nchw] [--rounds 4] [--no-inductor]
+
+Per shape and dtype: device µs a call (torch.profiler, inputs rotated over sets larger than the L2) of the op as
+built ("default") and under each setting, the median of --rounds rounds that alternate the variants, and µs a call
+by events; the CUDA kernel that served each variant; eager and inductor (events a call) and the ratios (events a
+call, as bench/ops.py reports them). Input is channels_last unless
+--nchw. JSON goes to bench/results/.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import (device_time_per_call, env_var, environment, measure_ceilings, rotation_sets,  # noqa: E402
+                    time_cuda, write_json)
+
+import vdcompile  # noqa: E402,F401
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def served_by(fn) -> str:
+    """The vd kernel a call launches (the longest-named CUDA kernel with 'kernel' in it)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    names = sorted({e.name for e in prof.events() if e.device_time > 0 and "kernel" in e.name})
+    return "; ".join(n.replace("void vd::(anonymous namespace)::", "").split("(")[0] for n in names)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--env", action="append", default=[], help="NAME=VALUE: a variant beside the default")
+    p.add_argument("--dtype", default="fp32")
+    p.add_argument("--shapes", default="14x512x72x128")
+    p.add_argument("--groups", type=int, default=32)
+    p.add_argument("--nchw", action="store_true")
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--no-inductor", action="store_true")
+    args = p.parse_args(argv)
+    dev = torch.device("cuda")
+    variants = [("default", None)] + [tuple(e.split("=", 1)) for e in args.env]
+    ceil = measure_ceilings(dev)
+    rows = []
+    for dname in args.dtype.split(","):
+        dtype = DTYPES[dname]
+        for spec in args.shapes.split(","):
+            shape = tuple(int(v) for v in spec.split("x"))
+            numel = torch.Size(shape).numel()
+            per = 2 * numel * dtype.itemsize  # x read once, y written once
+            n_sets = rotation_sets(per // 2, dev)
+            fmt = torch.channels_last if len(shape) == 4 else torch.channels_last_3d
+            xs = [torch.randn(shape, device=dev, dtype=dtype) * 3 + 1 for _ in range(n_sets)]
+            if not args.nchw:
+                xs = [x.to(memory_format=fmt) for x in xs]
+            C, G = shape[1], args.groups
+            w, b = torch.randn(C, device=dev, dtype=dtype), torch.randn(C, device=dev, dtype=dtype)
+
+            def ours(i):
+                return torch.ops.vd.group_norm_silu(xs[i], G, w, b, 1e-5, True)
+
+            def eager(i):
+                return F.silu(F.group_norm(xs[i], G, w, b, 1e-5))
+
+            ref = F.silu(F.group_norm(xs[0].double(), G, w.double(), b.double(), 1e-5))
+            r = {"shape": spec, "dtype": dname, "layout": "NCHW" if args.nchw else "channels_last",
+                 "eager_ms": time_cuda(eager, n_sets)}
+            if not args.no_inductor:
+                torch._dynamo.reset()
+                ind = torch.compile(eager, dynamic=False)
+                r["inductor_ms"] = time_cuda(ind, n_sets)
+            times = {name: [] for name, _ in variants}
+            for _ in range(args.rounds):
+                for name, setting in variants:
+                    with env_var(name, setting) if setting is not None else contextlib.nullcontext():
+                        times[name].append(device_time_per_call(ours, n_sets))
+            for name, setting in variants:
+                key = "default" if setting is None else f"{name}={setting}"
+                ms = statistics.median(times[name])
+                with env_var(name, setting) if setting is not None else contextlib.nullcontext():
+                    kern, out = served_by(lambda: ours(0)), ours(0)
+                    call_ms = time_cuda(ours, n_sets)  # events a call, as eager and inductor are timed
+                err = ((out.double() - ref).norm() / ref.norm()).item()
+                r[key] = {"device_ms": ms, "rounds_ms": times[name], "call_ms": call_ms, "kernel": kern,
+                          "rel_err": err, "pct_copy": 100 * per / ms / 1e6 / ceil["copy_GBps"],
+                          "x_eager": r["eager_ms"] / call_ms}
+                if "inductor_ms" in r:
+                    r[key]["x_inductor"] = r["inductor_ms"] / call_ms
+            rows.append(r)
+            del xs
+            torch.cuda.empty_cache()
+    print(f"{'shape':>18} {'dtype':>5} {'variant':>32} {'dev us':>8} {'call us':>8} {'%copy':>6} {'x eager':>8} "
+          f"{'x ind':>6} {'rel err':>8}  kernel")
+    for r in rows:
+        for k, v in r.items():
+            if isinstance(v, dict):
+                print(f"{r['shape']:>18} {r['dtype']:>5} {k:>32} {1e3 * v['device_ms']:8.1f} {1e3 * v['call_ms']:8.1f} "
+                      f"{v['pct_copy']:6.1f} "
+                      f"{v['x_eager']:8.2f} {v.get('x_inductor', float('nan')):6.2f} {v['rel_err']:8.1e}  "
+                      f"{v['kernel']}")
+        print(f"{'':>18} {'':>5} {'eager / inductor (events)':>32} {1e3 * r['eager_ms']:8.1f} "
+              f"{1e3 * r.get('inductor_ms', float('nan')):8.1f}")
+    path = write_json("gn_env_ab", {"environment": environment(dev), "ceilings": ceil, "variants": args.env,
+                                    "rows": rows})
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()
