@@ -31,7 +31,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def served_by(fn) -> str:
-    """The vd kernel a call launches (the longest-named CUDA kernel with 'kernel' in it)."""
+    """The CUDA kernels named like "...kernel..." that one call launches, vd namespace dropped, "; "-joined."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
