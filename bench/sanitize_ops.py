@@ -180,8 +180,9 @@ def main():
         if "group_norm_silu_three_ctas" in only and has_cuda_kernels("group_norm_silu"):
             # Version 8 at three CTAs an SM (one stage of <= ~72 KB, group states folded over warps): a last rank
             # with fewer rows and a box partly past the sample; 64 KB parts in two boxes with more blocks than
-            # resident clusters (16-bit: refilled box by box); with and without SiLU, statistics written.
-            for shape in [(3, 512, 72, 125), (5, 512, 64, 128)]:
+            # resident clusters (16-bit: refilled box by box); with and without SiLU, statistics written. 320
+            # channels: the states unfolded (10 vector columns), a short last rank, the stage reused.
+            for shape in [(3, 512, 72, 125), (5, 512, 64, 128), (3, 320, 48, 125), (12, 320, 48, 128)]:
                 x = torch.randn(shape, device=dev, dtype=dtype).to(memory_format=torch.channels_last)
                 w, b = torch.randn(shape[1], device=dev, dtype=dtype), torch.randn(shape[1], device=dev, dtype=dtype)
                 with env_var("VD_GROUP_NORM_KERNEL", "smem"):

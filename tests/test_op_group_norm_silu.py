@@ -382,17 +382,24 @@ def test_channels_last_version_8(device, dtype, smem_family):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_channels_last_version_8_three_ctas(device, dtype, smem_family, monkeypatch):
     # Version 8 with one stage of up to ~72 KB a CTA runs three CTAs an SM (sm_90: 228 KB an SM), its group states
-    # folded over each warp's rows first; VD_GROUP_NORM_THREE_CTAS=0 keeps two. Pins the instantiation that runs
-    # (the kernel's last template argument) and checks both against the reference.
+    # folded over each warp's rows first where the block's vector columns divide 32 (up to ~64 KB unfolded);
+    # VD_GROUP_NORM_THREE_CTAS=0 keeps two. Pins the instantiation that runs (the kernel's CTAS and FOLD template
+    # arguments) and checks both against the reference.
     def ctas(x, silu):
         names = [n for n in cuda_kernels_run(lambda: group_norm_silu(x, 32, None, None, 1e-5, silu))
                  if "smem_cols_kernel" in n]
         assert len(set(names)) == 1, names
-        return int(re.search(r"smem_cols_kernel<[^>]*, (\d+)>", names[0]).group(1))
+        args = [t.strip() for t in re.search(r"smem_cols_kernel<([^>]*)>", names[0]).group(1).split(",")]
+        return int(args[2]), args[3] == "true"
 
-    cases = [((2, 512, 72, 128), 3 if dtype.itemsize == 4 else 2),  # 72 KB stages: fp32 fits a third CTA, 16-bit not
-             ((3, 512, 72, 125), 3),  # 70.5 KB (563 rows): the last rank's part shorter, the third box partly past
-             ((5, 512, 64, 128), 3)]  # 64 KB; 16-bit: 40 blocks over fewer clusters, refilled box by box
+    two = (2, False)
+    cases = [((2, 512, 72, 128), (3, True) if dtype.itemsize == 4 else two),  # 72 KB: fp32 fits a third CTA, 16-bit not
+             ((3, 512, 72, 125), (3, True)),  # 70.5 KB (563 rows): the last rank's part shorter, the third box partly past
+             ((5, 512, 64, 128), (3, True)),  # 64 KB; 16-bit: 40 blocks over fewer clusters, refilled box by box
+             # 320 channels: 10 vector columns (160-byte rows), states unfolded (8 KB); 60 KB parts
+             ((2, 320, 48, 128), (3, False)),
+             ((3, 320, 48, 125), (3, False)),   # 376-row parts, the last rank's 360 rows
+             ((12, 320, 48, 128), (3, False))]  # 48 / 96 blocks over fewer clusters: the stage reused
     for shape, want in cases:
         C = shape[1]
         x = channels_last((torch.randn(shape, device=device) * 3 + 1).to(dtype))
@@ -402,7 +409,7 @@ def test_channels_last_version_8_three_ctas(device, dtype, smem_family, monkeypa
             out3 = check_kernel_serves("smem_cols_kernel", True, x, 32, w, b, silu, f"{shape} silu={silu}")
             with monkeypatch.context() as m:
                 m.setenv("VD_GROUP_NORM_THREE_CTAS", "0")
-                assert ctas(x, silu) == 2, (shape, silu)
+                assert ctas(x, silu) == two, (shape, silu)
                 out2 = check_kernel_serves("smem_cols_kernel", True, x, 32, w, b, silu, f"{shape} silu={silu} two")
             # The same statistics up to the order of the merges: outputs within a few units of the last place.
             torch.testing.assert_close(out3.float(), out2.float(), rtol=4 * torch.finfo(dtype).eps, atol=1e-5)

@@ -2497,8 +2497,9 @@ __device__ __forceinline__ void cols_block_stats(const SmemColsArgs<scalar_t>& a
   }
 }
 
-// CTAS: the CTAs an SM it is built for (2; 3 where the states are folded over warps and a part fits 75 KB).
-template <typename scalar_t, bool SILU, int CTAS>
+// CTAS: the CTAs an SM it is built for (2, or 3 where the CTA fits 75 KB); FOLD: the group states folded over warps
+// (TCV divides 32), which leaves room for parts of up to ~72 KB at three CTAs an SM (unfolded: ~64 KB).
+template <typename scalar_t, bool SILU, int CTAS, bool FOLD = CTAS == 3>
 __global__ void __launch_bounds__(kSmemColsThreads, CTAS)
     smem_cols_kernel(const SmemColsArgs<scalar_t> a, const __grid_constant__ CUtensorMap tx) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -2507,7 +2508,7 @@ __global__ void __launch_bounds__(kSmemColsThreads, CTAS)
   extern __shared__ __align__(16) unsigned char smem_raw[];
   // Tensor copies land on 128-byte boundaries (the host adds the slack).
   unsigned char* smem = smem_raw + ((128u - (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) & 127u)) & 127u);
-  const SmemColsLayout lay(a.stages, a.stage_bytes, a.ns, a.gb, a.K, a.W, a.TCV, CTAS == 3);
+  const SmemColsLayout lay(a.stages, a.stage_bytes, a.ns, a.gb, a.K, a.W, a.TCV, FOLD);
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + lay.bars);
   uint64_t* xbars = full + a.stages;
   float4* sh_state = reinterpret_cast<float4*>(smem + lay.states);
@@ -2574,7 +2575,7 @@ __global__ void __launch_bounds__(kSmemColsThreads, CTAS)
     if (valid > 0) wgmma::mbar_wait(bar0 + 8 * stage, ring.parity);
 
     float piv[VEC];
-    cols_block_stats<CTAS == 3, scalar_t>(
+    cols_block_stats<FOLD, scalar_t>(
         a, st_bytes, active, cnt, valid, q0, slots, sh_state, sh_slots, xbars, it, piv,
         [&] {
           if (tid < a.W) sh_params[tid] = make_float2(pw, pb);
@@ -3484,13 +3485,16 @@ bool forward_smem_cols(const GNShape& s, const at::Tensor& x, scalar_t* out, con
     auto kernel = silu ? smem_cols_kernel<scalar_t, true, 2> : smem_cols_kernel<scalar_t, false, 2>;
     int clusters = resident_clusters(kernel, K, device, kSmemColsThreads, lay.bytes);
     // One stage a CTA: its next block's load waits for this one's stores, and the SM's other CTA is all that
-    // overlaps them. With the group states folded over warps a part of up to ~72 KB leaves room for a third CTA
-    // (<= 80 registers) where the device places more clusters that way (sm_90: 228 KB an SM, 1 KB reserved a
-    // CTA). VD_GROUP_NORM_THREE_CTAS=0 keeps two.
-    if (stages == 1 && 32 % TCV == 0 && three_ctas_allowed()) {
+    // overlaps them. A part of up to ~72 KB with the group states folded over warps (TCV divides 32), ~64 KB with
+    // them unfolded (e.g. 10 vector columns at 320 channels), leaves room for a third CTA (<= 80 registers) where
+    // the device places more clusters that way (sm_90: 228 KB an SM, 1 KB reserved a CTA).
+    // VD_GROUP_NORM_THREE_CTAS=0 keeps two.
+    if (stages == 1 && three_ctas_allowed()) {
+      const bool fold = 32 % TCV == 0;
       const SmemColsLayout lay3(1, static_cast<int>(stage_bytes), ns, static_cast<int>(gb), K, static_cast<int>(W),
-                                static_cast<int>(TCV), true);
-      auto kernel3 = silu ? smem_cols_kernel<scalar_t, true, 3> : smem_cols_kernel<scalar_t, false, 3>;
+                                static_cast<int>(TCV), fold);
+      auto kernel3 = fold ? (silu ? smem_cols_kernel<scalar_t, true, 3> : smem_cols_kernel<scalar_t, false, 3>)
+                          : (silu ? smem_cols_kernel<scalar_t, true, 3, false> : smem_cols_kernel<scalar_t, false, 3, false>);
       const int clusters3 = resident_clusters(kernel3, K, device, kSmemColsThreads, lay3.bytes);
       if (clusters3 > clusters) {
         lay = lay3;
