@@ -51,6 +51,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     dev = torch.device("cuda")
     variants = [("default", None)] + [tuple(e.split("=", 1)) for e in args.env]
+    # A variant's key names its setting too: two settings of one variable are two variants.
+    keys = ["default" if setting is None else f"{name}={setting}" for name, setting in variants]
     ceil = measure_ceilings(dev)
     rows = []
     for dname in args.dtype.split(","):
@@ -70,24 +72,28 @@ def main(argv=None):
             def ours(i):
                 return torch.ops.vd.group_norm_silu(xs[i], G, w, b, 1e-5, True)
 
+            def eager_x(x):
+                return F.silu(F.group_norm(x, G, w, b, 1e-5))
+
             def eager(i):
-                return F.silu(F.group_norm(xs[i], G, w, b, 1e-5))
+                return eager_x(xs[i])
 
             ref = F.silu(F.group_norm(xs[0].double(), G, w.double(), b.double(), 1e-5))
             r = {"shape": spec, "dtype": dname, "layout": "NCHW" if args.nchw else "channels_last",
                  "eager_ms": time_cuda(eager, n_sets)}
             if not args.no_inductor:
+                # Compiled on the tensor, not the set index: dynamo specializes on an int argument, so each index
+                # would recompile and past its limit (8) the calls would silently run eager.
                 torch._dynamo.reset()
-                ind = torch.compile(eager, dynamic=False)
-                r["inductor_ms"] = time_cuda(ind, n_sets)
-            times = {name: [] for name, _ in variants}
+                ind = torch.compile(eager_x, dynamic=False)
+                r["inductor_ms"] = time_cuda(lambda i: ind(xs[i]), n_sets)
+            times = {key: [] for key in keys}
             for _ in range(args.rounds):
-                for name, setting in variants:
+                for key, (name, setting) in zip(keys, variants):
                     with env_var(name, setting) if setting is not None else contextlib.nullcontext():
-                        times[name].append(device_time_per_call(ours, n_sets))
-            for name, setting in variants:
-                key = "default" if setting is None else f"{name}={setting}"
-                ms = statistics.median(times[name])
+                        times[key].append(device_time_per_call(ours, n_sets))
+            for key, (name, setting) in zip(keys, variants):
+                ms = statistics.median(times[key])
                 with env_var(name, setting) if setting is not None else contextlib.nullcontext():
                     kern, out = served_by(lambda: ours(0)), ours(0)
                     call_ms = time_cuda(ours, n_sets)  # events a call, as eager and inductor are timed
