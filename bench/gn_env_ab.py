@@ -50,9 +50,8 @@ def main(argv=None):
     p.add_argument("--no-inductor", action="store_true")
     args = p.parse_args(argv)
     dev = torch.device("cuda")
-    variants = [("default", None)] + [tuple(e.split("=", 1)) for e in args.env]
-    # A variant's key names its setting too: two settings of one variable are two variants.
-    keys = ["default" if setting is None else f"{name}={setting}" for name, setting in variants]
+    # (key, variable, setting): the key names the setting too, so two settings of one variable are two variants.
+    variants = [("default", None, None)] + [(e, *e.split("=", 1)) for e in args.env]
     ceil = measure_ceilings(dev)
     rows = []
     for dname in args.dtype.split(","):
@@ -87,12 +86,12 @@ def main(argv=None):
                 torch._dynamo.reset()
                 ind = torch.compile(eager_x, dynamic=False)
                 r["inductor_ms"] = time_cuda(lambda i: ind(xs[i]), n_sets)
-            times = {key: [] for key in keys}
+            times = {key: [] for key, _, _ in variants}
             for _ in range(args.rounds):
-                for key, (name, setting) in zip(keys, variants):
+                for key, name, setting in variants:
                     with env_var(name, setting) if setting is not None else contextlib.nullcontext():
                         times[key].append(device_time_per_call(ours, n_sets))
-            for key, (name, setting) in zip(keys, variants):
+            for key, name, setting in variants:
                 ms = statistics.median(times[key])
                 with env_var(name, setting) if setting is not None else contextlib.nullcontext():
                     kern, out = served_by(lambda: ours(0)), ours(0)

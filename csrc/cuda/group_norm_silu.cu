@@ -2499,7 +2499,7 @@ __device__ __forceinline__ void cols_block_stats(const SmemColsArgs<scalar_t>& a
 
 // CTAS: the CTAs an SM it is built for (2, or 3 where the CTA fits 75 KB); FOLD: the group states folded over warps
 // (TCV divides 32), which leaves room for parts of up to ~72 KB at three CTAs an SM (unfolded: ~64 KB).
-template <typename scalar_t, bool SILU, int CTAS, bool FOLD = CTAS == 3>
+template <typename scalar_t, bool SILU, int CTAS, bool FOLD>
 __global__ void __launch_bounds__(kSmemColsThreads, CTAS)
     smem_cols_kernel(const SmemColsArgs<scalar_t> a, const __grid_constant__ CUtensorMap tx) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -3482,7 +3482,7 @@ bool forward_smem_cols(const GNShape& s, const at::Tensor& x, scalar_t* out, con
                            : 1;
     SmemColsLayout lay(stages, static_cast<int>(stage_bytes), ns, static_cast<int>(gb), K, static_cast<int>(W),
                        static_cast<int>(TCV), false);
-    auto kernel = silu ? smem_cols_kernel<scalar_t, true, 2> : smem_cols_kernel<scalar_t, false, 2>;
+    auto kernel = silu ? smem_cols_kernel<scalar_t, true, 2, false> : smem_cols_kernel<scalar_t, false, 2, false>;
     int clusters = resident_clusters(kernel, K, device, kSmemColsThreads, lay.bytes);
     // One stage a CTA: its next block's load waits for this one's stores, and the SM's other CTA is all that
     // overlaps them. A part of up to ~72 KB with the group states folded over warps (TCV divides 32), ~64 KB with
@@ -3493,7 +3493,7 @@ bool forward_smem_cols(const GNShape& s, const at::Tensor& x, scalar_t* out, con
       const bool fold = 32 % TCV == 0;
       const SmemColsLayout lay3(1, static_cast<int>(stage_bytes), ns, static_cast<int>(gb), K, static_cast<int>(W),
                                 static_cast<int>(TCV), fold);
-      auto kernel3 = fold ? (silu ? smem_cols_kernel<scalar_t, true, 3> : smem_cols_kernel<scalar_t, false, 3>)
+      auto kernel3 = fold ? (silu ? smem_cols_kernel<scalar_t, true, 3, true> : smem_cols_kernel<scalar_t, false, 3, true>)
                           : (silu ? smem_cols_kernel<scalar_t, true, 3, false> : smem_cols_kernel<scalar_t, false, 3, false>);
       const int clusters3 = resident_clusters(kernel3, K, device, kSmemColsThreads, lay3.bytes);
       if (clusters3 > clusters) {
