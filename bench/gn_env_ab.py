@@ -1,14 +1,16 @@
-"""Same-process A/B of group_norm_silu's forward under kernel switches (environment settings the op reads on
-every call), beside eager and inductor on the same tensors.
+"""Same-process A/B of group_norm_silu's forward (or --backward) under kernel switches (environment settings the
+op reads on every call), beside eager and inductor on the same tensors.
 
     python bench/gn_env_ab.py --env VD_GROUP_NORM_THREE_CTAS=0 [--env NAME=VALUE ...] [--dtype fp32,bf16]
-                              [--shapes 14x512x72x128,...] [--nchw] [--rounds 4] [--no-inductor]
+                              [--shapes 14x512x72x128,...] [--nchw] [--rounds 4] [--no-inductor] [--backward]
 
 Per shape and dtype: device µs a call (torch.profiler, inputs rotated over sets larger than the L2) of the op as
 built ("default") and under each setting, the median of --rounds rounds that alternate the variants, and µs a call
 by events; the CUDA kernel that served each variant; eager and inductor (events a call) and the ratios (events a
 call, as bench/ops.py reports them). Input is channels_last unless
---nchw. JSON goes to bench/results/.
+--nchw. --backward times the backward op alone (dx, dgamma, dbeta from dy and the statistics the forward saved;
+eager and inductor: autograd through their graphs, kept); its copy figure counts x and dy read once, dx written
+once. JSON goes to bench/results/.
 """
 from __future__ import annotations
 
@@ -48,6 +50,7 @@ def main(argv=None):
     p.add_argument("--nchw", action="store_true")
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--no-inductor", action="store_true")
+    p.add_argument("--backward", action="store_true")
     args = p.parse_args(argv)
     dev = torch.device("cuda")
     # (key, variable, setting): the key names the setting too, so two settings of one variable are two variants.
@@ -59,7 +62,7 @@ def main(argv=None):
         for spec in args.shapes.split(","):
             shape = tuple(int(v) for v in spec.split("x"))
             numel = torch.Size(shape).numel()
-            per = 2 * numel * dtype.itemsize  # x read once, y written once
+            per = (3 if args.backward else 2) * numel * dtype.itemsize  # the copy figure's bytes
             n_sets = rotation_sets(per // 2, dev)
             fmt = torch.channels_last if len(shape) == 4 else torch.channels_last_3d
             xs = [torch.randn(shape, device=dev, dtype=dtype) * 3 + 1 for _ in range(n_sets)]
@@ -68,24 +71,39 @@ def main(argv=None):
             C, G = shape[1], args.groups
             w, b = torch.randn(C, device=dev, dtype=dtype), torch.randn(C, device=dev, dtype=dtype)
 
-            def ours(i):
-                return torch.ops.vd.group_norm_silu(xs[i], G, w, b, 1e-5, True)
-
-            def eager_x(x):
+            def eager_x(x, w=w, b=b):
                 return F.silu(F.group_norm(x, G, w, b, 1e-5))
 
-            def eager(i):
-                return eager_x(xs[i])
+            if args.backward:
+                dys = [torch.randn_like(x) for x in xs]
 
-            ref = F.silu(F.group_norm(xs[0].double(), G, w.double(), b.double(), 1e-5))
+                def through(fn):  # autograd through fn's graph, kept: the backward alone a call, dx first
+                    ins = [(x.detach().requires_grad_(), w.detach().requires_grad_(), b.detach().requires_grad_())
+                           for x in xs]
+                    ys = [fn(*a) for a in ins]
+                    return lambda i: torch.autograd.grad(ys[i], ins[i], dys[i], retain_graph=True)
+
+                # Ours reads the statistics its forward saved, as in training.
+                ours = through(lambda x, w, b: torch.ops.vd.group_norm_silu(x, G, w, b, 1e-5, True))
+                eager = through(eager_x)
+                xd = xs[0].double().requires_grad_()
+                ref = torch.autograd.grad(eager_x(xd, w.double(), b.double()), xd, dys[0].double())[0]
+            else:
+                def ours(i):
+                    return torch.ops.vd.group_norm_silu(xs[i], G, w, b, 1e-5, True)
+
+                def eager(i):
+                    return eager_x(xs[i])
+
+                ref = F.silu(F.group_norm(xs[0].double(), G, w.double(), b.double(), 1e-5))
             r = {"shape": spec, "dtype": dname, "layout": "NCHW" if args.nchw else "channels_last",
-                 "eager_ms": time_cuda(eager, n_sets)}
+                 "pass": "backward" if args.backward else "forward", "eager_ms": time_cuda(eager, n_sets)}
             if not args.no_inductor:
                 # Compiled on the tensor, not the set index: dynamo specializes on an int argument, so each index
                 # would recompile and past its limit (8) the calls would silently run eager.
                 torch._dynamo.reset()
                 ind = torch.compile(eager_x, dynamic=False)
-                r["inductor_ms"] = time_cuda(lambda i: ind(xs[i]), n_sets)
+                r["inductor_ms"] = time_cuda(through(ind) if args.backward else lambda i: ind(xs[i]), n_sets)
             times = {key: [] for key, _, _ in variants}
             for _ in range(args.rounds):
                 for key, name, setting in variants:
@@ -95,15 +113,17 @@ def main(argv=None):
                 ms = statistics.median(times[key])
                 with env_var(name, setting) if setting is not None else contextlib.nullcontext():
                     kern, out = served_by(lambda: ours(0)), ours(0)
+                    out = out[0] if isinstance(out, tuple) else out
                     call_ms = time_cuda(ours, n_sets)  # events a call, as eager and inductor are timed
                 err = ((out.double() - ref).norm() / ref.norm()).item()
-                r[key] = {"device_ms": ms, "rounds_ms": times[name], "call_ms": call_ms, "kernel": kern,
+                r[key] = {"device_ms": ms, "rounds_ms": times[key], "call_ms": call_ms, "kernel": kern,
                           "rel_err": err, "pct_copy": 100 * per / ms / 1e6 / ceil["copy_GBps"],
                           "x_eager": r["eager_ms"] / call_ms}
                 if "inductor_ms" in r:
                     r[key]["x_inductor"] = r["inductor_ms"] / call_ms
             rows.append(r)
-            del xs
+            del xs, eager, ours, out, ref
+            dys = None
             torch.cuda.empty_cache()
     print(f"{'shape':>18} {'dtype':>5} {'variant':>32} {'dev us':>8} {'call us':>8} {'%copy':>6} {'x eager':>8} "
           f"{'x ind':>6} {'rel err':>8}  kernel")
@@ -117,7 +137,7 @@ def main(argv=None):
         print(f"{'':>18} {'':>5} {'eager / inductor (events)':>32} {1e3 * r['eager_ms']:8.1f} "
               f"{1e3 * r.get('inductor_ms', float('nan')):8.1f}")
     path = write_json("gn_env_ab", {"environment": environment(dev), "ceilings": ceil, "variants": args.env,
-                                    "rows": rows})
+                                    "backward": args.backward, "rows": rows})
     print("wrote", path)
 
 
