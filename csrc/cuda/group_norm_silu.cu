@@ -3425,10 +3425,24 @@ inline ColsBoxes cols_boxes(int64_t need, int64_t row_bytes) {
   }
 }
 
+// How the copy engine fills an L2 miss of versions 8 and 10: 64 bytes. A box row is W * elt bytes (128-240 on the
+// UNet shapes) of a C * elt row, mostly not on a 256-byte boundary, and 256-byte fills fetched the neighbouring
+// blocks' bytes too (fp32 (28, 320, 72, 128): 261 us a call with 256-byte fills, 243 with 64-byte ones).
+// VD_GROUP_NORM_L2_PROMOTION=none|128|256 pins another (benchmarks compare them in one process).
+inline CUtensorMapL2promotion cols_promotion() {
+  const char* e = std::getenv("VD_GROUP_NORM_L2_PROMOTION");
+  const std::string v = e ? e : "";
+  return v == "none"  ? CU_TENSOR_MAP_L2_PROMOTION_NONE
+         : v == "128" ? CU_TENSOR_MAP_L2_PROMOTION_L2_128B
+         : v == "256" ? CU_TENSOR_MAP_L2_PROMOTION_L2_256B
+                      : CU_TENSOR_MAP_L2_PROMOTION_L2_64B;
+}
+
 // The 4-D map (C, S, N, 1) of channels_last t for boxes of W channels by rbox rows (versions 8 and 10).
 inline bool cols_tensor_map(CUtensorMap* m, const at::Tensor& t, const GNShape& s, int64_t W, int64_t rbox) {
   const uint32_t box[4] = {static_cast<uint32_t>(W), static_cast<uint32_t>(rbox), 1, 1};
-  return tensor_map_4d(m, t, {s.C, s.S, s.N, 1}, {s.C, s.S * s.C, s.N * s.S * s.C}, box, CU_TENSOR_MAP_SWIZZLE_NONE);
+  return tensor_map_4d(m, t, {s.C, s.S, s.N, 1}, {s.C, s.S * s.C, s.N * s.S * s.C}, box, CU_TENSOR_MAP_SWIZZLE_NONE,
+                       cols_promotion());
 }
 
 // Group slots a thread's vector of version 8 / 10 may touch: the most groups one vector column of a block spans.

@@ -162,17 +162,17 @@ inline CUtensorMapDataType map_type(const at::Tensor& t) {
 
 // A 4-D tiled tensor map over t's data (fp16, bf16 or fp32): `dims` innermost first, element strides of
 // dims 1-3 (a size-1 dim's stride is never used: it gets the packed one), boxes `box`, the 128-byte
-// swizzle (or `swizzle`), zeros outside the tensor. False where the copy engine cannot take it (strides must be positive
-// multiples of 16 bytes) or the driver has no encoder.
+// swizzle (or `swizzle`), L2 misses filled 256 bytes at a time (or `promotion`), zeros outside the tensor. False
+// where the copy engine cannot take it (strides must be positive multiples of 16 bytes) or the driver has no encoder.
 inline bool tensor_map_4d(CUtensorMap* m, const at::Tensor& t, const int64_t (&dims)[4], const int64_t (&strides)[3],
-                          const uint32_t (&box)[4], CUtensorMapSwizzle swizzle = CU_TENSOR_MAP_SWIZZLE_128B) {
+                          const uint32_t (&box)[4], CUtensorMapSwizzle swizzle = CU_TENSOR_MAP_SWIZZLE_128B,
+                          CUtensorMapL2promotion promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_256B) {
   auto encode = tensor_map_encoder();
   cuuint64_t gdims[4], bytes[3];
   if (encode == nullptr || !map_geometry(t, dims, strides, gdims, bytes)) return false;
   const cuuint32_t gbox[4] = {box[0], box[1], box[2], box[3]}, unit[4] = {1, 1, 1, 1};
   return encode(m, map_type(t), 4, const_cast<void*>(t.const_data_ptr()), gdims, bytes, gbox, unit,
-                CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+                CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, promotion, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
 inline PFN_cuTensorMapEncodeIm2col_v12000 im2col_map_encoder() {
