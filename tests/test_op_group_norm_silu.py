@@ -422,6 +422,31 @@ def test_channels_last_version_8_three_ctas(device, dtype, smem_family, monkeypa
 
 
 @pytest.mark.parametrize("device", CUDA)
+def test_channels_last_fp32_unaligned_rows_two_pass(device, monkeypatch):
+    # fp32 blocks whose rows are not whole 32-byte sectors (cpg 30: 240-byte rows) in one stage of version 8 ran
+    # slower than the two-pass kernels: the op's own choice takes those (not version 5 either), the same rows in a
+    # ring of stages or in 16-bit keep version 8, and the pinned "smem" family still runs version 8 on them.
+    if torch.cuda.get_device_capability(device)[0] < 9:
+        pytest.skip("version 8 needs the tensor copy engine and clusters (sm_90+)")
+    monkeypatch.delenv("VD_GROUP_NORM_KERNEL", raising=False)
+    torch.manual_seed(0)
+    for shape, dtype, want in [((1, 960, 64, 64), torch.float32, False),   # K 16, one 60 KB stage: two-pass
+                               ((2, 960, 48, 100), torch.float32, False),  # 300-row parts, one stage
+                               ((1, 960, 64, 64), torch.bfloat16, True),   # 16-bit: version 8
+                               ((2, 1920, 32, 48), torch.float32, True)]:  # K 8, 46 KB parts in 2 stages
+        C = shape[1]
+        x = channels_last((torch.randn(shape, device=device) * 3 + 1).to(dtype))
+        w, b = torch.randn(C, device=device, dtype=dtype), torch.randn(C, device=device, dtype=dtype)
+        names = cuda_kernels_run(lambda: group_norm_silu(x, 32, w, b, 1e-5, True))
+        assert any("stats_cols_kernel" in n for n in names) == (not want), (shape, dtype, sorted(set(names)))
+        assert not any("l2_cols_kernel" in n for n in names), (shape, dtype, sorted(set(names)))
+        check_kernel_serves("smem_cols_kernel", want, x, 32, w, b, True, f"{shape} {dtype}")
+        with monkeypatch.context() as m:
+            m.setenv("VD_GROUP_NORM_KERNEL", "smem")
+            check_kernel_serves("smem_cols_kernel", True, x, 32, w, b, True, f"{shape} {dtype} pinned")
+
+
+@pytest.mark.parametrize("device", CUDA)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_version_6_persistent_loop(device, dtype, smem_family):
     # Version 6's clusters stay resident and walk many groups each, through a ring of shared-memory stages:

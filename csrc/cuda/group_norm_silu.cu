@@ -3459,10 +3459,12 @@ inline bool three_ctas_allowed() {
 }
 
 // Runs version 8 (channels_last, sm_90) when the shape, dtype, alignment and device allow it; false leaves the
-// work to version 5 and then version 1.
+// work to version 5 and then version 1. two_pass (null when the family is pinned): set where version 8 declines
+// because the two-pass kernels are faster, which version 5 is not either.
 template <typename scalar_t>
 bool forward_smem_cols(const GNShape& s, const at::Tensor& x, scalar_t* out, const scalar_t* w, const scalar_t* b,
-                       double eps, bool silu, bool vec, StatsOut stats, int device, cudaStream_t stream) {
+                       double eps, bool silu, bool vec, StatsOut stats, int device, cudaStream_t stream,
+                       bool* two_pass) {
 #if defined(VD_SM90A)
   if constexpr (std::is_same_v<scalar_t, double>) {
     return false;
@@ -3494,6 +3496,14 @@ bool forward_smem_cols(const GNShape& s, const at::Tensor& x, scalar_t* out, con
     const int stages = part <= kSmemPartBytes
                            ? static_cast<int>(std::min<int64_t>(kSmemMaxStages, kSmemDataBytes / stage_bytes))
                            : 1;
+    // fp32 parts in one stage whose rows are not whole 32-byte sectors (cpg 30 or 60: 240-byte rows, every other
+    // block's starting mid-sector) ran 6-19 % slower than the two-pass kernels at 960 channels (H200: 700 vs 587 us
+    // at (32, 960, 64, 96); 437 vs 411 at three CTAs an SM), version 5 slower still; in a ring of stages (1920
+    // channels at 32 x 48) version 8 stays ahead.
+    if (two_pass != nullptr && kElt == 4 && stages == 1 && row_bytes % 32 != 0) {
+      *two_pass = true;
+      return false;
+    }
     SmemColsLayout lay(stages, static_cast<int>(stage_bytes), ns, static_cast<int>(gb), K, static_cast<int>(W),
                        static_cast<int>(TCV), false);
     auto kernel = silu ? smem_cols_kernel<scalar_t, true, 2, false> : smem_cols_kernel<scalar_t, false, 2, false>;
@@ -3737,9 +3747,11 @@ at::Tensor forward_cuda(const at::Tensor& x_in, const GNShape& s, const std::opt
     auto onchip = [&] {
       return forward_fused<scalar_t>(s, a.F, a.x, a.out, a.w, a.b, eps, silu, vec, so, x.get_device(), stream);
     };
+    bool two_pass = false;  // version 8 declined for the two-pass kernels: version 5 is skipped too
     auto smem = [&] {
       return s.channels_last
-                 ? forward_smem_cols<scalar_t>(s, x, a.out, a.w, a.b, eps, silu, vec, so, x.get_device(), stream)
+                 ? forward_smem_cols<scalar_t>(s, x, a.out, a.w, a.b, eps, silu, vec, so, x.get_device(), stream,
+                                               any ? &two_pass : nullptr)
                  : forward_smem<scalar_t>(s, a.F, a.x, a.out, a.w, a.b, eps, silu, vec, so, x.get_device(), stream);
     };
     if ((any || use == GNKernels::kSmem) && smem()) return;
@@ -3753,7 +3765,7 @@ at::Tensor forward_cuda(const at::Tensor& x_in, const GNShape& s, const std::opt
     const bool l2_first = s.channels_last || sizeof(scalar_t) == 8 ||
                           (sizeof(scalar_t) == 2 &&
                            x.numel() * static_cast<int64_t>(sizeof(scalar_t)) <= l2_cache_bytes(x.get_device()));
-    if (((any && l2_first) || use == GNKernels::kL2) && l2()) return;
+    if (((any && l2_first && !two_pass) || use == GNKernels::kL2) && l2()) return;
     if (((any && !small) || use == GNKernels::kOnChip) && onchip()) return;
     const at::Tensor buf = L::stats(a, s.channels_last, vec, eps, x.options(), x.get_device(), stream, st);
     const int v = vec ? L::kVec : 1;
