@@ -10,7 +10,8 @@ by events; the CUDA kernel that served each variant; eager and inductor (events 
 call, as bench/ops.py reports them). Input is channels_last unless
 --nchw. --backward times the backward op alone (dx, dgamma, dbeta from dy and the statistics the forward saved;
 eager and inductor: autograd through their graphs, kept); its copy figure counts x and dy read once, dx written
-once. JSON goes to bench/results/.
+once; the forward runs once, before the rounds, outside the switches (a switch of the forward alone changes
+nothing timed there), and the error is dx's. JSON goes to bench/results/.
 """
 from __future__ import annotations
 
@@ -123,7 +124,7 @@ def main(argv=None):
                     r[key]["x_inductor"] = r["inductor_ms"] / call_ms
             rows.append(r)
             del xs, eager, ours, out, ref
-            dys = None
+            dys = xd = None
             torch.cuda.empty_cache()
     print(f"{'shape':>18} {'dtype':>5} {'variant':>32} {'dev us':>8} {'call us':>8} {'%copy':>6} {'x eager':>8} "
           f"{'x ind':>6} {'rel err':>8}  kernel")

@@ -1,7 +1,7 @@
 """One warm call of a vd op on a benchmark shape, for profilers (ncu, nsys, compute-sanitizer):
     ncu --set full -k regex:attn_fwd python bench/one_call.py attention temporal-14a
     ncu --set full -k regex:fused_rows python bench/one_call.py group_norm_silu 28,320,72,128
-    ncu --set full -k regex:smem_cols python bench/one_call.py group_norm_silu 32,960,64,96 --fp32 --channels-last
+    ncu --set full -k regex:smem_cols python bench/one_call.py group_norm_silu 32,640,64,96 --fp32 --channels-last
 """
 from __future__ import annotations
 

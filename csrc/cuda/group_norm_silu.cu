@@ -3428,11 +3428,12 @@ inline ColsBoxes cols_boxes(int64_t need, int64_t row_bytes) {
 // How the copy engine fills an L2 miss of versions 8 and 10: 64 bytes. A box row is W * elt bytes (128-240 on the
 // UNet shapes) of a C * elt row, mostly not on a 256-byte boundary, and 256-byte fills fetched the neighbouring
 // blocks' bytes too (fp32 (28, 320, 72, 128): 261 us a call with 256-byte fills, 243 with 64-byte ones).
-// VD_GROUP_NORM_L2_PROMOTION=none|128|256 pins another (benchmarks compare them in one process).
+// VD_GROUP_NORM_L2_PROMOTION=none|64|128|256 pins one (benchmarks compare them in one process).
 inline CUtensorMapL2promotion cols_promotion() {
   const char* e = std::getenv("VD_GROUP_NORM_L2_PROMOTION");
   const std::string v = e ? e : "";
   return v == "none"  ? CU_TENSOR_MAP_L2_PROMOTION_NONE
+         : v == "64"  ? CU_TENSOR_MAP_L2_PROMOTION_L2_64B
          : v == "128" ? CU_TENSOR_MAP_L2_PROMOTION_L2_128B
          : v == "256" ? CU_TENSOR_MAP_L2_PROMOTION_L2_256B
                       : CU_TENSOR_MAP_L2_PROMOTION_L2_64B;
@@ -3498,7 +3499,7 @@ bool forward_smem_cols(const GNShape& s, const at::Tensor& x, scalar_t* out, con
                            : 1;
     // fp32 parts in one stage whose rows are not whole 32-byte sectors (cpg 30 or 60: 240-byte rows, every other
     // block's starting mid-sector) ran 6-19 % slower than the two-pass kernels at 960 channels (H200: 700 vs 587 us
-    // at (32, 960, 64, 96); 437 vs 411 at three CTAs an SM), version 5 slower still; in a ring of stages (1920
+    // at (32, 960, 64, 96); 437 vs 411 at three CTAs an SM), version 5 in between (675); in a ring of stages (1920
     // channels at 32 x 48) version 8 stays ahead.
     if (two_pass != nullptr && kElt == 4 && stages == 1 && row_bytes % 32 != 0) {
       *two_pass = true;
