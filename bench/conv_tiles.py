@@ -1,15 +1,19 @@
 """conv_bn_silu's Hopper kernel at each tile against the cuDNN path, in one process: device time a call
-(each variant timed twice, the lower kept), % of the measured matmul rate (TF32's for float32), max error
+(each variant timed once a round, the rounds alternating between variants, the median kept), % of the measured matmul rate (TF32's for float32), max error
 against float64. The op's own choice ("auto") beside them. Square 3x3 convolutions, C_in = C_out.
 
     python bench/conv_tiles.py [--dtype bf16|fp16|fp32] [--shapes 2x1280x9x16,2x1280x16x24]
-                               [--tiles 128,160,256,64x128,64x256]
+                               [--tiles 128,160,256,64x128,64x256,256-c3]
+
+A tile "T-cN" runs T in clusters of N pixel tiles (VD_CONV_BN_SILU_CLUSTER=N; "-c0": outside clusters).
+--env NAME=VALUE (repeatable) adds each variant again with that variable set, e.g. VD_CONV_BN_SILU_DP=0.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import os
+import statistics
 import sys
 
 import torch
@@ -29,12 +33,21 @@ def main():
     ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     ap.add_argument("--shapes", default=SHAPES)
     ap.add_argument("--tiles", default="128,160,256,64x128,64x256")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--env", action="append", default=[], metavar="NAME=VALUE")
+    ap.add_argument("--no-check", action="store_true", help="skip the float64 reference (slow at 28 images)")
     args = ap.parse_args()
     dev, dtype = torch.device("cuda"), DTYPES[args.dtype]
     ceil = measure_ceilings(dev)
     rate = ceil["tf32_matmul_TFLOPs" if dtype == torch.float32 else "bf16_matmul_TFLOPs"]
     variants = [("auto", {}), ("cudnn", {"VD_CONV_BN_SILU_KERNEL": "cudnn"})]
-    variants += [(t, {"VD_CONV_BN_SILU_KERNEL": "wgmma", "VD_CONV_BN_SILU_TILE": t}) for t in args.tiles.split(",")]
+    for t in args.tiles.split(","):
+        tile, _, cm = t.partition("-c")
+        env = {"VD_CONV_BN_SILU_KERNEL": "wgmma", "VD_CONV_BN_SILU_TILE": tile}
+        variants.append((t, {**env, "VD_CONV_BN_SILU_CLUSTER": cm} if cm else env))
+    for assignment in args.env:
+        k, v = assignment.split("=", 1)
+        variants += [(f"{name}+{assignment}", {**env, k: v}) for name, env in variants if "+" not in name]
     rows = []
     for shape in args.shapes.split(","):
         n, c, h, w = map(int, shape.split("x"))
@@ -45,17 +58,24 @@ def main():
               torch.rand(c, device=dev) + 0.5]
         call = (wt, None, *bn, 1e-5, [1, 1], [1, 1], [1, 1], 1, True)
         with torch.no_grad():
-            ref = reference_conv_bn_silu(x.double(), wt.double(), None, *(t.double() for t in bn), *call[6:])
+            ref = None if args.no_check else reference_conv_bn_silu(x.double(), wt.double(), None,
+                                                                    *(t.double() for t in bn), *call[6:])
             row = {"shape": shape}
-            for name, env in variants:
-                with contextlib.ExitStack() as stack:
-                    for k, v in env.items():
-                        stack.enter_context(env_var(k, v))
-                    err = (torch.ops.vd.conv_bn_silu(x, *call).double() - ref).abs().max().item()
-                    us = min(device_time_per_call(lambda i: torch.ops.vd.conv_bn_silu(x, *call)) for _ in range(2)) * 1e3
-                row[f"{name}_us"] = us
+            times = {name: [] for name, _ in variants}
+            for r in range(args.rounds):
+                for name, env in variants:
+                    with contextlib.ExitStack() as stack:
+                        for k, v in env.items():
+                            stack.enter_context(env_var(k, v))
+                        if r == 0:  # also the warm-up (the fold is cached on the first call)
+                            out = torch.ops.vd.conv_bn_silu(x, *call)
+                            if ref is not None:
+                                row[f"{name}_err"] = (out.double() - ref).abs().max().item()
+                        times[name].append(device_time_per_call(lambda i: torch.ops.vd.conv_bn_silu(x, *call)) * 1e3)
+            for name, ts in times.items():
+                us = row[f"{name}_us"] = statistics.median(ts)
+                row[f"{name}_rounds_us"] = ts
                 row[f"{name}_pct"] = 100 * 2 * n * c * c * 9 * h * w / us / 1e6 / rate
-                row[f"{name}_err"] = err
         rows.append(row)
     print_table(rows, [("shape", "shape", "")] + [(f"{v}_us", f"{v} us", ".1f") for v, _ in variants])
     payload = {"environment": environment(dev), "ceilings": ceil, "dtype": args.dtype, "conv_tiles": rows}
