@@ -233,6 +233,19 @@ def main():
                     torch.ops.vd.conv_bn_silu(x5, w256, None, *b256, 1e-5, [1, 1], [1, 1], [1, 1], 1, True)
                     with env_var("VD_CONV_BN_SILU_CLUSTER", "0"):
                         torch.ops.vd.conv_bn_silu(x5, w256, None, *b256, 1e-5, [1, 1], [1, 1], [1, 1], 1, True)
+                    # 128-pixel tiles in clusters of 3 (8 tiles: the last group one tile past the pixels; 160
+                    # channels in 2 weight slices), of 2 at 256 channels, of 4 at 160 (4 slices of 40 rows)
+                    for cm, tile, wa, ba in (("3", "160", w160, b160), ("2", "256", w256, b256),
+                                             ("4", "160", w160, b160)):
+                        with env_var("VD_CONV_BN_SILU_CLUSTER", cm), env_var("VD_CONV_BN_SILU_TILE", tile):
+                            torch.ops.vd.conv_bn_silu(x160, wa, None, *ba, 1e-5, [1, 1], [1, 1], [1, 1], 1, True)
+                    # whole tiles data-parallel, then stream-K: 36864 pixels, 576 tiles of 128 x 128 (4.4 waves),
+                    # alone and in pairs
+                    xw = torch.randn(4, 16, 96, 96, device=dev, dtype=dtype).to(memory_format=cl)
+                    ww = torch.randn(256, 16, 3, 3, device=dev, dtype=dtype)
+                    for cm in ("0", "2"):
+                        with env_var("VD_CONV_BN_SILU_CLUSTER", cm), env_var("VD_CONV_BN_SILU_TILE", "128"):
+                            torch.ops.vd.conv_bn_silu(xw, ww, None, *b256, 1e-5, [1, 1], [1, 1], [1, 1], 1, True)
             ran.append("conv_bn_silu")
         if want("temporal_conv"):
             x = torch.randn(2, 8, 7, 5, 6, device=dev, dtype=dtype)

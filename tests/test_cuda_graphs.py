@@ -76,6 +76,10 @@ CASES = {
     "conv_bn_silu_cluster_fp32": (lambda: [_rand(2, 512, 9, 16, dtype=torch.float32, channels_last=True),
                                            _rand(256, 512, 3, 3, dtype=torch.float32, channels_last=True) / 64],
                                   None),
+    # 128 x 256 tiles in pairs (clusters of 2), 2.2 waves of them: whole tiles data-parallel, then stream-K.
+    "conv_bn_silu_data_parallel": (lambda: [_rand(4, 16, 96, 96, channels_last=True),
+                                            _rand(256, 16, 3, 3, channels_last=True) / 12],
+                                   None),
     "temporal_conv": (lambda: [_rand(2, 32, 7, 9, 10), _rand(48, 32, 3, 1, 1), _rand(48)],
                       lambda x, w, b: torch.ops.vd.temporal_conv(x, w, b, 1)),
     "scheduler_step": (lambda: [_rand(2, 14, 4, 9, 16, dtype=torch.float32), _rand(2, 14, 4, 9, 16, dtype=torch.float32),
@@ -98,7 +102,8 @@ def test_cuda_graph_capture_and_replay(case, monkeypatch):
         monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
     make, fn = CASES[case]
     if case.startswith("conv_bn_silu"):
-        bn = _bn({"conv_bn_silu": 48, "conv_bn_silu_cluster_fp32": 256}.get(case, 200))
+        channels = {"conv_bn_silu": 48, "conv_bn_silu_cluster_fp32": 256, "conv_bn_silu_data_parallel": 256}
+        bn = _bn(channels.get(case, 200))
         fn = lambda x, w: torch.ops.vd.conv_bn_silu(x, w, None, *bn, 1e-5, [1, 1], [1, 1], [1, 1], 1, True)  # noqa: E731
     static = make()
     s = torch.cuda.Stream()

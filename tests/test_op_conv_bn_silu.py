@@ -524,18 +524,20 @@ def tf32_tol(dtype):
 
 @pytest.mark.parametrize("device", CUDA)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("tile", ["128", "160", "256", "64x128", "64x256", "64x256-nocluster"])
+@pytest.mark.parametrize("tile", ["128", "160", "256", "64x128", "64x256", "64x256-c0", "128-c2", "160-c3", "256-c4",
+                                  "64x256-c3"])
 @pytest.mark.parametrize("case", HOPPER_CASES, ids=lambda c: "x".join(map(str, c[:5])) + f"-k{c[5][0]}{c[5][1]}")
 def test_hopper_kernel_matches_reference(device, dtype, tile, case, monkeypatch):
     """The kernel pinned (VD_CONV_BN_SILU_KERNEL=wgmma: no choice by shape) at each tile (128 pixels x 128, 160
-    or 256 channels; 64 pixels x 128 or 256 channels, in clusters where there are 2-8 such tiles, or not);
-    float32 with TF32 allowed, as in eager's default."""
-    tile, _, nocluster = tile.partition("-")
+    or 256 channels; 64 pixels x 128 or 256 channels, in clusters where there are 2-8 such tiles, or not: "-c0");
+    "-cN": in clusters of N consecutive pixel tiles at any count (a last group partly past the pixels; 160
+    channels in 4 weight slices of 40 rows); float32 with TF32 allowed, as in eager's default."""
+    tile, _, cm = tile.partition("-c")
     bm, bn = tile.split("x") if "x" in tile else ("128", tile)
     n, c_in, c_out, h, w, k, padding, dilation = case
     monkeypatch.setenv("VD_CONV_BN_SILU_TILE", tile)
-    if nocluster:
-        monkeypatch.setenv("VD_CONV_BN_SILU_CLUSTER", "0")
+    if cm:
+        monkeypatch.setenv("VD_CONV_BN_SILU_CLUSTER", cm)
     else:
         monkeypatch.delenv("VD_CONV_BN_SILU_CLUSTER", raising=False)
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
@@ -546,7 +548,7 @@ def test_hopper_kernel_matches_reference(device, dtype, tile, case, monkeypatch)
         args = (*params, 1e-5, [1, 1], list(padding), list(dilation), 1, silu)
         ref = reference_conv_bn_silu(x.double(), *(None if t is None else t.double() for t in params), *args[6:])
         pixel_tiles = -(-ref.shape[0] * ref.shape[2] * ref.shape[3] // int(bm))
-        clustered = bm == "64" and not nocluster and 2 <= pixel_tiles <= 8
+        clustered = pixel_tiles >= 2 if cm not in ("", "0") else bm == "64" and not cm and 2 <= pixel_tiles <= 8
         monkeypatch.setenv("VD_CONV_BN_SILU_KERNEL", "wgmma")
         out = OP(x, *args)
         ran = " ".join(cuda_kernels_run(lambda: OP(x, *args)))
@@ -564,20 +566,25 @@ def test_hopper_kernel_matches_reference(device, dtype, tile, case, monkeypatch)
 def test_hopper_kernel_choice_by_channels(device, monkeypatch):
     """Unpinned, with at least 8 pixel tiles of 128: 256-channel tiles where C_out is a multiple of 256, 160 where
     it is one of 160, else 128, and cuDNN where a last 128-channel tile would be at most half full (C_out 448);
-    with fewer, 64-pixel tiles of 256 channels where C_out is a multiple of 256: in clusters at 3-8 of those (float32,
-    TF32 allowed: 3-5), outside clusters (VD_CONV_BN_SILU_CLUSTER=0) at 3-4 tiles of 128 (16-bit only), else
-    cuDNN."""
+    pairs of pixel tiles in clusters at 256 channels and in float32 (TF32 allowed) at every tile, 16-bit
+    256-channel problems of 8-15 tiles of 128 as 64-pixel tiles in pairs; with fewer, 64-pixel tiles of 256
+    channels where C_out is a multiple of 256: in clusters at 3-8 of those (float32: 3-5), outside clusters
+    (VD_CONV_BN_SILU_CLUSTER=0: no clusters anywhere) at 3-4 tiles of 128 (16-bit only), else cuDNN."""
     monkeypatch.delenv("VD_CONV_BN_SILU_KERNEL", raising=False)
     monkeypatch.delenv("VD_CONV_BN_SILU_TILE", raising=False)
     torch.manual_seed(0)
     cl = torch.channels_last
-    big = torch.randn(1, 64, 32, 32, device=device, dtype=torch.bfloat16).contiguous(memory_format=cl)
+    big = torch.randn(1, 64, 32, 32, device=device, dtype=torch.bfloat16).contiguous(memory_format=cl)  # 8 tiles
+    bigger = torch.randn(1, 64, 48, 48, device=device, dtype=torch.bfloat16).contiguous(memory_format=cl)  # 18
     small = torch.randn(1, 64, 16, 24, device=device, dtype=torch.bfloat16).contiguous(memory_format=cl)  # 3 tiles
     tiny = torch.randn(1, 64, 8, 16, device=device, dtype=torch.bfloat16).contiguous(memory_format=cl)  # 1 tile
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
     mid = torch.randn(1, 64, 12, 16, device=device, dtype=torch.bfloat16).contiguous(memory_format=cl)  # 3 of 64
     mid32 = torch.randn(1, 64, 12, 24, device=device).contiguous(memory_format=cl)  # 5 of 64
-    cases = [(big, 512, "256, 128, false>", None), (big, 320, "160, 128, false>", None),
+    cases = [(bigger, 512, "256, 128, true>", None), (big, 512, "256, 64, true>", None),
+             (big, 512, "256, 128, false>", "0"), (bigger.float(), 512, "256, 128, true>", None),
+             (bigger.float(), 320, "160, 128, true>", None), (bigger.float(), 384, "128, 128, true>", None),
+             (big, 320, "160, 128, false>", None),
              (big, 384, "128, 128, false>", None), (big, 200, "128, 128, false>", None), (big, 448, None, None),
              (small, 512, "256, 64, true>", None), (mid, 512, "256, 64, true>", None),
              (mid32, 512, "256, 64, true>", None), (small.float(), 512, None, None),
@@ -597,6 +604,33 @@ def test_hopper_kernel_choice_by_channels(device, monkeypatch):
             assert HOPPER_KERNEL in ran and want in ran, ran
         ref = reference_conv_bn_silu(x.double(), *(t.double() for t in params), *args[6:])
         assert_close_to(OP(x, *args), ref, tf32_tol(x.dtype), what=f"C_out {c_out}, {tuple(x.shape)} {x.dtype}")
+
+
+@pytest.mark.parametrize("device", CUDA)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("tile", ["128", "256", "128-c2", "64x256-c2"])
+@pytest.mark.parametrize("dp", ["1", "0"])
+def test_hopper_kernel_data_parallel_waves(device, dtype, tile, dp, monkeypatch):
+    """With two or more waves of tiles, all but the last one to two run whole tiles, data-parallel, the rest
+    stream-K (VD_CONV_BN_SILU_DP=0: stream-K throughout). 36864 pixels: 288 pixel tiles of 128, 576 tiles of
+    128 x 128 (4.4 waves on 132 SMs), 288 of 128 x 256 (2.2); in pairs, 288 on at most 66 clusters (4.4)."""
+    tile, _, cm = tile.partition("-c")
+    monkeypatch.setenv("VD_CONV_BN_SILU_KERNEL", "wgmma")
+    monkeypatch.setenv("VD_CONV_BN_SILU_TILE", tile)
+    monkeypatch.setenv("VD_CONV_BN_SILU_CLUSTER", cm or "0")
+    monkeypatch.setenv("VD_CONV_BN_SILU_DP", dp)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
+    torch.manual_seed(0)
+    x = torch.randn(4, 64, 96, 96, device=device).to(dtype).contiguous(memory_format=torch.channels_last)
+    params = make_params(64, 256, 3, device=device, dtype=dtype)
+    args = (*params, 1e-5, [1, 1], [1, 1], [1, 1], 1, True)
+    ref = reference_conv_bn_silu(x.double(), *(t.double() for t in params), *args[6:])
+    out = OP(x, *args)
+    bm, bn = tile.split("x") if "x" in tile else ("128", tile)
+    ran = " ".join(cuda_kernels_run(lambda: OP(x, *args)))
+    assert not on_hopper(device) or f"{bn}, {bm}, {str(bool(cm)).lower()}>" in ran, ran
+    assert_close_to(out, ref, tf32_tol(dtype))
+    assert torch.equal(OP(x, *args), out)
 
 
 @pytest.mark.parametrize("device", CUDA)

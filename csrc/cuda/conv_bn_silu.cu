@@ -145,25 +145,29 @@ at::Tensor grad_z_cuda_(at::Tensor& y, const at::Tensor& g, const at::Tensor& sh
 // range): the others reach their part of it first, store their partial sums (fp32, one slot a CTA) and
 // count themselves in the tile's flag; the owner waits for the count, adds the slots and runs the epilogue.
 // Only owners wait, and on CTAs that run before any waiting, so every CTA must be resident at once: the
-// grid is at most one CTA an SM.
-// With few pixel tiles (2-8 of 64), every pixel tile re-reads the whole weight: there the CTAs run in clusters
-// of one CTA a pixel tile, the cluster's K steps (a channel tile's) cut stream-K between clusters; each
-// weight stage is loaded once, in slices by the first CTAs, multicast into all, and a stage is refilled only
-// when every CTA's consumers have handed it back.
+// grid is at most one CTA an SM. With two or more waves of tiles, all but the last one to two run whole
+// tiles first, data-parallel (a wave on neighbouring tiles keeps its operands in L2; one range a CTA over
+// hundreds of tiles had the CTAs on all of them at once: 28 x 1280 x 18 x 32, 733 against 647 us), and
+// only the rest is cut stream-K.
+// Every pixel tile re-reads the whole weight: in clusters, the CTAs of cm consecutive pixel tiles of one
+// channel tile (all of them where there are 2-8 of 64, else pairs) share each weight stage, loaded once, in
+// slices by the first CTAs, multicast into all, and refilled only when every CTA's consumers have handed it
+// back; the clusters' K steps are cut as above.
 #if defined(VD_SM90A)
 struct CbsArgs {
   const float* shift;  // b', C_out floats
   float* ws;           // partial sums: a slot of BM x BN floats a CTA
   int* flags;          // 2 a tile (one a consumer warpgroup): partial slots stored so far; zeroed by the host
   int64_t units;       // tiles x iters: the K steps of all tiles
+  int64_t dp;          // whole tiles each CTA (cluster) takes first, data-parallel (see CbsWalk)
   int64_t P;           // output pixels, N x H_out x W_out
   int n_nt, iters, chunks, kW;  // channel tiles; K steps a tile (taps x chunks); chunks of BK channels of C_in
   int C_out, H_out, W_out, BW;  // BW: the row segment (pixels) of an output box; divides W_out and 64
   int pad_h, pad_w, dil_h, dil_w;
   int silu;
   float* out;  // the output where it is float32 (written from registers; fp16 / bf16 go through `to`)
-  int cm;      // CTAs a cluster (>= 2: one a pixel tile, the weight multicast to all; units then count channel
-               // tiles x iters) or 1 (no cluster)
+  int cm;      // CTAs a cluster (>= 2: one a pixel tile of a group of cm, the weight multicast to all; units
+               // then count groups x channel tiles x iters) or 1 (no cluster)
   int bslices;  // CTAs of a cluster that load a slice of the weight stage each (BN / bslices rows)
 };
 
@@ -209,6 +213,30 @@ __device__ __forceinline__ CbsPart cbs_part(const CbsArgs& a, int64_t v, int64_t
   return {t, k0, static_cast<int>(min(static_cast<int64_t>(a.iters), k0 + (v1 - v)))};
 }
 
+// The parts of CTA (cluster) g in order: first a.dp whole tiles g, g + G, g + 2G, ... (data-parallel waves:
+// the CTAs of a wave on neighbouring tiles, so its operands stay in L2; a stream-K range per CTA over
+// hundreds of tiles spreads the CTAs over all of them at once), then its even share of the remaining tiles'
+// K steps, stream-K: [sk0 + g U' / G, sk0 + (g + 1) U' / G) with U' = units - sk0.
+struct CbsWalk {
+  int64_t i, dp, v, v1;
+  int G, g;
+  __device__ __forceinline__ bool next(const CbsArgs& a, CbsPart& p) {
+    if (i < dp) {
+      p = {i++ * G + g, 0, a.iters};
+      return true;
+    }
+    if (v >= v1) return false;
+    p = cbs_part(a, v, v1);
+    v += p.k1 - p.k0;
+    return true;
+  }
+};
+__device__ __forceinline__ int64_t cbs_sk0(const CbsArgs& a, int G) { return a.dp * G * a.iters; }
+__device__ __forceinline__ CbsWalk cbs_walk(const CbsArgs& a, int G, int g) {
+  const int64_t sk0 = cbs_sk0(a, G), u = a.units - sk0;
+  return {0, a.dp, sk0 + g * u / G, sk0 + (g + 1) * u / G, G, g};
+}
+
 // The CTA whose range holds K step v: ranges are [g U / G, (g + 1) U / G).
 __device__ __forceinline__ int cbs_cta_of(int64_t v, int64_t units, int G) {
   int g = static_cast<int>(((v + 1) * G + units - 1) / units) - 1;
@@ -245,7 +273,8 @@ __device__ __forceinline__ int ld_acquire(const int* p) {
   return v;
 }
 
-// MC: in clusters of a.cm CTAs (the weight multicast); the kernels without it are compiled for cm = 1.
+// MC: in clusters of a.cm CTAs on a.cm consecutive pixel tiles of one channel tile, each weight stage loaded
+// once a cluster (multicast); the kernels without it are compiled for cm = 1.
 template <typename scalar_t, int BN, int BM, bool MC = false>
 __global__ void __launch_bounds__(384, 1)
     conv_bn_silu_wgmma_kernel(const CbsArgs a, const __grid_constant__ CUtensorMap tw,
@@ -273,18 +302,19 @@ __global__ void __launch_bounds__(384, 1)
   } else {
     __syncthreads();
   }
-  const int64_t v0 = static_cast<int64_t>(g) * a.units / G, v1 = static_cast<int64_t>(g + 1) * a.units / G;
-  // Tile t of a part (a channel tile where cm > 1) as the tile this CTA computes: pixel tile rank.
-  auto tile_of = [&](int64_t t) { return cm > 1 ? rank * a.n_nt + t : t; };
+  // Tile t of a part as the tile this CTA computes; where cm > 1 a part's t is (pixel tile group, channel
+  // tile) and this CTA takes pixel tile `rank` of the group.
+  auto tile_of = [&](int64_t t) { return cm > 1 ? ((t / a.n_nt) * cm + rank) * a.n_nt + t % a.n_nt : t; };
   const int slice_rows = T::BN / a.bslices;
 
   if (wg == 0) {
-    wgmma::setmaxnreg_dec<MC ? 56 : 40>();  // the producer needs few registers; the consumers' accumulators many
+    // The producer needs few registers, the consumers' accumulators many (64-pixel tiles: fewer).
+    wgmma::setmaxnreg_dec<MC && BM == 64 ? 56 : 40>();
     if (tid == 0) {
       uint32_t u = 0;  // stages filled so far (runs on across tiles)
-      for (int64_t v = v0; v < v1;) {
-        const auto [tp, k0, k1] = cbs_part(a, v, v1);
-        v += k1 - k0;
+      CbsWalk walk = cbs_walk(a, G, g);
+      for (CbsPart part; walk.next(a, part);) {
+        const auto [tp, k0, k1] = part;
         const int64_t t = tile_of(tp);
         const int nt = static_cast<int>(t % a.n_nt);
         const CbsPix q = cbs_pix(a, (t / a.n_nt) * T::BM);  // the tile's first output pixel
@@ -316,7 +346,7 @@ __global__ void __launch_bounds__(384, 1)
     return;
   }
 
-  wgmma::setmaxnreg_inc<MC ? 224 : 232>();  // MC: 64-pixel tiles, a producer with more state
+  wgmma::setmaxnreg_inc<MC && BM == 64 ? 224 : 232>();
   // The consumer warpgroup's index through a shuffle, so the compiler sees it uniform (ptxas C7518).
   const int cw = __shfl_sync(kFullMask, wg - 1, 0), warp = (tid / 32) % 4, lane = tid % 32, tw_id = tid % 128;
   const int gq = lane >> 2, tig = lane & 3;
@@ -332,9 +362,9 @@ __global__ void __launch_bounds__(384, 1)
       wgmma::mbar_arrive_cluster(wgmma::cluster_map(empty(st), lane));
     }
   };
-  for (int64_t v = v0; v < v1;) {
-    const auto [tp, k0, k1] = cbs_part(a, v, v1);
-    v += k1 - k0;
+  CbsWalk walk = cbs_walk(a, G, g);
+  for (CbsPart part; walk.next(a, part);) {
+    const auto [tp, k0, k1] = part;
     const int64_t t = tile_of(tp);
     float acc[NACC];
     int prev = -1;  // the stage whose products may still be reading shared memory
@@ -386,7 +416,8 @@ __global__ void __launch_bounds__(384, 1)
       continue;
     }
     if (k1 < a.iters) {  // the owner of a tile cut between CTAs: the later ones' parts
-      const int last = cbs_cta_of(tp * a.iters + a.iters - 1, a.units, G);
+      const int64_t sk0 = cbs_sk0(a, G);  // (only stream-K tiles are cut)
+      const int last = cbs_cta_of(tp * a.iters + a.iters - 1 - sk0, a.units - sk0, G);
       if (leader)
         while (ld_acquire(a.flags + 2 * t + cw) < last - g) __nanosleep(64);
       wgmma::named_sync(1 + cw, 128);
@@ -475,7 +506,7 @@ __global__ void __launch_bounds__(384, 1)
 // VD_CONV_BN_SILU_KERNEL: "cudnn" keeps the cuDNN convolution and the bias + SiLU pass on Hopper too,
 // "wgmma" takes the Hopper kernel wherever it applies (no choice by shape); benchmarks and tests compare
 // them. VD_CONV_BN_SILU_TILE=128|160|256 pins the channel tile (of 128 pixels), 64x128|64x256 64-pixel tiles;
-// VD_CONV_BN_SILU_CLUSTER=0 keeps 64-pixel tiles out of clusters.
+// VD_CONV_BN_SILU_CLUSTER=0 keeps 64-pixel tiles out of clusters, =2..8 pins clusters of that many CTAs.
 std::string env_str(const char* name) {
   const char* e = std::getenv(name);
   return e == nullptr ? std::string() : std::string(e);
@@ -497,7 +528,8 @@ bool launch_conv_wgmma(const at::Tensor& x, const Folded& f, const ConvShape& s,
   const int upper[2] = {static_cast<int>(s.padding[1] - (s.kW - 1) * s.dilation[1]),
                         static_cast<int>(s.padding[0] - (s.kH - 1) * s.dilation[0])};
   // The CTAs of a cluster that each multicast a slice of the weight rows (whole 8-row swizzle atoms).
-  const int bslices = cm >= 8 ? 8 : cm >= 4 ? 4 : cm >= 2 ? 2 : 1;
+  int bslices = cm >= 8 ? 8 : cm >= 4 ? 4 : cm >= 2 ? 2 : 1;
+  while ((T::BN / 8) % bslices != 0) bslices /= 2;  // 160 channels: 20 atoms, 4 slices at most
   CUtensorMap tw, tx, to{}, to32{};
   if (!tensor_map_4d(&tw, w, {s.C_in, taps, s.C_out, 1}, {s.C_in, taps * s.C_in, s.C_out * taps * s.C_in},
                      {static_cast<uint32_t>(BK), 1, static_cast<uint32_t>(T::BN / bslices), 1}) ||
@@ -520,11 +552,12 @@ bool launch_conv_wgmma(const at::Tensor& x, const Folded& f, const ConvShape& s,
   a.chunks = static_cast<int>(ceil_div(s.C_in, BK));
   a.iters = static_cast<int>(taps) * a.chunks;
   a.kW = static_cast<int>(s.kW);
-  const int64_t tiles = ceil_div(a.P, T::BM) * a.n_nt;
-  TORCH_INTERNAL_ASSERT(cm == 1 || ceil_div(a.P, T::BM) == cm, "a cluster is one CTA a pixel tile");
+  // The tiles, counted in whole groups of cm pixel tiles (a last group's tiles past P compute zeros, unstored).
+  const int64_t groups = ceil_div(ceil_div(a.P, T::BM), cm), tiles = groups * cm * a.n_nt;
+  TORCH_INTERNAL_ASSERT(cm >= 1 && cm <= 8, "clusters of 1-8 CTAs");
   a.cm = cm;
   a.bslices = bslices;
-  a.units = (cm > 1 ? a.n_nt : tiles) * a.iters;
+  a.units = groups * a.n_nt * a.iters;
   a.C_out = static_cast<int>(s.C_out);
   a.H_out = static_cast<int>(s.H_out);
   a.W_out = static_cast<int>(s.W_out);
@@ -548,6 +581,10 @@ bool launch_conv_wgmma(const at::Tensor& x, const Folded& f, const ConvShape& s,
       C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
       G = persistent_blocks(kernel, 384, smem, a.units);
     }
+    // All but the last one to two waves of tiles whole, data-parallel, the rest stream-K (the hybrid of the
+    // stream-K paper); VD_CONV_BN_SILU_DP=0: stream-K over all tiles.
+    const int64_t waves = groups * a.n_nt / G;
+    a.dp = waves >= 2 && env_str("VD_CONV_BN_SILU_DP") != "0" ? waves - 1 : 0;
     // One partial slot a CTA (BM x BN floats), then the tiles' flags (zeroed on the stream: graph-safe).
     const int64_t slot_floats = static_cast<int64_t>(T::BM) * T::BN;
     at::Tensor ws = at::empty({G * cm * slot_floats + 2 * tiles}, x.options().dtype(at::kFloat));
@@ -557,13 +594,11 @@ bool launch_conv_wgmma(const at::Tensor& x, const Folded& f, const ConvShape& s,
     launch_clusters(kConvBnSiluOp, kernel, a, G, cm, 384, smem, stream, tw, tx, to, to32);
     return true;
   };
-  if constexpr (BM == 64) {  // clusters only for 64-pixel tiles (a few pixel tiles)
-    if (cm > 1) {
-      if (f32) return launch(conv_bn_silu_wgmma_kernel<float, BN, BM, true>, CbsTile<BN, 4, BM>::smem_bytes);
-      if (x.scalar_type() == at::kBFloat16)
-        return launch(conv_bn_silu_wgmma_kernel<at::BFloat16, BN, BM, true>, T::smem_bytes);
-      return launch(conv_bn_silu_wgmma_kernel<at::Half, BN, BM, true>, T::smem_bytes);
-    }
+  if (cm > 1) {
+    if (f32) return launch(conv_bn_silu_wgmma_kernel<float, BN, BM, true>, CbsTile<BN, 4, BM>::smem_bytes);
+    if (x.scalar_type() == at::kBFloat16)
+      return launch(conv_bn_silu_wgmma_kernel<at::BFloat16, BN, BM, true>, T::smem_bytes);
+    return launch(conv_bn_silu_wgmma_kernel<at::Half, BN, BM, true>, T::smem_bytes);
   }
   if (f32) return launch(conv_bn_silu_wgmma_kernel<float, BN, BM>, CbsTile<BN, 4, BM>::smem_bytes);
   if (x.scalar_type() == at::kBFloat16) return launch(conv_bn_silu_wgmma_kernel<at::BFloat16, BN, BM>, T::smem_bytes);
@@ -607,6 +642,13 @@ at::Tensor conv_bn_silu_wgmma(const at::Tensor& x, const Folded& f, const ConvSh
   // 16-bit at 3-8 such tiles (144-512 pixels) 23.1-33.4 against 24.2-46.2; float32 at 3-5 (144, 288 pixels)
   // 37.5 / 45.4 against 45.3 / 56.1, at 6 and 8 behind or level (52.9 / 55.9 against 47.1 / 57.0), at 2 behind
   // (36.2 against 30.4): cuDNN there.
+  // With 8 or more tiles of 128, pairs of neighbouring pixel tiles run as clusters (each weight stage loaded
+  // once a pair) where that measured ahead (H200, 2-28 images of 72x128 .. 8x8, device us): float32 at every
+  // tile (2 x 640 x 36 x 64: 103-106 against 117-119 alone; 28 x 1280 x 18 x 32: 1273 against 1464), 16-bit
+  // at 256 channels (8 x 1280 x 18 x 32: 184 against 190; 28 x: 620 against 647); 16-bit 160-channel tiles
+  // within 3 % either way: alone. 16-bit 256-channel problems of 8-15 such tiles run 64-pixel tiles in pairs
+  // (2 x 1280 x 18 x 32: 60.0 against 62.9 at 128 x 256). Float32 at an odd count of 9 tiles ran 2-7 % behind
+  // alone (a tenth of the pairs' work past the pixels); not yet excluded (unmeasured with the rule).
   const std::string tile = env_str("VD_CONV_BN_SILU_TILE"), cluster = env_str("VD_CONV_BN_SILU_CLUSTER");
   const int64_t tiles128 = ceil_div(s.N * s.H_out * s.W_out, 128), tiles64 = ceil_div(s.N * s.H_out * s.W_out, 64);
   const bool few = tiles128 < 8, clusters = cluster != "0";
@@ -615,7 +657,8 @@ at::Tensor conv_bn_silu_wgmma(const at::Tensor& x, const Folded& f, const ConvSh
                                                           : tiles128 >= 3 && tiles128 <= 4);
   if (choice != "wgmma" && tile.empty() && few && !take_few) return {};
   const bool pinned64 = tile.rfind("64x", 0) == 0;
-  const bool small = pinned64 || (tile.empty() && few);  // 64-pixel tiles
+  const bool mid = !tf32 && clusters && tile.empty() && s.C_out % 256 == 0 && tiles128 >= 8 && tiles128 < 16;
+  const bool small = pinned64 || (tile.empty() && (few || mid));  // 64-pixel tiles
   const std::string tn = pinned64 ? tile.substr(3) : tile;
   const int bn = tn == "128" || tn == "256" || (tn == "160" && !small) ? std::stoi(tn)
                  : s.C_out % 256 == 0                                ? 256
@@ -623,12 +666,19 @@ at::Tensor conv_bn_silu_wgmma(const at::Tensor& x, const Folded& f, const ConvSh
                                                                      : 128;
   if (choice != "wgmma" && bn == 128 && s.C_out > 128 && s.C_out % 128 != 0 && s.C_out % 128 <= 64) return {};
   at::Tensor y = at::empty({s.N, s.C_out, s.H_out, s.W_out}, x.options().memory_format(at::MemoryFormat::ChannelsLast));
-  const int cm = small && clusters && tiles64 >= 2 && tiles64 <= 8 ? static_cast<int>(tiles64) : 1;
+  // VD_CONV_BN_SILU_CLUSTER=2..8 pins clusters of that many pixel tiles (at most the pixel tiles) at any size.
+  const int pin = cluster.size() == 1 && cluster[0] >= '2' && cluster[0] <= '8' ? cluster[0] - '0' : 0;
+  const int64_t ptiles = small ? tiles64 : tiles128;
+  const bool pairs = mid || (!small && clusters && tile.empty() && (tf32 || bn == 256));
+  const int cm = pin > 0                                          ? static_cast<int>(std::min<int64_t>(pin, ptiles))
+                 : small && clusters && tiles64 >= 2 && tiles64 <= 8 ? static_cast<int>(tiles64)
+                 : pairs                                             ? 2
+                                                                     : 1;
   const bool ok = small       ? (bn == 256 ? launch_conv_wgmma<256, 64>(x, f, s, silu, y, cm)
                                            : launch_conv_wgmma<128, 64>(x, f, s, silu, y, cm))
-                  : bn == 256 ? launch_conv_wgmma<256, 128>(x, f, s, silu, y)
-                  : bn == 160 ? launch_conv_wgmma<160, 128>(x, f, s, silu, y)
-                              : launch_conv_wgmma<128, 128>(x, f, s, silu, y);
+                  : bn == 256 ? launch_conv_wgmma<256, 128>(x, f, s, silu, y, cm)
+                  : bn == 160 ? launch_conv_wgmma<160, 128>(x, f, s, silu, y, cm)
+                              : launch_conv_wgmma<128, 128>(x, f, s, silu, y, cm);
   return ok ? y : at::Tensor();
 #else
   (void)x, (void)f, (void)s, (void)silu;
