@@ -530,8 +530,9 @@ def tf32_tol(dtype):
 def test_hopper_kernel_matches_reference(device, dtype, tile, case, monkeypatch):
     """The kernel pinned (VD_CONV_BN_SILU_KERNEL=wgmma: no choice by shape) at each tile (128 pixels x 128, 160
     or 256 channels; 64 pixels x 128 or 256 channels, in clusters where there are 2-8 such tiles, or not: "-c0");
-    "-cN": in clusters of N consecutive pixel tiles at any count (a last group partly past the pixels; 160
-    channels in 4 weight slices of 40 rows); float32 with TF32 allowed, as in eager's default."""
+    "-cN": in clusters of N consecutive pixel tiles at any count (a last group partly past the pixels; the
+    weight in 2 slices of 80 rows at 160 channels, 4 of 64 at 256); float32 with TF32 allowed, as in eager's
+    default."""
     tile, _, cm = tile.partition("-c")
     bm, bn = tile.split("x") if "x" in tile else ("128", tile)
     n, c_in, c_out, h, w, k, padding, dilation = case

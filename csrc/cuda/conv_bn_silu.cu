@@ -158,7 +158,7 @@ struct CbsArgs {
   const float* shift;  // b', C_out floats
   float* ws;           // partial sums: a slot of BM x BN floats a CTA
   int* flags;          // 2 a tile (one a consumer warpgroup): partial slots stored so far; zeroed by the host
-  int64_t units;       // tiles x iters: the K steps of all tiles
+  int64_t units;       // tiles x iters: the K steps of all tiles (cm > 1: groups x channel tiles x iters)
   int64_t dp;          // whole tiles each CTA (cluster) takes first, data-parallel (see CbsWalk)
   int64_t P;           // output pixels, N x H_out x W_out
   int n_nt, iters, chunks, kW;  // channel tiles; K steps a tile (taps x chunks); chunks of BK channels of C_in
@@ -178,7 +178,8 @@ struct CbsArgs {
 //
 // BM: 128 pixels a tile (each consumer warpgroup 64 of them, all BN channels) or 64 (both warpgroups on the
 // same 64 pixels, BN / 2 channels each; BN 128 or 256): small problems, where the 128-pixel tiles are few and
-// each is cut between several CTAs, waste fewer rows in a partial last tile and cut each tile fewer times.
+// each is cut between several CTAs, waste fewer rows in a partial last tile and cut each tile fewer times
+// (and 16-bit 256-channel problems of 8-15 tiles of 128, in pairs: see the choice below).
 template <int BN_, int E, int BM_ = 128>
 struct CbsTile {
   static_assert(BM_ == 128 || BN_ != 160, "64-pixel tiles split 128 or 256 channels");
@@ -308,7 +309,8 @@ __global__ void __launch_bounds__(384, 1)
   const int slice_rows = T::BN / a.bslices;
 
   if (wg == 0) {
-    // The producer needs few registers, the consumers' accumulators many (64-pixel tiles: fewer).
+    // The producer needs few registers, the consumers' accumulators many (64-pixel tiles: fewer). In clusters
+    // at 128 pixels the producer's 40 leave ptxas 12-24 bytes of spill (100 in float32 256 x 128).
     wgmma::setmaxnreg_dec<MC && BM == 64 ? 56 : 40>();
     if (tid == 0) {
       uint32_t u = 0;  // stages filled so far (runs on across tiles)
@@ -405,7 +407,7 @@ __global__ void __launch_bounds__(384, 1)
     auto slot = [&](int cta) {
       return ws + ((static_cast<int64_t>(cta) * cm + rank) * 2 + cw) * (NACC / 4) * 128 + tw_id;
     };
-    if (k0 > 0) {  // the tile's owner is an earlier CTA: hand it this part (only a CTA's first part can be)
+    if (k0 > 0) {  // the tile's owner is an earlier CTA: hand it this part (only a CTA's first stream-K part can be)
       float4* dst = slot(g);
 #pragma unroll
       for (int j = 0; j < NACC / 4; ++j)
@@ -506,14 +508,14 @@ __global__ void __launch_bounds__(384, 1)
 // VD_CONV_BN_SILU_KERNEL: "cudnn" keeps the cuDNN convolution and the bias + SiLU pass on Hopper too,
 // "wgmma" takes the Hopper kernel wherever it applies (no choice by shape); benchmarks and tests compare
 // them. VD_CONV_BN_SILU_TILE=128|160|256 pins the channel tile (of 128 pixels), 64x128|64x256 64-pixel tiles;
-// VD_CONV_BN_SILU_CLUSTER=0 keeps 64-pixel tiles out of clusters, =2..8 pins clusters of that many CTAs.
+// VD_CONV_BN_SILU_CLUSTER=0 runs no clusters, =2..8 pins clusters of that many CTAs (other values: the choice).
 std::string env_str(const char* name) {
   const char* e = std::getenv(name);
   return e == nullptr ? std::string() : std::string(e);
 }
 
 #if defined(VD_SM90A)
-// cm >= 2: clusters of cm CTAs, one a pixel tile (cm = the pixel tiles), the weight stage loaded once a cluster.
+// cm >= 2: clusters of cm CTAs on cm consecutive pixel tiles, the weight stage loaded once a cluster.
 template <int BN, int BM>
 bool launch_conv_wgmma(const at::Tensor& x, const Folded& f, const ConvShape& s, bool silu, at::Tensor& y,
                        int cm = 1) {
