@@ -1,6 +1,7 @@
 """conv_bn_silu's Hopper kernel at each tile against the cuDNN path, in one process: device time a call
-(each variant timed once a round, the rounds alternating between variants, the median kept), % of the measured matmul rate (TF32's for float32), max error
-against float64. The op's own choice ("auto") beside them. Square 3x3 convolutions, C_in = C_out.
+(each variant timed once a round, the rounds alternating between variants, the median kept), % of the
+measured matmul rate (TF32's for float32), max error against float64. The op's own choice ("auto") beside
+them. Square 3x3 convolutions, C_in = C_out.
 
     python bench/conv_tiles.py [--dtype bf16|fp16|fp32] [--shapes 2x1280x9x16,2x1280x16x24]
                                [--tiles 128,160,256,64x128,64x256,256-c3]
