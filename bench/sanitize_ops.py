@@ -240,11 +240,11 @@ def main():
                         with env_var("VD_CONV_BN_SILU_CLUSTER", cm), env_var("VD_CONV_BN_SILU_TILE", tile):
                             torch.ops.vd.conv_bn_silu(x160, wa, None, *ba, 1e-5, [1, 1], [1, 1], [1, 1], 1, True)
                     # whole tiles data-parallel, then stream-K: 36864 pixels, 576 tiles of 128 x 128 (4.4 waves),
-                    # alone and in pairs
+                    # alone and in pairs; 288 of 128 x 256 (2.2 waves; 16-bit: the epilogue in two rounds)
                     xw = torch.randn(4, 16, 96, 96, device=dev, dtype=dtype).to(memory_format=cl)
                     ww = torch.randn(256, 16, 3, 3, device=dev, dtype=dtype)
-                    for cm in ("0", "2"):
-                        with env_var("VD_CONV_BN_SILU_CLUSTER", cm), env_var("VD_CONV_BN_SILU_TILE", "128"):
+                    for cm, tile in (("0", "128"), ("2", "128"), ("0", "256")):
+                        with env_var("VD_CONV_BN_SILU_CLUSTER", cm), env_var("VD_CONV_BN_SILU_TILE", tile):
                             torch.ops.vd.conv_bn_silu(xw, ww, None, *b256, 1e-5, [1, 1], [1, 1], [1, 1], 1, True)
             ran.append("conv_bn_silu")
         if want("temporal_conv"):

@@ -524,15 +524,15 @@ def tf32_tol(dtype):
 
 @pytest.mark.parametrize("device", CUDA)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("tile", ["128", "160", "256", "64x128", "64x256", "64x256-c0", "128-c2", "160-c3", "256-c4",
-                                  "64x256-c3"])
+@pytest.mark.parametrize("tile", ["128", "160", "256", "64x128", "64x256", "64x256-c0", "128-c2", "160-c3", "160-c4",
+                                  "256-c4", "64x256-c3"])
 @pytest.mark.parametrize("case", HOPPER_CASES, ids=lambda c: "x".join(map(str, c[:5])) + f"-k{c[5][0]}{c[5][1]}")
 def test_hopper_kernel_matches_reference(device, dtype, tile, case, monkeypatch):
     """The kernel pinned (VD_CONV_BN_SILU_KERNEL=wgmma: no choice by shape) at each tile (128 pixels x 128, 160
     or 256 channels; 64 pixels x 128 or 256 channels, in clusters where there are 2-8 such tiles, or not: "-c0");
     "-cN": in clusters of N consecutive pixel tiles at any count (a last group partly past the pixels; the
-    weight in 2 slices of 80 rows at 160 channels, 4 of 64 at 256); float32 with TF32 allowed, as in eager's
-    default."""
+    weight in 2 slices of 80 rows at 160 channels in 3s, 4 of 40 in 4s, 4 of 64 at 256); float32 with TF32
+    allowed, as in eager's default."""
     tile, _, cm = tile.partition("-c")
     bm, bn = tile.split("x") if "x" in tile else ("128", tile)
     n, c_in, c_out, h, w, k, padding, dilation = case
@@ -567,9 +567,10 @@ def test_hopper_kernel_matches_reference(device, dtype, tile, case, monkeypatch)
 def test_hopper_kernel_choice_by_channels(device, monkeypatch):
     """Unpinned, with at least 8 pixel tiles of 128: 256-channel tiles where C_out is a multiple of 256, 160 where
     it is one of 160, else 128, and cuDNN where a last 128-channel tile would be at most half full (C_out 448);
-    pairs of pixel tiles in clusters at 256 channels and in float32 (TF32 allowed) at every tile, 16-bit
-    256-channel problems of 8-15 tiles of 128 as 64-pixel tiles in pairs; with fewer, 64-pixel tiles of 256
-    channels where C_out is a multiple of 256: in clusters at 3-8 of those (float32: 3-5), outside clusters
+    pairs of pixel tiles in clusters at 256 channels and in float32 (TF32 allowed) at every tile, 256-channel
+    problems of 8-15 tiles of 128 as 64-pixel tiles in pairs where those pairs x channel tiles fit one wave of
+    pairs (C_out 2560 at 10 tiles: 100 of them, more than the 66 of a 132-SM device); with fewer, 64-pixel
+    tiles of 256 channels where C_out is a multiple of 256: in clusters at 3-8 of those (float32: 3-5), outside clusters
     (VD_CONV_BN_SILU_CLUSTER=0: no clusters anywhere) at 3-4 tiles of 128 (16-bit only), else cuDNN."""
     monkeypatch.delenv("VD_CONV_BN_SILU_KERNEL", raising=False)
     monkeypatch.delenv("VD_CONV_BN_SILU_TILE", raising=False)
@@ -582,6 +583,7 @@ def test_hopper_kernel_choice_by_channels(device, monkeypatch):
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
     mid = torch.randn(1, 64, 12, 16, device=device, dtype=torch.bfloat16).contiguous(memory_format=cl)  # 3 of 64
     mid32 = torch.randn(1, 64, 12, 24, device=device).contiguous(memory_format=cl)  # 5 of 64
+    ten = torch.randn(1, 64, 32, 40, device=device, dtype=torch.bfloat16).contiguous(memory_format=cl)  # 10 tiles
     cases = [(bigger, 512, "256, 128, true>", None), (big, 512, "256, 64, true>", None),
              (big, 512, "256, 128, false>", "0"), (bigger.float(), 512, "256, 128, true>", None),
              (bigger.float(), 320, "160, 128, true>", None), (bigger.float(), 384, "128, 128, true>", None),
@@ -590,7 +592,8 @@ def test_hopper_kernel_choice_by_channels(device, monkeypatch):
              (small, 512, "256, 64, true>", None), (mid, 512, "256, 64, true>", None),
              (mid32, 512, "256, 64, true>", None), (small.float(), 512, None, None),
              (small, 512, "256, 64, false>", "0"), (mid, 512, None, "0"), (mid32, 512, None, "0"),
-             (small, 320, None, None), (tiny, 512, None, None)]
+             (small, 320, None, None), (tiny, 512, None, None), (ten, 512, "256, 64, true>", None),
+             (ten.float(), 512, "256, 64, true>", None), (ten, 2560, "256, 128, true>", None)]
     for x, c_out, want, cluster in cases:
         if cluster is None:
             monkeypatch.delenv("VD_CONV_BN_SILU_CLUSTER", raising=False)
@@ -609,12 +612,14 @@ def test_hopper_kernel_choice_by_channels(device, monkeypatch):
 
 @pytest.mark.parametrize("device", CUDA)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("tile", ["128", "256", "128-c2", "64x256-c2"])
+@pytest.mark.parametrize("tile", ["128", "256", "128-c2", "128-c3", "256-c5", "64x256-c2"])
 @pytest.mark.parametrize("dp", ["1", "0"])
 def test_hopper_kernel_data_parallel_waves(device, dtype, tile, dp, monkeypatch):
     """With two or more waves of tiles, all but the last one to two run whole tiles, data-parallel, the rest
     stream-K (VD_CONV_BN_SILU_DP=0: stream-K throughout). 36864 pixels: 288 pixel tiles of 128, 576 tiles of
-    128 x 128 (4.4 waves on 132 SMs), 288 of 128 x 256 (2.2); in pairs, 288 on at most 66 clusters (4.4)."""
+    128 x 128 (4.4 waves on 132 SMs), 288 of 128 x 256 (2.2); in pairs, 288 on at most 66 clusters (4.4); in
+    3s, 192 groups x channel tiles on at most 44 clusters; in 5s at 256 channels, 58 groups, the last with two
+    tiles past the pixels, on at most 26 clusters (two or more waves)."""
     tile, _, cm = tile.partition("-c")
     monkeypatch.setenv("VD_CONV_BN_SILU_KERNEL", "wgmma")
     monkeypatch.setenv("VD_CONV_BN_SILU_TILE", tile)

@@ -191,8 +191,11 @@ struct CbsTile {
   // The epilogue's staging (fp16 / bf16; float32 is stored from registers: its boxes would not fit beside
   // the stages): per consumer warpgroup WN / 64 blocks of 64 pixels x 64 channels (128-byte rows, 128-byte
   // swizzle) and, at WN = 160, a block of 64 pixels x 32 channels (64-byte rows and swizzle).
+  // At WN = 256 (16-bit 128 x 256 tiles) the boxes are staged in two rounds of 128 channels: 32 KB a
+  // warpgroup instead of 64 leaves room for a fourth stage of 48 KB (three before).
   static constexpr int blk_bytes = 64 * 128, full_blks = WN / 64, tail = WN % 64;  // tail: 0 or 32 channels
-  static constexpr int wg_out_bytes = E == 4 ? 0 : full_blks * blk_bytes + (tail ? 4096 : 0);
+  static constexpr int rounds = E != 4 && WN == 256 ? 2 : 1, round_blks = full_blks / rounds;
+  static constexpr int wg_out_bytes = E == 4 ? 0 : round_blks * blk_bytes + (tail ? 4096 : 0);
   // As many stages as fit in the 227 KB beside the staging.
   static constexpr int kStages = (227 * 1024 - 1024 - 2 * wg_out_bytes) / (stage_bytes + 16) < 8
                                      ? (227 * 1024 - 1024 - 2 * wg_out_bytes) / (stage_bytes + 16)
@@ -323,6 +326,7 @@ __global__ void __launch_bounds__(384, 1)
         const int w0 = q.w - a.pad_w, h0 = q.h - a.pad_h;  // its position at tap (0, 0)
         int tap = k0 / a.chunks, c = k0 - tap * a.chunks;
         int r = tap / a.kW, s = tap - r * a.kW;
+#pragma unroll 1  // unrolled (by S where it is a power of 2), the producer's 40 registers spill
         for (int k = k0; k < k1; ++k, ++u) {
           const int st = static_cast<int>(u % S);
           wgmma::mbar_wait(empty(st), ((u / S) & 1) ^ 1u);
@@ -456,43 +460,52 @@ __global__ void __launch_bounds__(384, 1)
       }
       continue;
     }
-    if (leader) wgmma::bulk_wait_read();
-    wgmma::named_sync(1 + cw, 128);
+    // The warpgroup's first output box, found once (a 64-bit division) before any round holds the registers.
+    const CbsPix q0 = cbs_pix(a, mw);
+    const int segs = static_cast<int>(min(static_cast<int64_t>(64), a.P - mw)) / a.BW;
 #pragma unroll
-    for (int j = 0; j < T::WN / 8; ++j) {
-      const int co = cn + 8 * j + 2 * tig;  // C_out % 8 == 0: the pair is whole or absent
-      const float2 b = co < a.C_out ? *reinterpret_cast<const float2*>(a.shift + co) : make_float2(0.f, 0.f);
+    for (int rd = 0; rd < T::rounds; ++rd) {  // blocks [rd, rd + 1) x round_blks (and the tail) a round
+      if (leader) wgmma::bulk_wait_read();  // the copy engine has read the staging's previous boxes
+      wgmma::named_sync(1 + cw, 128);
 #pragma unroll
-      for (int rr = 0; rr < 2; ++rr) {
-        const int r = warp * 16 + gq + 8 * rr;  // the pixel row; r % 8 == gq
-        float x0 = acc[4 * j + 2 * rr] + b.x, x1 = acc[4 * j + 2 * rr + 1] + b.y;
-        if (a.silu) x0 = silu_fast(x0), x1 = silu_fast(x1);
-        const uint32_t pk = pack_pair<scalar_t>(x0, x1);
-        // 16-byte chunk j % 8 of the pixel's row, swizzled: 128-byte rows (chunk ^ row % 8), or in the 32-channel
-        // block 64-byte rows (chunk ^ (row / 2) % 4)
-        const uint32_t addr = j / 8 < T::full_blks
-                                  ? sOut + (j / 8) * T::blk_bytes + r * 128 + (((j % 8) ^ gq) << 4) + 4 * tig
-                                  : sOut + T::full_blks * T::blk_bytes + r * 64 + (((j % 8) ^ ((r >> 1) & 3)) << 4) + 4 * tig;
-        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(pk) : "memory");
-      }
-    }
-    wgmma::fence_proxy_async();  // the generic-proxy writes above, before the copy engine reads them
-    wgmma::named_sync(1 + cw, 128);
-    if (leader) {
-      const int segs = static_cast<int>(min(static_cast<int64_t>(64), a.P - mw)) / a.BW;
-      for (int blk = 0; blk < T::full_blks + (T::tail ? 1 : 0); ++blk) {
-        const int c0 = cn + blk * 64;
-        if (c0 >= a.C_out) break;
-        CbsPix q = cbs_pix(a, mw);
-        for (int seg = 0; seg < segs; ++seg) {
-          if (blk < T::full_blks)
-            wgmma::tma_store_4d(&to, sOut + blk * T::blk_bytes + seg * a.BW * 128, c0, q.w, q.h, q.n);
-          else
-            wgmma::tma_store_4d(&to32, sOut + blk * T::blk_bytes + seg * a.BW * 64, c0, q.w, q.h, q.n);
-          cbs_next(a, q);
+      for (int j = 0; j < T::WN / 8; ++j) {
+        const int sb = j / 8 - rd * T::round_blks;  // the block's place in the staging
+        if (j / 8 < T::full_blks && (sb < 0 || sb >= T::round_blks)) continue;  // another round's
+        const int co = cn + 8 * j + 2 * tig;  // C_out % 8 == 0: the pair is whole or absent
+        const float2 b = co < a.C_out ? *reinterpret_cast<const float2*>(a.shift + co) : make_float2(0.f, 0.f);
+#pragma unroll
+        for (int rr = 0; rr < 2; ++rr) {
+          const int r = warp * 16 + gq + 8 * rr;  // the pixel row; r % 8 == gq
+          float x0 = acc[4 * j + 2 * rr] + b.x, x1 = acc[4 * j + 2 * rr + 1] + b.y;
+          if (a.silu) x0 = silu_fast(x0), x1 = silu_fast(x1);
+          const uint32_t pk = pack_pair<scalar_t>(x0, x1);
+          // 16-byte chunk j % 8 of the pixel's row, swizzled: 128-byte rows (chunk ^ row % 8), or in the
+          // 32-channel block 64-byte rows (chunk ^ (row / 2) % 4)
+          const uint32_t addr = j / 8 < T::full_blks
+                                    ? sOut + sb * T::blk_bytes + r * 128 + (((j % 8) ^ gq) << 4) + 4 * tig
+                                    : sOut + sb * T::blk_bytes + r * 64 + (((j % 8) ^ ((r >> 1) & 3)) << 4) + 4 * tig;
+          asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(pk) : "memory");
         }
       }
-      wgmma::bulk_commit();
+      wgmma::fence_proxy_async();  // the generic-proxy writes above, before the copy engine reads them
+      wgmma::named_sync(1 + cw, 128);
+      if (leader) {
+        const int b1 = rd + 1 < T::rounds ? (rd + 1) * T::round_blks : T::full_blks + (T::tail ? 1 : 0);
+        for (int blk = rd * T::round_blks; blk < b1; ++blk) {
+          const int c0 = cn + blk * 64;
+          if (c0 >= a.C_out) break;
+          const uint32_t sb = sOut + (blk - rd * T::round_blks) * T::blk_bytes;
+          CbsPix q = q0;
+          for (int seg = 0; seg < segs; ++seg) {
+            if (blk < T::full_blks)
+              wgmma::tma_store_4d(&to, sb + seg * a.BW * 128, c0, q.w, q.h, q.n);
+            else
+              wgmma::tma_store_4d(&to32, sb + seg * a.BW * 64, c0, q.w, q.h, q.n);
+            cbs_next(a, q);
+          }
+        }
+        wgmma::bulk_commit();
+      }
     }
   }
   // The copy engine must have finished with the staging buffers before the CTA's shared memory goes.
@@ -648,9 +661,13 @@ at::Tensor conv_bn_silu_wgmma(const at::Tensor& x, const Folded& f, const ConvSh
   // once a pair) where that measured ahead (H200, 2-28 images of 72x128 .. 8x8, device us): float32 at every
   // tile (2 x 640 x 36 x 64: 103-106 against 117-119 alone; 28 x 1280 x 18 x 32: 1273 against 1464), 16-bit
   // at 256 channels (8 x 1280 x 18 x 32: 184 against 190; 28 x: 620 against 647); 16-bit 160-channel tiles
-  // within 3 % either way: alone. 16-bit 256-channel problems of 8-15 such tiles run 64-pixel tiles in pairs
-  // (2 x 1280 x 18 x 32: 60.0 against 62.9 at 128 x 256). Float32 at an odd count of 9 tiles ran 2-7 % behind
-  // alone (a tenth of the pairs' work past the pixels); not yet excluded (unmeasured with the rule).
+  // within 3 % either way: alone. 256-channel problems of 8-15 such tiles run 64-pixel tiles in pairs where
+  // those pairs (x channel tiles) fill at most one wave of pairs: 2 x 1280 x 18 x 32 (45 of 66) bf16 59.2 against
+  // 62.6 in pairs of 128 x 256, float32 109.5 against 119.3 (an odd 9 tiles leave pairs of 128 x 256 a tenth of
+  // their work past the pixels); 2 x 512 x 24 x 32 (24) bf16 22.6 against 28.2, float32 34.1 against 39.9; past
+  // one wave behind (3 x 1280 x 18 x 32, 70: bf16 92.6 against 79.8, float32 198.9 against 158.0). Short of a
+  // wave the pairs also lost at some sizes (2 x 1280 x 24 x 32, 60: bf16 75.0 against 69.1; float32 at 8 tiles,
+  // 2 x 1280 x 16 x 32, 40: 111.4 against 95.7): bench/notes/conv.md has a finer rule, not yet measured.
   const std::string tile = env_str("VD_CONV_BN_SILU_TILE"), cluster = env_str("VD_CONV_BN_SILU_CLUSTER");
   const int64_t tiles128 = ceil_div(s.N * s.H_out * s.W_out, 128), tiles64 = ceil_div(s.N * s.H_out * s.W_out, 64);
   const bool few = tiles128 < 8, clusters = cluster != "0";
@@ -659,7 +676,8 @@ at::Tensor conv_bn_silu_wgmma(const at::Tensor& x, const Folded& f, const ConvSh
                                                           : tiles128 >= 3 && tiles128 <= 4);
   if (choice != "wgmma" && tile.empty() && few && !take_few) return {};
   const bool pinned64 = tile.rfind("64x", 0) == 0;
-  const bool mid = !tf32 && clusters && tile.empty() && s.C_out % 256 == 0 && tiles128 >= 8 && tiles128 < 16;
+  const bool mid = clusters && tile.empty() && s.C_out % 256 == 0 && tiles128 >= 8 && tiles128 < 16 &&
+                   ceil_div(tiles64, 2) * (s.C_out / 256) <= sm_count() / 2;
   const bool small = pinned64 || (tile.empty() && (few || mid));  // 64-pixel tiles
   const std::string tn = pinned64 ? tile.substr(3) : tile;
   const int bn = tn == "128" || tn == "256" || (tn == "160" && !small) ? std::stoi(tn)
