@@ -2,6 +2,8 @@
     ncu --set full -k regex:attn_fwd python bench/one_call.py attention temporal-14a
     ncu --set full -k regex:fused_rows python bench/one_call.py group_norm_silu 28,320,72,128
     ncu --set full -k regex:smem_cols python bench/one_call.py group_norm_silu 32,640,64,96 --fp32 --channels-last
+    ncu --set full -k regex:conv_bn_silu python bench/one_call.py conv_bn_silu 28,1280,18,32 [--fp32]
+(conv_bn_silu: a 3x3 convolution, C_in = C_out, channels_last; the VD_CONV_BN_SILU_* switches apply)
 """
 from __future__ import annotations
 
@@ -23,6 +25,18 @@ def main():
         w, b = (torch.randn(x.shape[1], device="cuda", dtype=dtype) for _ in range(2))
         for _ in range(2):
             torch.ops.vd.group_norm_silu(x, 32, w, b, 1e-5, True)
+        torch.cuda.synchronize()
+        return
+    if what == "conv_bn_silu":
+        n, c, h, w = map(int, name.split(","))
+        torch.backends.cudnn.allow_tf32 = True  # float32 on the tensor cores, as eager's default
+        x = torch.randn(n, c, h, w, device="cuda", dtype=dtype).contiguous(memory_format=torch.channels_last)
+        weight = (torch.randn(c, c, 3, 3, device="cuda", dtype=dtype) / (3 * c**0.5)).contiguous(
+            memory_format=torch.channels_last)
+        bias, bn_w, bn_b, mean = (torch.randn(c, device="cuda", dtype=dtype) for _ in range(4))
+        var = torch.rand(c, device="cuda", dtype=dtype) + 0.5
+        for _ in range(2):
+            torch.ops.vd.conv_bn_silu(x, weight, bias, bn_w, bn_b, mean, var, 1e-5, [1, 1], [1, 1], [1, 1], 1, True)
         torch.cuda.synchronize()
         return
     if what != "attention":
