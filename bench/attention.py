@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import env_var, environment, measure_ceilings, print_table, rotation_sets, time_cuda, write_json  # noqa: E402
+from common import (DTYPES, env_var, environment, measure_ceilings, print_table, rotation_sets,  # noqa: E402
+                    time_cuda, write_json)
 
 import vdcompile  # noqa: E402,F401
 
@@ -33,7 +34,6 @@ SHAPES = [
     ("dit-8192-d128", 4, 16, 8192, 128),
 ]
 QUICK = {"spatial-2304", "temporal-14a", "dit-8192-d128"}
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def naive(q, k, v, scale):

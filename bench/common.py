@@ -14,6 +14,8 @@ from typing import Callable, Sequence
 import torch
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+# The benchmarks' --dtype names.
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 @contextlib.contextmanager

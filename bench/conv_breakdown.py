@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import cuda_kernel_times, env_var, time_cuda, time_cuda_graph  # noqa: E402
+from common import DTYPES, cuda_kernel_times, env_var, time_cuda, time_cuda_graph  # noqa: E402
 
 import vdcompile  # noqa: E402,F401
 
@@ -29,11 +29,11 @@ def kernels_per_call(fn):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     ap.add_argument("--shapes", default="2x320x72x128,2x640x36x64,2x1280x18x32,2x1280x9x16")
     args_ = ap.parse_args()
     dev = "cuda"
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args_.dtype]
+    dtype = DTYPES[args_.dtype]
     torch.backends.cudnn.allow_tf32 = True  # float32 on the tensor cores (eager's default for convolutions)
     for shape in args_.shapes.split(","):
         N, C, H, W = map(int, shape.split("x"))

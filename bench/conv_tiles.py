@@ -20,12 +20,12 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import device_time_per_call, env_var, environment, measure_ceilings, print_table, write_json  # noqa: E402
+from common import (DTYPES, device_time_per_call, env_var, environment, measure_ceilings,  # noqa: E402
+                    print_table, write_json)
 
 import vdcompile  # noqa: E402,F401
 from vdcompile.ops import reference_conv_bn_silu  # noqa: E402
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 SHAPES = "2x320x72x128,2x640x36x64,2x1280x18x32,2x1280x9x16"
 
 

@@ -25,12 +25,10 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (device_time_per_call, env_var, environment, measure_ceilings, rotation_sets,  # noqa: E402
-                    time_cuda, write_json)
+from common import (DTYPES, device_time_per_call, env_var, environment, measure_ceilings,  # noqa: E402
+                    rotation_sets, time_cuda, write_json)
 
 import vdcompile  # noqa: E402,F401
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def served_by(fn) -> str:

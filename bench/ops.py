@@ -17,12 +17,10 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (device_time_per_call, env_var, environment, kernel_time_cuda, measure_ceilings,  # noqa: E402
-                    print_table, rotation_sets, time_cuda, time_cuda_graph, write_json)
+from common import (DTYPES, device_time_per_call, env_var, environment, kernel_time_cuda,  # noqa: E402
+                    measure_ceilings, print_table, rotation_sets, time_cuda, time_cuda_graph, write_json)
 
 import vdcompile  # noqa: E402,F401
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def _elt(dtype):

@@ -516,6 +516,13 @@ HOPPER_CASES = [
 ]
 
 
+def parse_tile(name):
+    """A pinned tile "[BMx]BN[-cN]" as (VD_CONV_BN_SILU_TILE, clusters or "", BM, BN)."""
+    tile, _, cm = name.partition("-c")
+    bm, bn = tile.split("x") if "x" in tile else ("128", tile)
+    return tile, cm, bm, bn
+
+
 def tf32_tol(dtype):
     # float32 on the tensor cores is TF32 (10-bit mantissa, as fp16's), like eager's cuDNN convolution: held
     # to fp16's bound.
@@ -533,8 +540,7 @@ def test_hopper_kernel_matches_reference(device, dtype, tile, case, monkeypatch)
     "-cN": in clusters of N consecutive pixel tiles at any count (a last group partly past the pixels; the
     weight in 2 slices of 80 rows at 160 channels in 3s, 4 of 40 in 4s, 4 of 64 at 256); float32 with TF32
     allowed, as in eager's default."""
-    tile, _, cm = tile.partition("-c")
-    bm, bn = tile.split("x") if "x" in tile else ("128", tile)
+    tile, cm, bm, bn = parse_tile(tile)
     n, c_in, c_out, h, w, k, padding, dilation = case
     monkeypatch.setenv("VD_CONV_BN_SILU_TILE", tile)
     if cm:
@@ -620,7 +626,7 @@ def test_hopper_kernel_data_parallel_waves(device, dtype, tile, dp, monkeypatch)
     128 x 128 (4.4 waves on 132 SMs), 288 of 128 x 256 (2.2); in pairs, 288 on at most 66 clusters (4.4); in
     3s, 192 groups x channel tiles on at most 44 clusters; in 5s at 256 channels, 58 groups, the last with two
     tiles past the pixels, on at most 26 clusters (two or more waves)."""
-    tile, _, cm = tile.partition("-c")
+    tile, cm, bm, bn = parse_tile(tile)
     monkeypatch.setenv("VD_CONV_BN_SILU_KERNEL", "wgmma")
     monkeypatch.setenv("VD_CONV_BN_SILU_TILE", tile)
     monkeypatch.setenv("VD_CONV_BN_SILU_CLUSTER", cm or "0")
@@ -632,7 +638,6 @@ def test_hopper_kernel_data_parallel_waves(device, dtype, tile, dp, monkeypatch)
     args = (*params, 1e-5, [1, 1], [1, 1], [1, 1], 1, True)
     ref = reference_conv_bn_silu(x.double(), *(t.double() for t in params), *args[6:])
     out = OP(x, *args)
-    bm, bn = tile.split("x") if "x" in tile else ("128", tile)
     ran = " ".join(cuda_kernels_run(lambda: OP(x, *args)))
     assert not on_hopper(device) or f"{bn}, {bm}, {str(bool(cm)).lower()}>" in ran, ran
     assert_close_to(out, ref, tf32_tol(dtype))
