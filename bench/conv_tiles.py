@@ -4,7 +4,7 @@ measured matmul rate (TF32's for float32), max error against float64. The op's o
 them. Square 3x3 convolutions, C_in = C_out.
 
     python bench/conv_tiles.py [--dtype bf16|fp16|fp32] [--shapes 2x1280x9x16,2x1280x16x24]
-                               [--tiles 128,160,256,64x128,64x256,256-c3]
+                               [--tiles 128,160,256,64x128,64x256,256x128,256-c3]
 
 A tile "T-cN" runs T in clusters of N pixel tiles (VD_CONV_BN_SILU_CLUSTER=N; "-c0": outside clusters).
 --env NAME=VALUE (repeatable) adds each variant again with that variable set, e.g. VD_CONV_BN_SILU_DP=0.

@@ -222,9 +222,9 @@ def main():
                     torch.ops.vd.conv_bn_silu(xh[..., :10].contiguous(memory_format=cl), wh, None, *bh, 1e-5,
                                               [1, 1], [0, 0], [1, 1], 1, False)
                     # pinned, small problems take 64-pixel tiles (above: 64 x 128); 128-pixel tiles with a partial
-                    # last pixel tile at 128 and 256 channels, and 64 x 256 (the second warpgroup's channels partly
-                    # absent)
-                    for tile in ("128", "256", "64x256"):
+                    # last pixel tile at 128 and 256 channels, 64 x 256 (the second warpgroup's channels partly
+                    # absent) and 256 x 128 (144 pixels: the second warpgroup has 16 of its 128)
+                    for tile in ("128", "256", "64x256", "256x128"):
                         with env_var("VD_CONV_BN_SILU_TILE", tile):
                             torch.ops.vd.conv_bn_silu(xh, wh, None, *bh, 1e-5, [1, 1], [1, 1], [1, 1], 1, True)
                     # 64-pixel tiles run in clusters above (3 of them: 144 pixels); 5 (288 pixels, the weight in 4
@@ -240,10 +240,11 @@ def main():
                         with env_var("VD_CONV_BN_SILU_CLUSTER", cm), env_var("VD_CONV_BN_SILU_TILE", tile):
                             torch.ops.vd.conv_bn_silu(x160, wa, None, *ba, 1e-5, [1, 1], [1, 1], [1, 1], 1, True)
                     # whole tiles data-parallel, then stream-K: 36864 pixels, 576 tiles of 128 x 128 (4.4 waves),
-                    # alone and in pairs; 288 of 128 x 256 (2.2 waves; 16-bit: the epilogue in two rounds)
+                    # alone and in pairs; 288 of 128 x 256 (2.2 waves; 16-bit: the epilogue in two rounds) and of
+                    # 256 x 128 (two m64 products a warpgroup), alone and in pairs
                     xw = torch.randn(4, 16, 96, 96, device=dev, dtype=dtype).to(memory_format=cl)
                     ww = torch.randn(256, 16, 3, 3, device=dev, dtype=dtype)
-                    for cm, tile in (("0", "128"), ("2", "128"), ("0", "256")):
+                    for cm, tile in (("0", "128"), ("2", "128"), ("0", "256"), ("0", "256x128"), ("2", "256x128")):
                         with env_var("VD_CONV_BN_SILU_CLUSTER", cm), env_var("VD_CONV_BN_SILU_TILE", tile):
                             torch.ops.vd.conv_bn_silu(xw, ww, None, *b256, 1e-5, [1, 1], [1, 1], [1, 1], 1, True)
             ran.append("conv_bn_silu")

@@ -532,11 +532,12 @@ def tf32_tol(dtype):
 @pytest.mark.parametrize("device", CUDA)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("tile", ["128", "160", "256", "64x128", "64x256", "64x256-c0", "128-c2", "160-c3", "160-c4",
-                                  "256-c4", "64x256-c3"])
+                                  "256-c4", "64x256-c3", "256x128", "256x128-c2"])
 @pytest.mark.parametrize("case", HOPPER_CASES, ids=lambda c: "x".join(map(str, c[:5])) + f"-k{c[5][0]}{c[5][1]}")
 def test_hopper_kernel_matches_reference(device, dtype, tile, case, monkeypatch):
     """The kernel pinned (VD_CONV_BN_SILU_KERNEL=wgmma: no choice by shape) at each tile (128 pixels x 128, 160
-    or 256 channels; 64 pixels x 128 or 256 channels, in clusters where there are 2-8 such tiles, or not: "-c0");
+    or 256 channels; 64 pixels x 128 or 256 channels, in clusters where there are 2-8 such tiles, or not: "-c0";
+    256 pixels x 128 channels, two m64 products a warpgroup);
     "-cN": in clusters of N consecutive pixel tiles at any count (a last group partly past the pixels; the
     weight in 2 slices of 80 rows at 160 channels in 3s, 4 of 40 in 4s, 4 of 64 at 256); float32 with TF32
     allowed, as in eager's default."""
@@ -618,14 +619,15 @@ def test_hopper_kernel_choice_by_channels(device, monkeypatch):
 
 @pytest.mark.parametrize("device", CUDA)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("tile", ["128", "256", "128-c2", "128-c3", "256-c5", "64x256-c2"])
+@pytest.mark.parametrize("tile", ["128", "256", "128-c2", "128-c3", "256-c5", "64x256-c2", "256x128", "256x128-c2"])
 @pytest.mark.parametrize("dp", ["1", "0"])
 def test_hopper_kernel_data_parallel_waves(device, dtype, tile, dp, monkeypatch):
     """With two or more waves of tiles, all but the last one to two run whole tiles, data-parallel, the rest
     stream-K (VD_CONV_BN_SILU_DP=0: stream-K throughout). 36864 pixels: 288 pixel tiles of 128, 576 tiles of
     128 x 128 (4.4 waves on 132 SMs), 288 of 128 x 256 (2.2); in pairs, 288 on at most 66 clusters (4.4); in
     3s, 192 groups x channel tiles on at most 44 clusters; in 5s at 256 channels, 58 groups, the last with two
-    tiles past the pixels, on at most 26 clusters (two or more waves)."""
+    tiles past the pixels, on at most 26 clusters (two or more waves); 288 tiles of 256 x 128 (2.2 waves), in
+    pairs 144 on at most 66 clusters (2.2)."""
     tile, cm, bm, bn = parse_tile(tile)
     monkeypatch.setenv("VD_CONV_BN_SILU_KERNEL", "wgmma")
     monkeypatch.setenv("VD_CONV_BN_SILU_TILE", tile)

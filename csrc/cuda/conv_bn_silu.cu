@@ -179,12 +179,16 @@ struct CbsArgs {
 // BM: 128 pixels a tile (each consumer warpgroup 64 of them, all BN channels) or 64 (both warpgroups on the
 // same 64 pixels, BN / 2 channels each; BN 128 or 256): small problems, where the 128-pixel tiles are few and
 // each is cut between several CTAs, waste fewer rows in a partial last tile and cut each tile fewer times
-// (and 16-bit 256-channel problems of 8-15 tiles of 128, in pairs: see the choice below).
+// (and 16-bit 256-channel problems of 8-15 tiles of 128, in pairs: see the choice below). Or 256 at BN = 128
+// (each consumer warpgroup 128 pixels, two m64 products a K step on the same weight rows: twice the products a
+// stage for its fixed cost, as cuDNN's 256 x 128 tiles; pinned only, VD_CONV_BN_SILU_TILE=256x128).
 template <int BN_, int E, int BM_ = 128>
 struct CbsTile {
   static_assert(BM_ == 128 || BN_ != 160, "64-pixel tiles split 128 or 256 channels");
+  static_assert(BM_ != 256 || BN_ == 128, "256-pixel tiles hold 128 channels (128 accumulators a thread)");
   static constexpr int BM = BM_, BN = BN_, BK = 128 / E;
-  static constexpr int WN = BM == 128 ? BN : BN / 2;  // the channels of a consumer warpgroup (64 pixels)
+  static constexpr int WN = BM == 64 ? BN / 2 : BN;  // the channels of a consumer warpgroup
+  static constexpr int MB = BM == 256 ? 2 : 1;       // its blocks of 64 pixels (one m64 product each)
   static constexpr int a_bytes = BM * 128;  // BM pixel rows of BK channels
   static constexpr int b_bytes = BN * 128;  // BN weight rows of BK channels
   static constexpr int stage_bytes = a_bytes + b_bytes;
@@ -203,7 +207,7 @@ struct CbsTile {
   static constexpr int out_off = kStages * stage_bytes;
   static constexpr int bar_off = out_off + 2 * wg_out_bytes;
   static constexpr size_t smem_bytes = bar_off + 16 * kStages + 1024;  // + slack to align to 1024
-  static constexpr int kAcc = WN / 2;  // accumulator floats a thread
+  static constexpr int kAcc = WN / 2;  // accumulator floats a thread, a block of 64 pixels
 };
 
 // The part of a tile a CTA works on next: from K step v of its range [v, v1), tile t's steps [k0, k1).
@@ -286,7 +290,7 @@ __global__ void __launch_bounds__(384, 1)
                               const __grid_constant__ CUtensorMap to32) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using T = CbsTile<BN, sizeof(scalar_t), BM>;
-  constexpr int S = T::kStages, NACC = T::kAcc;
+  constexpr int S = T::kStages, NACC = T::kAcc, MB = T::MB;
   constexpr bool kBf16 = std::is_same_v<scalar_t, at::BFloat16>, kTf32 = std::is_same_v<scalar_t, float>;
   extern __shared__ __align__(16) unsigned char cbs_smem[];
   const uint32_t base = (static_cast<uint32_t>(__cvta_generic_to_shared(cbs_smem)) + 1023u) & ~1023u;
@@ -372,29 +376,32 @@ __global__ void __launch_bounds__(384, 1)
   for (CbsPart part; walk.next(a, part);) {
     const auto [tp, k0, k1] = part;
     const int64_t t = tile_of(tp);
-    float acc[NACC];
+    float acc[MB][NACC];
     int prev = -1;  // the stage whose products may still be reading shared memory
     for (int k = k0; k < k1; ++k, ++u) {
       const int st = static_cast<int>(u % S);
       wgmma::mbar_wait(full(st), (u / S) & 1);
       // K steps of 32 bytes in both operands' 128-byte rows: 16 channels (k16) or 8 float32 (k8, TF32).
-      const uint64_t da = wgmma::desc_sw128(sA(st) + (BM == 128 ? cw * 64 * 128 : 0), 16, 1024);
-      const uint64_t db = wgmma::desc_sw128(sB(st) + (BM == 128 ? 0 : cw * T::WN * 128), 16, 1024);
+      const uint64_t da = wgmma::desc_sw128(sA(st) + (BM == 64 ? 0 : cw * MB * 64 * 128), 16, 1024);
+      const uint64_t db = wgmma::desc_sw128(sB(st) + (BM == 64 ? cw * T::WN * 128 : 0), 16, 1024);
       wgmma::fence();
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) {
-        const uint64_t dak = da + ((kk * 32) >> 4), dbk = db + ((kk * 32) >> 4);
-        const int scale = k > k0 || kk > 0;
-        if constexpr (kTf32) {
-          if constexpr (T::WN == 256) wgmma::mma_m64n256k8_tf32_ss(acc, dak, dbk, scale);
-          else if constexpr (T::WN == 160) wgmma::mma_m64n160k8_tf32_ss(acc, dak, dbk, scale);
-          else if constexpr (T::WN == 128) wgmma::mma_m64n128k8_tf32_ss(acc, dak, dbk, scale);
-          else wgmma::mma_m64n64k8_tf32_ss(acc, dak, dbk, scale);
-        } else {
-          if constexpr (T::WN == 256) wgmma::mma_m64n256k16_ss<kBf16>(acc, dak, dbk, scale);
-          else if constexpr (T::WN == 160) wgmma::mma_m64n160k16_ss<kBf16>(acc, dak, dbk, scale);
-          else if constexpr (T::WN == 128) wgmma::mma_m64n128k16_ss<kBf16>(acc, dak, dbk, scale);
-          else wgmma::mma_m64n64k16_ss<kBf16>(acc, dak, dbk, scale);
+#pragma unroll
+        for (int mb = 0; mb < MB; ++mb) {  // the warpgroup's blocks of 64 pixels rows (64 x 128 bytes) apart
+          const uint64_t dak = da + ((mb * 64 * 128 + kk * 32) >> 4), dbk = db + ((kk * 32) >> 4);
+          const int scale = k > k0 || kk > 0;
+          if constexpr (kTf32) {
+            if constexpr (T::WN == 256) wgmma::mma_m64n256k8_tf32_ss(acc[mb], dak, dbk, scale);
+            else if constexpr (T::WN == 160) wgmma::mma_m64n160k8_tf32_ss(acc[mb], dak, dbk, scale);
+            else if constexpr (T::WN == 128) wgmma::mma_m64n128k8_tf32_ss(acc[mb], dak, dbk, scale);
+            else wgmma::mma_m64n64k8_tf32_ss(acc[mb], dak, dbk, scale);
+          } else {
+            if constexpr (T::WN == 256) wgmma::mma_m64n256k16_ss<kBf16>(acc[mb], dak, dbk, scale);
+            else if constexpr (T::WN == 160) wgmma::mma_m64n160k16_ss<kBf16>(acc[mb], dak, dbk, scale);
+            else if constexpr (T::WN == 128) wgmma::mma_m64n128k16_ss<kBf16>(acc[mb], dak, dbk, scale);
+            else wgmma::mma_m64n64k16_ss<kBf16>(acc[mb], dak, dbk, scale);
+          }
         }
       }
       wgmma::commit();
@@ -403,19 +410,23 @@ __global__ void __launch_bounds__(384, 1)
       prev = st;
     }
     wgmma::wait<0>();
-    wgmma::fence_regs(acc);
+#pragma unroll
+    for (int mb = 0; mb < MB; ++mb) wgmma::fence_regs(acc[mb]);
     if (prev >= 0) release(prev);
 
-    // This warpgroup's slot of this CTA's partial sums: float4 j of thread i at j * 128 + i.
-    // (cluster g's CTA of rank `rank` where cm > 1.)
+    // This warpgroup's slot of this CTA's partial sums: float4 j of block mb of thread i at (mb * NACC / 4 + j)
+    // * 128 + i. (cluster g's CTA of rank `rank` where cm > 1.)
     auto slot = [&](int cta) {
-      return ws + ((static_cast<int64_t>(cta) * cm + rank) * 2 + cw) * (NACC / 4) * 128 + tw_id;
+      return ws + ((static_cast<int64_t>(cta) * cm + rank) * 2 + cw) * (MB * NACC / 4) * 128 + tw_id;
     };
     if (k0 > 0) {  // the tile's owner is an earlier CTA: hand it this part (only a CTA's first stream-K part can be)
       float4* dst = slot(g);
 #pragma unroll
-      for (int j = 0; j < NACC / 4; ++j)
-        __stcg(dst + j * 128, make_float4(acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3]));
+      for (int mb = 0; mb < MB; ++mb)
+#pragma unroll
+        for (int j = 0; j < NACC / 4; ++j)
+          __stcg(dst + (mb * NACC / 4 + j) * 128,
+                 make_float4(acc[mb][4 * j], acc[mb][4 * j + 1], acc[mb][4 * j + 2], acc[mb][4 * j + 3]));
       __threadfence();
       wgmma::named_sync(1 + cw, 128);
       if (leader) red_release_add(a.flags + 2 * t + cw, 1);
@@ -430,81 +441,89 @@ __global__ void __launch_bounds__(384, 1)
       for (int c = g + 1; c <= last; ++c) {
         const float4* src = slot(c);
 #pragma unroll
-        for (int j = 0; j < NACC / 4; ++j) {
-          const float4 p = __ldcg(src + j * 128);
-          acc[4 * j] += p.x, acc[4 * j + 1] += p.y, acc[4 * j + 2] += p.z, acc[4 * j + 3] += p.w;
-        }
+        for (int mb = 0; mb < MB; ++mb)
+#pragma unroll
+          for (int j = 0; j < NACC / 4; ++j) {
+            const float4 p = __ldcg(src + (mb * NACC / 4 + j) * 128);
+            float* d = acc[mb] + 4 * j;
+            d[0] += p.x, d[1] += p.y, d[2] += p.z, d[3] += p.w;
+          }
       }
     }
 
-    // Epilogue: b' and SiLU on the warpgroup's 64 pixels x BN channels, staged as the output map's boxes
-    // (64 channels x BW pixels, 128-byte swizzle) and written by the copy engine while the warpgroup goes on
-    // to its next tile; the staging is refilled only after the copy engine has read the previous boxes.
+    // Epilogue: b' and SiLU on each of the warpgroup's blocks of 64 pixels x WN channels, staged as the output
+    // map's boxes (64 channels x BW pixels, 128-byte swizzle) and written by the copy engine while the
+    // warpgroup goes on (to its next block or tile); the staging is refilled only after the copy engine has
+    // read the previous boxes.
     const int nt = static_cast<int>(t % a.n_nt);
-    const int64_t mw = (t / a.n_nt) * T::BM + (BM == 128 ? cw * 64 : 0);  // the warpgroup's first pixel
-    const int cn = nt * T::BN + (BM == 128 ? 0 : cw * T::WN);          // and channel
-    if (mw >= a.P) continue;
-    if constexpr (kTf32) {  // float32: each quad's 8 channels are 32 contiguous bytes of a pixel's row
+    const int64_t mw0 = (t / a.n_nt) * T::BM + (BM == 64 ? 0 : cw * MB * 64);  // the warpgroup's first pixel
+    const int cn = nt * T::BN + (BM == 64 ? cw * T::WN : 0);                  // and channel
 #pragma unroll
-      for (int j = 0; j < T::WN / 8; ++j) {
-        const int co = cn + 8 * j + 2 * tig;
-        if (co >= a.C_out) continue;
-        const float2 b = *reinterpret_cast<const float2*>(a.shift + co);
+    for (int mb = 0; mb < MB; ++mb) {
+      const int64_t mw = mw0 + mb * 64;  // the block's first pixel
+      if (mw >= a.P) break;
+      if constexpr (kTf32) {  // float32: each quad's 8 channels are 32 contiguous bytes of a pixel's row
 #pragma unroll
-        for (int rr = 0; rr < 2; ++rr) {
-          const int64_t p = mw + warp * 16 + gq + 8 * rr;
-          float x0 = acc[4 * j + 2 * rr] + b.x, x1 = acc[4 * j + 2 * rr + 1] + b.y;
-          if (a.silu) x0 = silu_fast(x0), x1 = silu_fast(x1);
-          if (p < a.P) *reinterpret_cast<float2*>(a.out + p * a.C_out + co) = make_float2(x0, x1);
-        }
-      }
-      continue;
-    }
-    // The warpgroup's first output box, found once (a 64-bit division) before any round holds the registers.
-    const CbsPix q0 = cbs_pix(a, mw);
-    const int segs = static_cast<int>(min(static_cast<int64_t>(64), a.P - mw)) / a.BW;
+        for (int j = 0; j < T::WN / 8; ++j) {
+          const int co = cn + 8 * j + 2 * tig;
+          if (co >= a.C_out) continue;
+          const float2 b = *reinterpret_cast<const float2*>(a.shift + co);
 #pragma unroll
-    for (int rd = 0; rd < T::rounds; ++rd) {  // blocks [rd, rd + 1) x round_blks (and the tail) a round
-      if (leader) wgmma::bulk_wait_read();  // the copy engine has read the staging's previous boxes
-      wgmma::named_sync(1 + cw, 128);
-#pragma unroll
-      for (int j = 0; j < T::WN / 8; ++j) {
-        const int sb = j / 8 - rd * T::round_blks;  // the block's place in the staging
-        if (j / 8 < T::full_blks && (sb < 0 || sb >= T::round_blks)) continue;  // another round's
-        const int co = cn + 8 * j + 2 * tig;  // C_out % 8 == 0: the pair is whole or absent
-        const float2 b = co < a.C_out ? *reinterpret_cast<const float2*>(a.shift + co) : make_float2(0.f, 0.f);
-#pragma unroll
-        for (int rr = 0; rr < 2; ++rr) {
-          const int r = warp * 16 + gq + 8 * rr;  // the pixel row; r % 8 == gq
-          float x0 = acc[4 * j + 2 * rr] + b.x, x1 = acc[4 * j + 2 * rr + 1] + b.y;
-          if (a.silu) x0 = silu_fast(x0), x1 = silu_fast(x1);
-          const uint32_t pk = pack_pair<scalar_t>(x0, x1);
-          // 16-byte chunk j % 8 of the pixel's row, swizzled: 128-byte rows (chunk ^ row % 8), or in the
-          // 32-channel block 64-byte rows (chunk ^ (row / 2) % 4)
-          const uint32_t addr = j / 8 < T::full_blks
-                                    ? sOut + sb * T::blk_bytes + r * 128 + (((j % 8) ^ gq) << 4) + 4 * tig
-                                    : sOut + sb * T::blk_bytes + r * 64 + (((j % 8) ^ ((r >> 1) & 3)) << 4) + 4 * tig;
-          asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(pk) : "memory");
-        }
-      }
-      wgmma::fence_proxy_async();  // the generic-proxy writes above, before the copy engine reads them
-      wgmma::named_sync(1 + cw, 128);
-      if (leader) {
-        const int b1 = rd + 1 < T::rounds ? (rd + 1) * T::round_blks : T::full_blks + (T::tail ? 1 : 0);
-        for (int blk = rd * T::round_blks; blk < b1; ++blk) {
-          const int c0 = cn + blk * 64;
-          if (c0 >= a.C_out) break;
-          const uint32_t sb = sOut + (blk - rd * T::round_blks) * T::blk_bytes;
-          CbsPix q = q0;
-          for (int seg = 0; seg < segs; ++seg) {
-            if (blk < T::full_blks)
-              wgmma::tma_store_4d(&to, sb + seg * a.BW * 128, c0, q.w, q.h, q.n);
-            else
-              wgmma::tma_store_4d(&to32, sb + seg * a.BW * 64, c0, q.w, q.h, q.n);
-            cbs_next(a, q);
+          for (int rr = 0; rr < 2; ++rr) {
+            const int64_t p = mw + warp * 16 + gq + 8 * rr;
+            float x0 = acc[mb][4 * j + 2 * rr] + b.x, x1 = acc[mb][4 * j + 2 * rr + 1] + b.y;
+            if (a.silu) x0 = silu_fast(x0), x1 = silu_fast(x1);
+            if (p < a.P) *reinterpret_cast<float2*>(a.out + p * a.C_out + co) = make_float2(x0, x1);
           }
         }
-        wgmma::bulk_commit();
+        continue;
+      }
+      // The block's first output box, found once (a 64-bit division) before any round holds the registers.
+      const CbsPix q0 = cbs_pix(a, mw);
+      const int segs = static_cast<int>(min(static_cast<int64_t>(64), a.P - mw)) / a.BW;
+#pragma unroll
+      for (int rd = 0; rd < T::rounds; ++rd) {  // blocks [rd, rd + 1) x round_blks (and the tail) a round
+        if (leader) wgmma::bulk_wait_read();  // the copy engine has read the staging's previous boxes
+        wgmma::named_sync(1 + cw, 128);
+#pragma unroll
+        for (int j = 0; j < T::WN / 8; ++j) {
+          const int sb = j / 8 - rd * T::round_blks;  // the block's place in the staging
+          if (j / 8 < T::full_blks && (sb < 0 || sb >= T::round_blks)) continue;  // another round's
+          const int co = cn + 8 * j + 2 * tig;  // C_out % 8 == 0: the pair is whole or absent
+          const float2 b = co < a.C_out ? *reinterpret_cast<const float2*>(a.shift + co) : make_float2(0.f, 0.f);
+#pragma unroll
+          for (int rr = 0; rr < 2; ++rr) {
+            const int r = warp * 16 + gq + 8 * rr;  // the pixel row; r % 8 == gq
+            float x0 = acc[mb][4 * j + 2 * rr] + b.x, x1 = acc[mb][4 * j + 2 * rr + 1] + b.y;
+            if (a.silu) x0 = silu_fast(x0), x1 = silu_fast(x1);
+            const uint32_t pk = pack_pair<scalar_t>(x0, x1);
+            // 16-byte chunk j % 8 of the pixel's row, swizzled: 128-byte rows (chunk ^ row % 8), or in the
+            // 32-channel block 64-byte rows (chunk ^ (row / 2) % 4)
+            const uint32_t addr = j / 8 < T::full_blks
+                                      ? sOut + sb * T::blk_bytes + r * 128 + (((j % 8) ^ gq) << 4) + 4 * tig
+                                      : sOut + sb * T::blk_bytes + r * 64 + (((j % 8) ^ ((r >> 1) & 3)) << 4) + 4 * tig;
+            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(pk) : "memory");
+          }
+        }
+        wgmma::fence_proxy_async();  // the generic-proxy writes above, before the copy engine reads them
+        wgmma::named_sync(1 + cw, 128);
+        if (leader) {
+          const int b1 = rd + 1 < T::rounds ? (rd + 1) * T::round_blks : T::full_blks + (T::tail ? 1 : 0);
+          for (int blk = rd * T::round_blks; blk < b1; ++blk) {
+            const int c0 = cn + blk * 64;
+            if (c0 >= a.C_out) break;
+            const uint32_t sb = sOut + (blk - rd * T::round_blks) * T::blk_bytes;
+            CbsPix q = q0;
+            for (int seg = 0; seg < segs; ++seg) {
+              if (blk < T::full_blks)
+                wgmma::tma_store_4d(&to, sb + seg * a.BW * 128, c0, q.w, q.h, q.n);
+              else
+                wgmma::tma_store_4d(&to32, sb + seg * a.BW * 64, c0, q.w, q.h, q.n);
+              cbs_next(a, q);
+            }
+          }
+          wgmma::bulk_commit();
+        }
       }
     }
   }
@@ -520,7 +539,8 @@ __global__ void __launch_bounds__(384, 1)
 
 // VD_CONV_BN_SILU_KERNEL: "cudnn" keeps the cuDNN convolution and the bias + SiLU pass on Hopper too,
 // "wgmma" takes the Hopper kernel wherever it applies (no choice by shape); benchmarks and tests compare
-// them. VD_CONV_BN_SILU_TILE=128|160|256 pins the channel tile (of 128 pixels), 64x128|64x256 64-pixel tiles;
+// them. VD_CONV_BN_SILU_TILE=128|160|256 pins the channel tile (of 128 pixels), 64x128|64x256 64-pixel tiles,
+// 256x128 256-pixel tiles of 128 channels;
 // VD_CONV_BN_SILU_CLUSTER=0 runs no clusters, =2..8 pins clusters of that many CTAs (other values: the choice).
 std::string env_str(const char* name) {
   const char* e = std::getenv(name);
@@ -675,11 +695,11 @@ at::Tensor conv_bn_silu_wgmma(const at::Tensor& x, const Folded& f, const ConvSh
                                                : clusters ? tiles64 >= 3 && tiles64 <= 8
                                                           : tiles128 >= 3 && tiles128 <= 4);
   if (choice != "wgmma" && tile.empty() && few && !take_few) return {};
-  const bool pinned64 = tile.rfind("64x", 0) == 0;
+  const bool pinned64 = tile.rfind("64x", 0) == 0, pinned256 = tile == "256x128";
   const bool mid = clusters && tile.empty() && s.C_out % 256 == 0 && tiles128 >= 8 && tiles128 < 16 &&
                    ceil_div(tiles64, 2) * (s.C_out / 256) <= sm_count() / 2;
   const bool small = pinned64 || (tile.empty() && (few || mid));  // 64-pixel tiles
-  const std::string tn = pinned64 ? tile.substr(3) : tile;
+  const std::string tn = pinned64 ? tile.substr(3) : pinned256 ? "128" : tile;
   const int bn = tn == "128" || tn == "256" || (tn == "160" && !small) ? std::stoi(tn)
                  : s.C_out % 256 == 0                                ? 256
                  : s.C_out % 160 == 0 && !small                      ? 160
@@ -688,13 +708,14 @@ at::Tensor conv_bn_silu_wgmma(const at::Tensor& x, const Folded& f, const ConvSh
   at::Tensor y = at::empty({s.N, s.C_out, s.H_out, s.W_out}, x.options().memory_format(at::MemoryFormat::ChannelsLast));
   // VD_CONV_BN_SILU_CLUSTER=2..8 pins clusters of that many pixel tiles (at most the pixel tiles) at any size.
   const int pin = cluster.size() == 1 && cluster[0] >= '2' && cluster[0] <= '8' ? cluster[0] - '0' : 0;
-  const int64_t ptiles = small ? tiles64 : tiles128;
+  const int64_t ptiles = small ? tiles64 : pinned256 ? ceil_div(tiles128, 2) : tiles128;
   const bool pairs = mid || (!small && clusters && tile.empty() && (tf32 || bn == 256));
   const int cm = pin > 0                                          ? static_cast<int>(std::min<int64_t>(pin, ptiles))
                  : small && clusters && tiles64 >= 2 && tiles64 <= 8 ? static_cast<int>(tiles64)
                  : pairs                                             ? 2
                                                                      : 1;
-  const bool ok = small       ? (bn == 256 ? launch_conv_wgmma<256, 64>(x, f, s, silu, y, cm)
+  const bool ok = pinned256   ? launch_conv_wgmma<128, 256>(x, f, s, silu, y, cm)
+                  : small     ? (bn == 256 ? launch_conv_wgmma<256, 64>(x, f, s, silu, y, cm)
                                            : launch_conv_wgmma<128, 64>(x, f, s, silu, y, cm))
                   : bn == 256 ? launch_conv_wgmma<256, 128>(x, f, s, silu, y, cm)
                   : bn == 160 ? launch_conv_wgmma<160, 128>(x, f, s, silu, y, cm)
