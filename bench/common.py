@@ -95,9 +95,8 @@ def device_time_per_call(fn: Callable[[int], object], n_sets: int = 1, iters: in
     return total / iters / 1e3
 
 
-def time_cuda_graph(fns: Sequence[Callable[[], object]], iters: int = 20) -> float:
-    """Milliseconds per call when the calls ``fns`` are captured in one CUDA graph and replayed
-    (median over replays, divided by the number of calls): device time with no host work between them."""
+def capture_graph(fns: Sequence[Callable[[], object]]) -> "torch.cuda.CUDAGraph":
+    """The calls ``fns`` captured in one CUDA graph (each run once before, outside the capture)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm up outside the capture (allocations, lazy initialisation)
@@ -108,7 +107,126 @@ def time_cuda_graph(fns: Sequence[Callable[[], object]], iters: int = 20) -> flo
     with torch.cuda.graph(graph):
         for f in fns:
             f()
+    return graph
+
+
+def time_cuda_graph(fns: Sequence[Callable[[], object]], iters: int = 20) -> float:
+    """Milliseconds per call when the calls ``fns`` are captured in one CUDA graph and replayed
+    (median over replays, divided by the number of calls): device time with no host work between them."""
+    graph = capture_graph(fns)
     return time_cuda(lambda i: graph.replay(), iters=iters) / len(fns)
+
+
+class GpuClocks:
+    """The SM clock (MHz) and whether the power cap holds it down, sampled every ``period`` seconds by a
+    thread through NVML (libnvidia-ml, loaded with ctypes: no package needed); no samples where NVML is
+    missing. Under a sustained tensor-core load the H100 / H200 run at their power limit, the clock falls,
+    and a variant timed right after another reads faster or slower by its place alone: the samples say
+    which clock each measurement ran at."""
+
+    SW_POWER_CAP = 0x4  # nvmlClocksEventReasonSwPowerCap
+
+    def __init__(self, device: torch.device, period: float = 0.002):
+        import ctypes
+        import threading
+        self.samples: list[tuple[float, int, bool]] = []  # (perf_counter, SM MHz, power-capped)
+        self._stop = threading.Event()
+        self._thread = None
+        try:
+            nvml = ctypes.CDLL("libnvidia-ml.so.1")
+            if nvml.nvmlInit_v2() != 0:
+                return
+            handle = ctypes.c_void_p()
+            p = torch.cuda.get_device_properties(device)
+            bus = f"{p.pci_domain_id:08x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0".encode()
+            if nvml.nvmlDeviceGetHandleByPciBusId_v2(bus, ctypes.byref(handle)) != 0:
+                return
+            # (named ClocksThrottleReasons before driver 535)
+            get_reasons = getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
+                nvml.nvmlDeviceGetCurrentClocksThrottleReasons
+        except (OSError, AttributeError):
+            return
+        clock, reasons = ctypes.c_uint(), ctypes.c_ulonglong()
+
+        def sample():
+            import time
+            while not self._stop.is_set():
+                if nvml.nvmlDeviceGetClockInfo(handle, 1, ctypes.byref(clock)) == 0:  # NVML_CLOCK_SM
+                    ok = get_reasons(handle, ctypes.byref(reasons)) == 0
+                    capped = ok and bool(reasons.value & self.SW_POWER_CAP)
+                    self.samples.append((time.perf_counter(), clock.value, capped))
+                time.sleep(period)
+        self._thread = threading.Thread(target=sample, daemon=True)
+        self._thread.start()
+
+    def window(self, t0: float, t1: float) -> dict:
+        """Median SM MHz and the fraction of samples under the power cap between perf_counter t0 and t1."""
+        got = [(mhz, capped) for t, mhz, capped in self.samples if t0 <= t <= t1]
+        if not got:
+            return {}
+        return {"sm_mhz": statistics.median(m for m, _ in got), "power_capped": sum(c for _, c in got) / len(got)}
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+
+def alternate(fns: dict[str, Callable[[], object]], device: torch.device, rounds: int = 8, how: str = "profiler",
+              target_ms: float = 4.0) -> dict[str, dict]:
+    """Device milliseconds per call of each variant, and the SM clock it ran at, the variants measured in turn
+    over ``rounds`` rounds, round r starting at variant r (every variant takes every place in the order: none
+    always follows the same one), medians over the rounds; a settling round first. Each measurement covers
+    about ``target_ms`` of calls:
+    - how="profiler": the summed time of the kernels each call launches (torch.profiler; no host time);
+    - how="graph": the calls captured in one CUDA graph and replayed (what a model under CUDA graphs runs:
+      no host time, but what the op does differently under capture, e.g. no fold cache, counts).
+    Each variant's ``ms``, ``rounds_ms``, and where NVML answers its median ``sm_mhz`` and ``power_capped``."""
+    import time
+    runs = {}
+    for k, f in fns.items():
+        if how == "graph":
+            one = time_cuda_graph([f], iters=5)
+            n = max(1, min(500, round(target_ms / max(one, 1e-3))))
+            graph = capture_graph([f] * n)
+
+            def run(graph=graph, n=n, reps=3):
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record()
+                for _ in range(reps):
+                    graph.replay()
+                e.record()
+                e.synchronize()
+                return s.elapsed_time(e) / (reps * n)
+        else:
+            one = device_time_per_call(lambda i, f=f: f(), iters=3)
+            n = max(3, min(200, round(target_ms / max(one, 1e-3))))
+
+            def run(f=f, n=n):
+                return device_time_per_call(lambda i: f(), iters=n)
+        runs[k] = run
+    names = list(runs)
+    clocks = GpuClocks(device)
+    got: dict[str, list] = {k: [] for k in names}
+    try:
+        for k in names:  # settle the clocks under load
+            runs[k]()
+        for r in range(rounds):
+            for k in names[r % len(names):] + names[:r % len(names)]:
+                t0 = time.perf_counter()
+                ms = runs[k]()
+                got[k].append((ms, clocks.window(t0, time.perf_counter())))
+    finally:
+        clocks.close()
+    out = {}
+    for k, ms_clk in got.items():
+        res = {"ms": statistics.median(m for m, _ in ms_clk), "rounds_ms": [m for m, _ in ms_clk]}
+        mhz = [c["sm_mhz"] for _, c in ms_clk if c]
+        if mhz:
+            res["sm_mhz"] = statistics.median(mhz)
+            res["power_capped"] = statistics.mean(c["power_capped"] for _, c in ms_clk if c)
+        out[k] = res
+    return out
 
 
 def time_cpu(fn: Callable[[int], object], n_sets: int = 1, warmup: int = 2, iters: int = 10) -> float:

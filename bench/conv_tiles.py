@@ -1,5 +1,6 @@
 """conv_bn_silu's Hopper kernel at each tile against the cuDNN path, in one process: device time a call
-(each variant timed once a round, the rounds alternating between variants, the median kept), % of the
+(torch.profiler, each variant measured in turn over rounds whose order rotates, the median kept, with the
+SM clock each ran at: common.alternate), % of the
 measured matmul rate (TF32's for float32), max error against float64. The op's own choice ("auto") beside
 them. Square 3x3 convolutions, C_in = C_out.
 
@@ -14,13 +15,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import statistics
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (DTYPES, device_time_per_call, env_var, environment, measure_ceilings,  # noqa: E402
+from common import (DTYPES, alternate, env_var, environment, measure_ceilings,  # noqa: E402
                     print_table, write_json)
 
 import vdcompile  # noqa: E402,F401
@@ -34,7 +34,7 @@ def main():
     ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     ap.add_argument("--shapes", default=SHAPES)
     ap.add_argument("--tiles", default="128,160,256,64x128,64x256")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--env", action="append", default=[], metavar="NAME=VALUE")
     ap.add_argument("--no-check", action="store_true", help="skip the float64 reference (slow at 28 images)")
     args = ap.parse_args()
@@ -62,23 +62,26 @@ def main():
             ref = None if args.no_check else reference_conv_bn_silu(x.double(), wt.double(), None,
                                                                     *(t.double() for t in bn), *call[6:])
             row = {"shape": shape}
-            times = {name: [] for name, _ in variants}
-            for r in range(args.rounds):
-                for name, env in variants:
+
+            def variant(env):
+                def call_with_env():
                     with contextlib.ExitStack() as stack:
                         for k, v in env.items():
                             stack.enter_context(env_var(k, v))
-                        if r == 0:  # also the warm-up (the fold is cached on the first call)
-                            out = torch.ops.vd.conv_bn_silu(x, *call)
-                            if ref is not None:
-                                row[f"{name}_err"] = (out.double() - ref).abs().max().item()
-                        times[name].append(device_time_per_call(lambda i: torch.ops.vd.conv_bn_silu(x, *call)) * 1e3)
-            for name, ts in times.items():
-                us = row[f"{name}_us"] = statistics.median(ts)
-                row[f"{name}_rounds_us"] = ts
+                        return torch.ops.vd.conv_bn_silu(x, *call)
+                return call_with_env
+            fns = {name: variant(env) for name, env in variants}
+            if ref is not None:
+                for name, f in fns.items():
+                    row[f"{name}_err"] = (f().double() - ref).abs().max().item()
+            for name, got in alternate(fns, dev, rounds=args.rounds).items():
+                us = row[f"{name}_us"] = got["ms"] * 1e3
+                row[f"{name}_rounds_us"] = [m * 1e3 for m in got["rounds_ms"]]
+                row[f"{name}_mhz"] = got.get("sm_mhz")
                 row[f"{name}_pct"] = 100 * 2 * n * c * c * 9 * h * w / us / 1e6 / rate
         rows.append(row)
     print_table(rows, [("shape", "shape", "")] + [(f"{v}_us", f"{v} us", ".1f") for v, _ in variants])
+    print_table(rows, [("shape", "shape", "")] + [(f"{v}_mhz", f"{v} MHz", ".0f") for v, _ in variants])
     payload = {"environment": environment(dev), "ceilings": ceil, "dtype": args.dtype, "conv_tiles": rows}
     print("wrote", write_json(f"conv_tiles_{args.dtype}", payload))
 

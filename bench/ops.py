@@ -17,8 +17,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (DTYPES, device_time_per_call, env_var, environment, kernel_time_cuda,  # noqa: E402
-                    measure_ceilings, print_table, rotation_sets, time_cuda, time_cuda_graph, write_json)
+from common import (DTYPES, alternate, device_time_per_call, env_var, environment,  # noqa: E402
+                    kernel_time_cuda, measure_ceilings, print_table, rotation_sets, time_cuda, time_cuda_graph,
+                    write_json)
 
 import vdcompile  # noqa: E402,F401
 
@@ -254,24 +255,32 @@ def bench_conv_bn_silu(dtype, dev, mm_ceil):
             d = [t.double() for t in (conv.weight, conv.bias, bn.running_mean, bn.running_var, bn.weight, bn.bias)]
             ref = F.silu(F.batch_norm(F.conv2d(x.double(), d[0], d[1], padding=1), *d[2:], False, 0.0, bn.eps))
             err, err_c = ((f().double() - ref).abs().max().item() for f in (ours, cudnn))
-            # Per call (CUDA events) and the device time of each call's kernels (eager and the op are host-bound
-            # at 2 images), each variant in turn, rounds alternating, medians: at 28 images one variant timed for
-            # long after another ran slower by the GPU's power limit alone (clocks fall under sustained load).
-            fns = {"eager": lambda i: eager(x), "inductor": lambda i: ind(x), "ours": ours, "cudnn": cudnn}
-            for f in fns.values():  # settle the clocks under load
-                time_cuda(f, min_ms=100)
-            call, dev_ms = ({k: [] for k in fns} for _ in range(2))
-            for _ in range(5):
-                for k, f in fns.items():
-                    call[k].append(time_cuda(f, warmup=2, iters=10, min_ms=30))
-                    dev_ms[k].append(device_time_per_call(f, iters=10))
+            # Device time (the kernels' time, torch.profiler: bursts of ~4 ms, clocks near their maximum) and
+            # the time a call in a CUDA graph (~12 ms of replays a measurement: at 28 images the GPU reaches its
+            # power limit there and the clock falls), the variants in turn over rounds whose order rotates (in a
+            # fixed order a variant read up to 9 % slower or faster by its place alone), medians, with the SM
+            # clock of each. Per call (CUDA events, host dispatch included; eager and the op are host-bound at
+            # 2 images): the same rotation.
+            fns = {"eager": lambda i=0: eager(x), "inductor": lambda i=0: ind(x), "ours": ours, "cudnn": cudnn}
+            g = alternate(fns, dev)
+            gg = alternate(fns, dev, how="graph")
+            names = list(fns)
+            call = {k: [] for k in names}
+            for r in range(5):
+                for k in names[r % 4:] + names[:r % 4]:
+                    call[k].append(time_cuda(fns[k], warmup=2, iters=10, min_ms=20))
             (e, n, o, oc), (e_dev, n_dev, o_dev, oc_dev) = (
-                [statistics.median(m[k]) for k in fns] for m in (call, dev_ms))
+                [statistics.median(call[k]) for k in names], [g[k]["ms"] for k in names])
         flops = 2 * N * C * C * 9 * H * W
         r = _row(f"{N}x{C}x{H}x{W}", e, n, o, flops, "TFLOPs", mm_ceil)
         r.update(eager_device_ms=e_dev, inductor_device_ms=n_dev, ours_device_ms=o_dev, x_eager_device=e_dev / o_dev,
                  x_inductor_device=n_dev / o_dev, max_err=err, cudnn_ms=oc, cudnn_device_ms=oc_dev,
-                 cudnn_max_err=err_c, x_cudnn_device=oc_dev / o_dev)
+                 cudnn_max_err=err_c, x_cudnn_device=oc_dev / o_dev, device_rounds=g, graph_rounds=gg)
+        for k in names:
+            r[f"{k}_graph_ms"] = gg[k]["ms"]
+            for key, res in ((f"{k}_mhz", g[k]), (f"{k}_graph_mhz", gg[k])):
+                if "sm_mhz" in res:
+                    r[key] = res["sm_mhz"]
         if mm_ceil:
             r["device_pct_ceiling"] = 100 * flops / o_dev / 1e9 / mm_ceil
         rows.append(r)
@@ -373,6 +382,9 @@ def main():
                                ("x_inductor_device", "x inductor (device)", ".2f"), ("max_err", "err", ".1e"),
                                ("cudnn_device_ms", "vd cuDNN device ms", ".4f"), ("cudnn_max_err", "cuDNN err", ".1e"),
                                ("x_cudnn_device", "x cuDNN (device)", ".2f")])
+            print_table(rows, [("shape", "shape", "")] + [(f"{k}_mhz", f"{k} SM MHz", ".0f")
+                                                           for k in ("eager", "inductor", "ours", "cudnn")]
+                        + [(f"{k}_graph_ms", f"{k} graph ms", ".4f") for k in ("eager", "inductor", "ours", "cudnn")])
         if op == "temporal_conv":
             print_table(rows, [("shape", "shape", ""), ("cublas_ms", "vd cuBLAS ms", ".3f"),
                                ("cublas_max_err", "cuBLAS err", ".1e"), ("x_cublas", "x cuBLAS", ".2f")])
