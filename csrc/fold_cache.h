@@ -147,6 +147,11 @@ inline bool fold_cacheable(const at::Tensor& x, const std::array<const at::Tenso
   return true;
 }
 
+struct Folded;
+using FoldFn = Folded (*)(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                          const at::Tensor& bn_weight, const at::Tensor& bn_bias, const at::Tensor& bn_mean,
+                          const at::Tensor& bn_var, double eps, at::MemoryFormat fmt);
+
 // What the device kernel allows: no cache while a CUDA graph is being captured (a replay would keep
 // reading the captured fold after the parameters change), and the stream the fold runs on.
 struct FoldCachePolicy {
@@ -155,6 +160,9 @@ struct FoldCachePolicy {
   // What the cache keeps of a fold (nullptr: the fold itself). CUDA: a copy outside the caching allocator
   // (keep_outside_pools, csrc/cuda/launch.h).
   at::Tensor (*keep)(const at::Tensor&) = nullptr;
+  // The forward's fold (nullptr: conv_gemm.h's fold_bn). CUDA: one kernel (fold_bn_cuda), what every replay
+  // of a captured graph runs.
+  FoldFn fold = nullptr;
 };
 
 }  // namespace vd
