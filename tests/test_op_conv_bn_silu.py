@@ -607,10 +607,13 @@ def test_hopper_kernel_choice_by_channels(device, monkeypatch):
     """Unpinned, with at least 8 pixel tiles of 128: 256-channel tiles where C_out is a multiple of 256, 160 where
     it is one of 160, else 128, and cuDNN where a last 128-channel tile would be at most half full (C_out 448);
     pairs of pixel tiles in clusters at 256 channels and in float32 (TF32 allowed) at every tile, 256-channel
-    problems of 8-15 tiles of 128 as 64-pixel tiles in pairs where those pairs x channel tiles fit one wave of
-    pairs (C_out 2560 at 10 tiles: 100 of them, more than the 66 of a 132-SM device); with fewer, 64-pixel
+    problems of 8-15 tiles of 128 as 64-pixel tiles in pairs where those pairs x channel tiles fill at most 3/4
+    of a wave of pairs, in float32 at an even count of tiles 1/2 (C_out 2560 at 10 tiles: 100 of them, more than
+    the 66 of a 132-SM device; C_out 1280 at 8 tiles: 40, 16-bit only); with fewer, 64-pixel
     tiles of 256 channels where C_out is a multiple of 256: in clusters at 3-8 of those (float32: 3-5), outside clusters
-    (VD_CONV_BN_SILU_CLUSTER=0: no clusters anywhere) at 3-4 tiles of 128 (16-bit only), else cuDNN."""
+    (VD_CONV_BN_SILU_CLUSTER=0: no clusters anywhere) at 3-4 tiles of 128 (16-bit only), else cuDNN. Where C_out is
+    an odd multiple of 128 from 384 and the 256 x 128 tiles fill two waves, those, alone. float32 at multiples of
+    256 channels from 14 tiles of 128 (bigger: 18): cuDNN."""
     monkeypatch.delenv("VD_CONV_BN_SILU_KERNEL", raising=False)
     monkeypatch.delenv("VD_CONV_BN_SILU_TILE", raising=False)
     torch.manual_seed(0)
@@ -623,8 +626,10 @@ def test_hopper_kernel_choice_by_channels(device, monkeypatch):
     mid = torch.randn(1, 64, 12, 16, device=device, dtype=torch.bfloat16).contiguous(memory_format=cl)  # 3 of 64
     mid32 = torch.randn(1, 64, 12, 24, device=device).contiguous(memory_format=cl)  # 5 of 64
     ten = torch.randn(1, 64, 32, 40, device=device, dtype=torch.bfloat16).contiguous(memory_format=cl)  # 10 tiles
+    # 96 tiles of 256 pixels: x 3 (C_out 384) or x 5 (640) channel tiles of 128, two waves or more on <= 144 SMs
+    wide = torch.randn(1, 64, 128, 192, device=device, dtype=torch.bfloat16).contiguous(memory_format=cl)
     cases = [(bigger, 512, "256, 128, true>", None), (big, 512, "256, 64, true>", None),
-             (big, 512, "256, 128, false>", "0"), (bigger.float(), 512, "256, 128, true>", None),
+             (big, 512, "256, 128, false>", "0"), (bigger.float(), 512, None, None),
              (bigger.float(), 320, "160, 128, true>", None), (bigger.float(), 384, "128, 128, true>", None),
              (big, 320, "160, 128, false>", None),
              (big, 384, "128, 128, false>", None), (big, 200, "128, 128, false>", None), (big, 448, None, None),
@@ -632,7 +637,11 @@ def test_hopper_kernel_choice_by_channels(device, monkeypatch):
              (mid32, 512, "256, 64, true>", None), (small.float(), 512, None, None),
              (small, 512, "256, 64, false>", "0"), (mid, 512, None, "0"), (mid32, 512, None, "0"),
              (small, 320, None, None), (tiny, 512, None, None), (ten, 512, "256, 64, true>", None),
-             (ten.float(), 512, "256, 64, true>", None), (ten, 2560, "256, 128, true>", None)]
+             (ten.float(), 512, "256, 64, true>", None), (ten, 2560, "256, 128, true>", None),
+             (ten.float(), 2560, "256, 128, true>", None), (big, 1280, "256, 64, true>", None),
+             (big.float(), 1280, "256, 128, true>", None),
+             (wide, 640, "128, 256, false>", None), (wide.float(), 384, "128, 256, false>", None),
+             (wide, 320, "160, 128, false>", None), (wide, 512, "256, 128, true>", None)]
     for x, c_out, want, cluster in cases:
         if cluster is None:
             monkeypatch.delenv("VD_CONV_BN_SILU_CLUSTER", raising=False)

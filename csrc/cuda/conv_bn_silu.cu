@@ -43,15 +43,15 @@ __global__ void bias_act_kernel(scalar_t* __restrict__ y, const acc_t* __restric
 
 // The same pass on 16-byte vectors of V elements that share a channel run: V consecutive channels of an
 // NHWC row (C % V == 0) or V positions of one NCHW plane (S % V == 0). The scalar kernel's 64-bit
-// division per element made it issue-bound (~25 % of the copy rate on the UNet shapes).
-template <typename scalar_t, typename acc_t, int V, bool kSilu, bool kChannelsLast>
-__global__ void bias_act_vec_kernel(scalar_t* __restrict__ y, const acc_t* __restrict__ shift, int64_t nv,
-                                    int64_t C, int64_t sv) {
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t v = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; v < nv; v += stride) {
+// division per element made it issue-bound (~25 % of the copy rate on the UNet shapes); I: the index type,
+// 32-bit where the vectors fit (a 64-bit division a vector still held it at ~70 % of the copy rate).
+template <typename scalar_t, typename acc_t, int V, bool kSilu, bool kChannelsLast, typename I>
+__global__ void bias_act_vec_kernel(scalar_t* __restrict__ y, const acc_t* __restrict__ shift, I nv, I C, I sv) {
+  const I stride = static_cast<I>(gridDim.x) * blockDim.x;
+  for (I v = static_cast<I>(blockIdx.x) * blockDim.x + threadIdx.x; v < nv; v += stride) {
     Vec<scalar_t, V> x = reinterpret_cast<const Vec<scalar_t, V>*>(y)[v];
     // NHWC: sv = C / V vectors a row, the vector's first channel; NCHW: sv = S / V vectors a plane.
-    const int64_t c0 = kChannelsLast ? (v % sv) * V : (v / sv) % C;
+    const I c0 = kChannelsLast ? (v % sv) * V : (v / sv) % C;
 #pragma unroll
     for (int j = 0; j < V; ++j) {
       const acc_t z = static_cast<acc_t>(x.v[j]) + shift[kChannelsLast ? c0 + j : c0];
@@ -184,7 +184,6 @@ Folded fold_bn_cuda(const at::Tensor& x, const at::Tensor& weight, const std::op
   return f;
 }
 
-
 void bias_act_cuda_(at::Tensor& y, const at::Tensor& shift, bool silu, const ConvShape& s) {
   const int64_t n = y.numel();
   if (n == 0) return;
@@ -196,18 +195,26 @@ void bias_act_cuda_(at::Tensor& y, const at::Tensor& shift, bool silu, const Con
     const int64_t S = s.H_out * s.W_out;
     if (aligned16(y.const_data_ptr()) && (s.channels_last ? s.C_out % V == 0 : S % V == 0)) {
       const int64_t nv = n / V, sv = s.channels_last ? s.C_out / V : S / V;
-      auto launch = [&](auto kernel) {
+      // (the grid-stride index stays below nv + the grid's threads: 32-bit up to 2^32 - 2^25)
+      const bool i32 = nv < (int64_t{1} << 32) - (int64_t{1} << 25);
+      auto launch = [&](auto kernel, auto idx) {
+        using I = decltype(idx);
         kernel<<<grid_for(nv, 256), 256, 0, stream>>>(y.mutable_data_ptr<scalar_t>(), sh.const_data_ptr<acc_t>(),
-                                                      nv, s.C_out, sv);
+                                                      static_cast<I>(nv), static_cast<I>(s.C_out), static_cast<I>(sv));
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       };
-      if (s.channels_last) {
-        if (silu) launch(bias_act_vec_kernel<scalar_t, acc_t, V, true, true>);
-        else launch(bias_act_vec_kernel<scalar_t, acc_t, V, false, true>);
-      } else {
-        if (silu) launch(bias_act_vec_kernel<scalar_t, acc_t, V, true, false>);
-        else launch(bias_act_vec_kernel<scalar_t, acc_t, V, false, false>);
-      }
+      auto pick = [&](auto idx) {
+        using I = decltype(idx);
+        if (s.channels_last) {
+          if (silu) launch(bias_act_vec_kernel<scalar_t, acc_t, V, true, true, I>, idx);
+          else launch(bias_act_vec_kernel<scalar_t, acc_t, V, false, true, I>, idx);
+        } else {
+          if (silu) launch(bias_act_vec_kernel<scalar_t, acc_t, V, true, false, I>, idx);
+          else launch(bias_act_vec_kernel<scalar_t, acc_t, V, false, false, I>, idx);
+        }
+      };
+      if (i32) pick(uint32_t{0});
+      else pick(int64_t{0});
       return;
     }
     bias_act_kernel<scalar_t, acc_t><<<grid_for(n, 256), 256, 0, stream>>>(
@@ -289,7 +296,7 @@ struct CbsArgs {
 // each is cut between several CTAs, waste fewer rows in a partial last tile and cut each tile fewer times
 // (and 16-bit 256-channel problems of 8-15 tiles of 128, in pairs: see the choice below). Or 256 at BN = 128
 // (each consumer warpgroup 128 pixels, two m64 products a K step on the same weight rows: twice the products a
-// stage for its fixed cost, as cuDNN's 256 x 128 tiles; pinned only, VD_CONV_BN_SILU_TILE=256x128).
+// stage for its fixed cost, as cuDNN's 256 x 128 tiles; see the choice below).
 template <int BN_, int E, int BM_ = 128>
 struct CbsTile {
   static_assert(BM_ == 128 || BN_ != 160, "64-pixel tiles split 128 or 256 channels");
@@ -790,12 +797,17 @@ at::Tensor conv_bn_silu_wgmma(const at::Tensor& x, const Folded& f, const ConvSh
   // tile (2 x 640 x 36 x 64: 103-106 against 117-119 alone; 28 x 1280 x 18 x 32: 1273 against 1464), 16-bit
   // at 256 channels (8 x 1280 x 18 x 32: 184 against 190; 28 x: 620 against 647); 16-bit 160-channel tiles
   // within 3 % either way: alone. 256-channel problems of 8-15 such tiles run 64-pixel tiles in pairs where
-  // those pairs (x channel tiles) fill at most one wave of pairs: 2 x 1280 x 18 x 32 (45 of 66) bf16 59.2 against
-  // 62.6 in pairs of 128 x 256, float32 109.5 against 119.3 (an odd 9 tiles leave pairs of 128 x 256 a tenth of
-  // their work past the pixels); 2 x 512 x 24 x 32 (24) bf16 22.6 against 28.2, float32 34.1 against 39.9; past
-  // one wave behind (3 x 1280 x 18 x 32, 70: bf16 92.6 against 79.8, float32 198.9 against 158.0). Short of a
-  // wave the pairs also lost at some sizes (2 x 1280 x 24 x 32, 60: bf16 75.0 against 69.1; float32 at 8 tiles,
-  // 2 x 1280 x 16 x 32, 40: 111.4 against 95.7): bench/notes/conv.md has a finer rule, not yet measured.
+  // those pairs (x channel tiles) fill at most 3/4 of a wave of pairs in 16-bit; in float32 at most 1/2, or 3/4
+  // at an odd count of tiles of 128 (whose pairs of 128 x 256 leave a tenth of their work past the pixels):
+  // 2 x 1280 x 18 x 32 (9 tiles, 45 of 66 pairs) bf16 59.2 against 62.6 in pairs of 128 x 256, float32 109.5
+  // against 119.3; 2 x 512 x 24 x 32 (24) bf16 22.6 against 28.2, float32 34.1 against 39.9; behind at
+  // 2 x 1280 x 24 x 32 (12 tiles, 60: bf16 75.0 against 69.1, float32 136.9 against 125.3), float32 2 x 1280 x 16
+  // x 32 (8 tiles, 40: 111.4 against 95.7), and past a wave (3 x 1280 x 18 x 32, 70: bf16 92.6 against 79.8).
+  // Where C_out is an odd multiple of 128 (384, 640, ...) and the tiles of 256 x 128 fill two waves or more,
+  // those (each warpgroup two m64 products a K step: twice the work a stage for its fixed cost), alone:
+  // 28 x 640 x 36 x 64 bf16 619.5 against 652.5 us for 160-channel tiles, float32 1218.0 against 1305.8;
+  // 14 x 640 x 36 x 64 317.8 against 339.1, float32 625.9 against 672.5; at 320 channels (a last tile of 64
+  // channels) behind, at 1280 behind 128 x 256 pairs.
   const std::string tile = env_str("VD_CONV_BN_SILU_TILE"), cluster = env_str("VD_CONV_BN_SILU_CLUSTER");
   const int64_t tiles128 = ceil_div(s.N * s.H_out * s.W_out, 128), tiles64 = ceil_div(s.N * s.H_out * s.W_out, 64);
   const bool few = tiles128 < 8, clusters = cluster != "0";
@@ -803,11 +815,19 @@ at::Tensor conv_bn_silu_wgmma(const at::Tensor& x, const Folded& f, const ConvSh
                                                : clusters ? tiles64 >= 3 && tiles64 <= 8
                                                           : tiles128 >= 3 && tiles128 <= 4);
   if (choice != "wgmma" && tile.empty() && few && !take_few) return {};
-  const bool pinned64 = tile.rfind("64x", 0) == 0, pinned256 = tile == "256x128";
+  // float32 at multiples of 256 channels from 14 tiles of 128: cuDNN's TF32 convolution (256 x 128 x 32 tiles)
+  // was ahead (H200, device us, the cuDNN path against our best tile): 28 x 1280 x 18 x 32 1147 against 1229,
+  // 28 x 1280 x 9 x 16 302 against 330, 3 x 1280 x 18 x 32 145.5 against 157.5; at 9-12 tiles behind
+  // (2 x 1280 x 18 x 32: 172.5 against 109.5, 2 x 1280 x 24 x 32: 172.3 against 125.3).
+  if (choice != "wgmma" && tile.empty() && tf32 && s.C_out % 256 == 0 && tiles128 >= 14) return {};
+  const bool pinned64 = tile.rfind("64x", 0) == 0;
+  const int64_t mid_units = ceil_div(tiles64, 2) * (s.C_out / 256), wave = sm_count() / 2;  // pairs
   const bool mid = clusters && tile.empty() && s.C_out % 256 == 0 && tiles128 >= 8 && tiles128 < 16 &&
-                   ceil_div(tiles64, 2) * (s.C_out / 256) <= sm_count() / 2;
+                   (tf32 && tiles128 % 2 == 0 ? 2 * mid_units <= wave : 4 * mid_units <= 3 * wave);
   const bool small = pinned64 || (tile.empty() && (few || mid));  // 64-pixel tiles
-  const std::string tn = pinned64 ? tile.substr(3) : pinned256 ? "128" : tile;
+  const bool wide = tile == "256x128" || (tile.empty() && !small && s.C_out >= 384 && s.C_out % 256 == 128 &&
+                                          ceil_div(tiles128, 2) * (s.C_out / 128) >= 2 * sm_count());
+  const std::string tn = pinned64 ? tile.substr(3) : wide ? "128" : tile;
   const int bn = tn == "128" || tn == "256" || (tn == "160" && !small) ? std::stoi(tn)
                  : s.C_out % 256 == 0                                ? 256
                  : s.C_out % 160 == 0 && !small                      ? 160
@@ -816,13 +836,13 @@ at::Tensor conv_bn_silu_wgmma(const at::Tensor& x, const Folded& f, const ConvSh
   at::Tensor y = at::empty({s.N, s.C_out, s.H_out, s.W_out}, x.options().memory_format(at::MemoryFormat::ChannelsLast));
   // VD_CONV_BN_SILU_CLUSTER=2..8 pins clusters of that many pixel tiles (at most the pixel tiles) at any size.
   const int pin = cluster.size() == 1 && cluster[0] >= '2' && cluster[0] <= '8' ? cluster[0] - '0' : 0;
-  const int64_t ptiles = small ? tiles64 : pinned256 ? ceil_div(tiles128, 2) : tiles128;
-  const bool pairs = mid || (!small && clusters && tile.empty() && (tf32 || bn == 256));
+  const int64_t ptiles = small ? tiles64 : wide ? ceil_div(tiles128, 2) : tiles128;
+  const bool pairs = mid || (!small && !wide && clusters && tile.empty() && (tf32 || bn == 256));
   const int cm = pin > 0                                          ? static_cast<int>(std::min<int64_t>(pin, ptiles))
                  : small && clusters && tiles64 >= 2 && tiles64 <= 8 ? static_cast<int>(tiles64)
                  : pairs                                             ? 2
                                                                      : 1;
-  const bool ok = pinned256   ? launch_conv_wgmma<128, 256>(x, f, s, silu, y, cm)
+  const bool ok = wide        ? launch_conv_wgmma<128, 256>(x, f, s, silu, y, cm)
                   : small     ? (bn == 256 ? launch_conv_wgmma<256, 64>(x, f, s, silu, y, cm)
                                            : launch_conv_wgmma<128, 64>(x, f, s, silu, y, cm))
                   : bn == 256 ? launch_conv_wgmma<256, 128>(x, f, s, silu, y, cm)
