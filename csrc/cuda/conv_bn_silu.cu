@@ -43,15 +43,15 @@ __global__ void bias_act_kernel(scalar_t* __restrict__ y, const acc_t* __restric
 
 // The same pass on 16-byte vectors of V elements that share a channel run: V consecutive channels of an
 // NHWC row (C % V == 0) or V positions of one NCHW plane (S % V == 0). The scalar kernel's 64-bit
-// division per element made it issue-bound (~25 % of the copy rate on the UNet shapes); I: the index type,
-// 32-bit where the vectors fit (a 64-bit division a vector still held it at ~70 % of the copy rate).
-template <typename scalar_t, typename acc_t, int V, bool kSilu, bool kChannelsLast, typename I>
-__global__ void bias_act_vec_kernel(scalar_t* __restrict__ y, const acc_t* __restrict__ shift, I nv, I C, I sv) {
-  const I stride = static_cast<I>(gridDim.x) * blockDim.x;
-  for (I v = static_cast<I>(blockIdx.x) * blockDim.x + threadIdx.x; v < nv; v += stride) {
+// division per element made it issue-bound (~25 % of the copy rate on the UNet shapes).
+template <typename scalar_t, typename acc_t, int V, bool kSilu, bool kChannelsLast>
+__global__ void bias_act_vec_kernel(scalar_t* __restrict__ y, const acc_t* __restrict__ shift, int64_t nv,
+                                    int64_t C, int64_t sv) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t v = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; v < nv; v += stride) {
     Vec<scalar_t, V> x = reinterpret_cast<const Vec<scalar_t, V>*>(y)[v];
     // NHWC: sv = C / V vectors a row, the vector's first channel; NCHW: sv = S / V vectors a plane.
-    const I c0 = kChannelsLast ? (v % sv) * V : (v / sv) % C;
+    const int64_t c0 = kChannelsLast ? (v % sv) * V : (v / sv) % C;
 #pragma unroll
     for (int j = 0; j < V; ++j) {
       const acc_t z = static_cast<acc_t>(x.v[j]) + shift[kChannelsLast ? c0 + j : c0];
@@ -195,26 +195,18 @@ void bias_act_cuda_(at::Tensor& y, const at::Tensor& shift, bool silu, const Con
     const int64_t S = s.H_out * s.W_out;
     if (aligned16(y.const_data_ptr()) && (s.channels_last ? s.C_out % V == 0 : S % V == 0)) {
       const int64_t nv = n / V, sv = s.channels_last ? s.C_out / V : S / V;
-      // (the grid-stride index stays below nv + the grid's threads: 32-bit up to 2^32 - 2^25)
-      const bool i32 = nv < (int64_t{1} << 32) - (int64_t{1} << 25);
-      auto launch = [&](auto kernel, auto idx) {
-        using I = decltype(idx);
+      auto launch = [&](auto kernel) {
         kernel<<<grid_for(nv, 256), 256, 0, stream>>>(y.mutable_data_ptr<scalar_t>(), sh.const_data_ptr<acc_t>(),
-                                                      static_cast<I>(nv), static_cast<I>(s.C_out), static_cast<I>(sv));
+                                                      nv, s.C_out, sv);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       };
-      auto pick = [&](auto idx) {
-        using I = decltype(idx);
-        if (s.channels_last) {
-          if (silu) launch(bias_act_vec_kernel<scalar_t, acc_t, V, true, true, I>, idx);
-          else launch(bias_act_vec_kernel<scalar_t, acc_t, V, false, true, I>, idx);
-        } else {
-          if (silu) launch(bias_act_vec_kernel<scalar_t, acc_t, V, true, false, I>, idx);
-          else launch(bias_act_vec_kernel<scalar_t, acc_t, V, false, false, I>, idx);
-        }
-      };
-      if (i32) pick(uint32_t{0});
-      else pick(int64_t{0});
+      if (s.channels_last) {
+        if (silu) launch(bias_act_vec_kernel<scalar_t, acc_t, V, true, true>);
+        else launch(bias_act_vec_kernel<scalar_t, acc_t, V, false, true>);
+      } else {
+        if (silu) launch(bias_act_vec_kernel<scalar_t, acc_t, V, true, false>);
+        else launch(bias_act_vec_kernel<scalar_t, acc_t, V, false, false>);
+      }
       return;
     }
     bias_act_kernel<scalar_t, acc_t><<<grid_for(n, 256), 256, 0, stream>>>(
