@@ -183,6 +183,8 @@ def alternate(fns: dict[str, Callable[[], object]], device: torch.device, rounds
       no host time, but what the op does differently under capture, e.g. no fold cache, counts).
     Each variant's ``ms``, ``rounds_ms``, and where NVML answers its median ``sm_mhz`` and ``power_capped``."""
     import time
+    if how not in ("profiler", "graph"):
+        raise ValueError(f"how must be 'profiler' or 'graph', got {how!r}")
     runs = {}
     for k, f in fns.items():
         if how == "graph":

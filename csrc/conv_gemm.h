@@ -75,7 +75,8 @@ inline Folded forward_fold(const at::Tensor& x, const at::Tensor& weight, const 
   const std::array<const at::Tensor*, kFoldParams> ps{&weight, bias.has_value() ? &*bias : nullptr, &bn_weight,
                                                       &bn_bias, &bn_mean, &bn_var};
   const FoldFn fold = policy.fold != nullptr ? policy.fold : fold_bn;
-  if (!fold_cacheable(x, ps, policy.allowed)) return fold(x, weight, bias, bn_weight, bn_bias, bn_mean, bn_var, eps, fmt);
+  if (!fold_cacheable(x, ps, policy.allowed))
+    return fold(x, weight, bias, bn_weight, bn_bias, bn_mean, bn_var, eps, fmt);
   const FoldValue v = fold_cache().find_or_insert(ps, x.scalar_type(), x.device(), fmt, eps, policy.stream, [&] {
     const Folded f = fold(x, weight, bias, bn_weight, bn_bias, bn_mean, bn_var, eps, fmt);
     auto keep = [&](const at::Tensor& t) { return policy.keep != nullptr ? policy.keep(t) : t; };

@@ -147,15 +147,16 @@ FoldVec fold_vec(const at::Tensor* t) {
           d == at::kHalf ? 1 : d == at::kBFloat16 ? 2 : d == at::kDouble ? 3 : 0};
 }
 
-// Folded{weight, shift} for the forward (what it reads). float64 input, and weights whose strides or
-// per-channel size pass 32 bits, fold through ATen.
+// Folded{weight, shift} for the forward (what it reads). float64 input, and weights whose offsets within an
+// output channel or per-channel size pass 32 bits, fold through ATen.
 Folded fold_bn_cuda(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                     const at::Tensor& bn_weight, const at::Tensor& bn_bias, const at::Tensor& bn_mean,
                     const at::Tensor& bn_var, double eps, at::MemoryFormat fmt) {
   const int64_t C_out = weight.size(0), n = weight.numel() / C_out;
   const int64_t kMax = std::numeric_limits<int>::max();
-  if (x.scalar_type() == at::kDouble || n > kMax / 2 || weight.stride(1) * weight.size(1) > kMax ||
-      weight.stride(2) * weight.size(2) > kMax || weight.stride(3) * weight.size(3) > kMax)
+  int64_t last = 0;  // the largest offset within an output channel
+  for (int d = 1; d < 4; ++d) last += (weight.size(d) - 1) * weight.stride(d);
+  if (x.scalar_type() == at::kDouble || n > kMax / 2 || last > kMax)
     return fold_bn(x, weight, bias, bn_weight, bn_bias, bn_mean, bn_var, eps, fmt);
   Folded f;
   f.weight = at::empty(weight.sizes(), weight.options().memory_format(fmt));
