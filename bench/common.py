@@ -58,17 +58,23 @@ def time_cuda(fn: Callable[[int], object], n_sets: int = 1, warmup: int = 5, ite
     return statistics.median(s.elapsed_time(e) for s, e in times)
 
 
-def cuda_kernel_times(fn: Callable[[int], object], iters: int = 20, warmup: int = 3) -> dict[str, list[float]]:
+def cuda_kernel_times(fn: Callable[[int], object], iters: int = 20, warmup: int = 3,
+                      window: list | None = None) -> dict[str, list[float]]:
     """Device microseconds of every CUDA kernel (and memset) that ``fn(i)`` launches over ``iters`` calls,
-    by name (torch.profiler): device time without the host's time between launches."""
+    by name (torch.profiler): device time without the host's time between launches. ``window``: gets the
+    (start, end) perf_counter of the profiled calls (without the profiler's own start and stop)."""
+    import time
     from torch.profiler import ProfilerActivity, profile
     for i in range(warmup):
         fn(i)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
         for i in range(iters):
             fn(i)
         torch.cuda.synchronize()
+        if window is not None:
+            window.append((t0, time.perf_counter()))
     times: dict[str, list[float]] = {}
     for e in prof.events():
         if e.device_time > 0:
@@ -85,11 +91,13 @@ def kernel_time_cuda(fn: Callable[[int], object], name: str, n_sets: int = 1, it
     return statistics.median(times) / 1e3
 
 
-def device_time_per_call(fn: Callable[[int], object], n_sets: int = 1, iters: int = 20) -> float:
+def device_time_per_call(fn: Callable[[int], object], n_sets: int = 1, iters: int = 20,
+                         window: list | None = None) -> float:
     """Device milliseconds per call of ``fn(i)`` (i cycles over ``n_sets`` input sets): the summed time of
     every CUDA kernel and memset it launches, without the host time between them. For ops too short to
-    keep the GPU busy from Python, where per-call CUDA events measure the host's dispatch rate instead."""
-    total = sum(sum(ts) for ts in cuda_kernel_times(lambda i: fn(i % n_sets), iters).values())
+    keep the GPU busy from Python, where per-call CUDA events measure the host's dispatch rate instead.
+    ``window``: as cuda_kernel_times'."""
+    total = sum(sum(ts) for ts in cuda_kernel_times(lambda i: fn(i % n_sets), iters, window=window).values())
     if total <= 0:
         raise RuntimeError("no CUDA kernel ran")
     return total / iters / 1e3
@@ -132,10 +140,12 @@ class GpuClocks:
         self.samples: list[tuple[float, int, bool]] = []  # (perf_counter, SM MHz, power-capped)
         self._stop = threading.Event()
         self._thread = None
+        self._nvml = None
         try:
             nvml = ctypes.CDLL("libnvidia-ml.so.1")
             if nvml.nvmlInit_v2() != 0:
                 return
+            self._nvml = nvml  # initialised: close() shuts it down
             handle = ctypes.c_void_p()
             p = torch.cuda.get_device_properties(device)
             bus = f"{p.pci_domain_id:08x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0".encode()
@@ -170,18 +180,23 @@ class GpuClocks:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
+        if self._nvml is not None:
+            self._nvml.nvmlShutdown()
+            self._nvml = None
 
 
 def alternate(fns: dict[str, Callable[[], object]], device: torch.device, rounds: int = 8, how: str = "profiler",
               target_ms: float = 4.0) -> dict[str, dict]:
     """Device milliseconds per call of each variant, and the SM clock it ran at, the variants measured in turn
-    over ``rounds`` rounds, round r starting at variant r (every variant takes every place in the order: none
-    always follows the same one), medians over the rounds; a settling round first. Each measurement covers
-    about ``target_ms`` of calls:
+    over ``rounds`` rounds, round r starting at variant r (with rounds >= variants every variant takes every
+    place in the order; none always follows the same one), medians over the rounds; a settling round first.
+    Each measurement covers about ``target_ms`` of calls:
     - how="profiler": the summed time of the kernels each call launches (torch.profiler; no host time);
     - how="graph": the calls captured in one CUDA graph and replayed (what a model under CUDA graphs runs:
       no host time, but what the op does differently under capture, e.g. no fold cache, counts).
-    Each variant's ``ms``, ``rounds_ms``, and where NVML answers its median ``sm_mhz`` and ``power_capped``."""
+    Each variant's ``ms``, ``rounds_ms``, and where NVML answers its median ``sm_mhz`` and ``power_capped``
+    over the samples taken while its calls ran (profiler: the profiled calls, not the warm-up or the
+    profiler's start and stop)."""
     import time
     if how not in ("profiler", "graph"):
         raise ValueError(f"how must be 'profiler' or 'graph', got {how!r}")
@@ -194,18 +209,21 @@ def alternate(fns: dict[str, Callable[[], object]], device: torch.device, rounds
 
             def run(graph=graph, n=n, reps=3):
                 s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                t0 = time.perf_counter()
                 s.record()
                 for _ in range(reps):
                     graph.replay()
                 e.record()
                 e.synchronize()
-                return s.elapsed_time(e) / (reps * n)
+                return s.elapsed_time(e) / (reps * n), (t0, time.perf_counter())
         else:
             one = device_time_per_call(lambda i, f=f: f(), iters=3)
             n = max(3, min(200, round(target_ms / max(one, 1e-3))))
 
             def run(f=f, n=n):
-                return device_time_per_call(lambda i: f(), iters=n)
+                window = []
+                ms = device_time_per_call(lambda i: f(), iters=n, window=window)
+                return ms, window[0]
         runs[k] = run
     names = list(runs)
     clocks = GpuClocks(device)
@@ -215,9 +233,8 @@ def alternate(fns: dict[str, Callable[[], object]], device: torch.device, rounds
             runs[k]()
         for r in range(rounds):
             for k in names[r % len(names):] + names[:r % len(names)]:
-                t0 = time.perf_counter()
-                ms = runs[k]()
-                got[k].append((ms, clocks.window(t0, time.perf_counter())))
+                ms, (t0, t1) = runs[k]()
+                got[k].append((ms, clocks.window(t0, t1)))
     finally:
         clocks.close()
     out = {}

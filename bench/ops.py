@@ -255,9 +255,9 @@ def bench_conv_bn_silu(dtype, dev, mm_ceil):
             d = [t.double() for t in (conv.weight, conv.bias, bn.running_mean, bn.running_var, bn.weight, bn.bias)]
             ref = F.silu(F.batch_norm(F.conv2d(x.double(), d[0], d[1], padding=1), *d[2:], False, 0.0, bn.eps))
             err, err_c = ((f().double() - ref).abs().max().item() for f in (ours, cudnn))
-            # Device time (the kernels' time, torch.profiler: bursts of ~4 ms, clocks near their maximum) and
-            # the time a call in a CUDA graph (~12 ms of replays a measurement: at 28 images the GPU reaches its
-            # power limit there and the clock falls), the variants in turn over rounds whose order rotates (in a
+            # Device time (the kernels' time, torch.profiler: bursts of ~4 ms) and the time a call in a CUDA
+            # graph (~12 ms of replays a measurement: at 28 images the GPU reaches its power limit there and the
+            # clock falls), the variants in turn over rounds whose order rotates (in a
             # fixed order a variant read up to 9 % slower or faster by its place alone), medians, with the SM
             # clock of each. Per call (CUDA events, host dispatch included; eager and the op are host-bound at
             # 2 images): the same rotation.

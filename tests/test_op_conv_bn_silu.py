@@ -574,32 +574,39 @@ def test_hopper_kernel_matches_reference(device, dtype, tile, case, monkeypatch)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_fold_kernel_weight_strides_and_param_dtypes(empty_cache, device, dtype, monkeypatch):
     """The CUDA fold (one kernel: w' in the op's layout from any strides of w; b' from per-channel vectors of
-    any float dtype and stride; with and without bias) against float64, channels_last and NCHW x, cached
-    (no_grad) and folded afresh (grad mode, parameters requiring grad)."""
+    any float dtype and stride; with and without bias) against float64: channels_last and NCHW x; weights NCHW
+    (gathered), in the op's layout (a vector copy; at 20 x 3 x 1 weights a channel, not a whole number of
+    16-byte vectors: element by element) and strided; 3 x 3 and 3 x 1 kernels (kH != kW); cached (no_grad) and
+    folded afresh (x requiring grad: the training path, no cache), where the fold kernel must be what ran."""
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
     torch.manual_seed(0)
     cl = torch.channels_last
-    c_in, c_out = 32, 48
-    w = (torch.randn(c_out, c_in, 3, 3, device=device) / (9 * c_in) ** 0.5).to(dtype)
-    w_wide = (torch.randn(c_out, 2 * c_in, 3, 3, device=device) / (9 * c_in) ** 0.5).to(dtype)
-    weights = {"nchw": w, "channels_last": w.contiguous(memory_format=cl), "strided": w_wide[:, ::2]}
+    c_out = 48
 
     def vec(dt, lo=-1.0, hi=1.0):  # every other element of a longer vector
         return (torch.rand(2 * c_out, device=device) * (hi - lo) + lo).to(dt)[::2]
     vecs = (vec(torch.float64), vec(torch.bfloat16, 0.5, 1.5), vec(torch.float16), vec(torch.float32),
             vec(torch.float32, 0.5, 2.0))  # bias, bn_weight, bn_bias, bn_mean, bn_var
-    for x_fmt in (cl, torch.contiguous_format):
-        x = torch.randn(2, c_in, 12, 16, device=device).to(dtype).contiguous(memory_format=x_fmt)
-        for name, wt in weights.items():
-            for bias in (vecs[0], None):
-                args = (wt, bias, *vecs[1:], 1e-5, [1, 1], [1, 1], [1, 1], 1, True)
-                ref = reference_conv_bn_silu(x.double(), wt.double(), None if bias is None else bias.double(),
-                                             *(t.double() for t in vecs[1:]), *args[6:])
-                what = f"{name} weight, bias={bias is not None}, x {x_fmt}"
-                with torch.no_grad():
-                    assert_close_to(OP(x, *args), ref, tf32_tol(dtype), what=what + " (cached)")
-                wg = wt.detach().clone().requires_grad_()  # grad mode: no cache, the fold runs every call
-                assert_close_to(OP(x, wg, *args[1:]).detach(), ref, tf32_tol(dtype), what=what)
+    for c_in, k in ((32, (3, 3)), (20, (3, 1))):
+        w = (torch.randn(c_out, c_in, *k, device=device) / (9 * c_in) ** 0.5).to(dtype)
+        w_wide = (torch.randn(c_out, 2 * c_in, *k, device=device) / (9 * c_in) ** 0.5).to(dtype)
+        weights = {"nchw": w, "channels_last": w.contiguous(memory_format=cl), "strided": w_wide[:, ::2]}
+        pad = [k[0] // 2, k[1] // 2]
+        for x_fmt in (cl, torch.contiguous_format):
+            x = torch.randn(2, c_in, 12, 16, device=device).to(dtype).contiguous(memory_format=x_fmt)
+            for name, wt in weights.items():
+                for bias in (vecs[0], None):
+                    args = (wt, bias, *vecs[1:], 1e-5, [1, 1], pad, [1, 1], 1, True)
+                    ref = reference_conv_bn_silu(x.double(), wt.double(), None if bias is None else bias.double(),
+                                                 *(t.double() for t in vecs[1:]), *args[6:])
+                    what = f"{k} {name} weight, bias={bias is not None}, x {x_fmt}"
+                    with torch.no_grad():
+                        assert_close_to(OP(x, *args), ref, tf32_tol(dtype), what=what + " (cached)")
+                    xg = x.detach().clone().requires_grad_()
+                    got = []
+                    ran = " ".join(cuda_kernels_run(lambda: got.append(OP(xg, *args))))
+                    assert "fold_bn_kernel" in ran, f"{what}: {ran}"
+                    assert_close_to(got[0].detach(), ref, tf32_tol(dtype), what=what)
 
 
 @pytest.mark.parametrize("device", CUDA)

@@ -79,9 +79,11 @@ unsigned grid_for(int64_t n, int threads) {
 
 // The forward's BatchNorm fold in one kernel: w' = w * s written in the op's layout from any strides of w,
 // and b' = (b - mean) * s + beta, with s = gamma / sqrt(var + eps): float32 arithmetic in the order of
-// conv_gemm.h's fold_bn (explicitly rounded steps, no contraction), so both give the same values. Under
-// CUDA-graph capture there is no cache and every replay folds: ATen's five passes over a float32 copy of
-// the weight took 0.14 ms at 1280 channels, more than a 2-image convolution.
+// conv_gemm.h's fold_bn (explicitly rounded steps, no contraction; 1 / sqrt correctly rounded, where ATen's
+// CUDA rsqrt may differ in the last bit, so s can differ by an ulp from the ATen fold that float64 input and
+// the backward use). Cached calls and CUDA-graph replays both fold here, so they agree. Under capture there is
+// no cache and every replay folds: ATen's five passes over a float32 copy of the weight took 0.14 ms at
+// 1280 channels, more than a 2-image convolution.
 struct FoldVec {  // a per-channel vector: any float dtype, any stride; p == nullptr: absent
   const void* p;
   int64_t stride;
@@ -827,7 +829,8 @@ at::Tensor conv_bn_silu_wgmma(const at::Tensor& x, const Folded& f, const ConvSh
                                                                      : 128;
   if (choice != "wgmma" && bn == 128 && s.C_out > 128 && s.C_out % 128 != 0 && s.C_out % 128 <= 64) return {};
   at::Tensor y = at::empty({s.N, s.C_out, s.H_out, s.W_out}, x.options().memory_format(at::MemoryFormat::ChannelsLast));
-  // VD_CONV_BN_SILU_CLUSTER=2..8 pins clusters of that many pixel tiles (at most the pixel tiles) at any size.
+  // VD_CONV_BN_SILU_CLUSTER=2..8 pins clusters of that many pixel tiles (at most the pixel tiles) at any size
+  // the kernel runs (the choice may still pick cuDNN: VD_CONV_BN_SILU_KERNEL=wgmma forces the kernel).
   const int pin = cluster.size() == 1 && cluster[0] >= '2' && cluster[0] <= '8' ? cluster[0] - '0' : 0;
   const int64_t ptiles = small ? tiles64 : wide ? ceil_div(tiles128, 2) : tiles128;
   const bool pairs = mid || (!small && !wide && clusters && tile.empty() && (tf32 || bn == 256));
