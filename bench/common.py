@@ -185,6 +185,11 @@ class GpuClocks:
             self._nvml = None
 
 
+def rotated(names: Sequence[str], r: int) -> list[str]:
+    """The order of round r: names starting at the r-th (each takes every place over len(names) rounds)."""
+    return list(names[r % len(names):]) + list(names[:r % len(names)])
+
+
 def alternate(fns: dict[str, Callable[[], object]], device: torch.device, rounds: int = 8, how: str = "profiler",
               target_ms: float = 4.0) -> dict[str, dict]:
     """Device milliseconds per call of each variant, and the SM clock it ran at, the variants measured in turn
@@ -232,7 +237,7 @@ def alternate(fns: dict[str, Callable[[], object]], device: torch.device, rounds
         for k in names:  # settle the clocks under load
             runs[k]()
         for r in range(rounds):
-            for k in names[r % len(names):] + names[:r % len(names)]:
+            for k in rotated(names, r):
                 ms, (t0, t1) = runs[k]()
                 got[k].append((ms, clocks.window(t0, t1)))
     finally:

@@ -18,8 +18,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (DTYPES, alternate, device_time_per_call, env_var, environment,  # noqa: E402
-                    kernel_time_cuda, measure_ceilings, print_table, rotation_sets, time_cuda, time_cuda_graph,
-                    write_json)
+                    kernel_time_cuda, measure_ceilings, print_table, rotated, rotation_sets, time_cuda,
+                    time_cuda_graph, write_json)
 
 import vdcompile  # noqa: E402,F401
 
@@ -267,7 +267,7 @@ def bench_conv_bn_silu(dtype, dev, mm_ceil):
             names = list(fns)
             call = {k: [] for k in names}
             for r in range(5):
-                for k in names[r % 4:] + names[:r % 4]:
+                for k in rotated(names, r):
                     call[k].append(time_cuda(fns[k], warmup=2, iters=10, min_ms=20))
             (e, n, o, oc), (e_dev, n_dev, o_dev, oc_dev) = (
                 [statistics.median(call[k]) for k in names], [g[k]["ms"] for k in names])
