@@ -195,8 +195,8 @@ def main():
             bn = [torch.rand(24, device=dev, dtype=dtype) + 0.5 for _ in range(4)]
             _grad(lambda x, w: torch.ops.vd.conv_bn_silu(x, w, None, *bn, 1e-5, [1, 1], [1, 1], [1, 1], 1, True), x, w)
             with torch.no_grad(), env_var("VD_CONV_BN_SILU_KERNEL", "cudnn"):
-                # the vector epilogue: 8 x 16 NCHW planes, then channels_last rows of 24; the fold from NCHW
-                # weights (gathered), channels_last ones (vectors) and a strided view, with a bias
+                # the vector epilogue (s and b'): 8 x 16 NCHW planes, then channels_last rows of 24; the fold's
+                # vectors with a bias, from NCHW, channels_last and strided weights
                 wcl = w.contiguous(memory_format=torch.channels_last)
                 wv = torch.randn(24, 32, 3, 3, device=dev, dtype=dtype)[:, ::2]
                 for fmt in (torch.contiguous_format, torch.channels_last):

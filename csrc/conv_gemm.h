@@ -21,8 +21,14 @@ struct Folded {
   at::Tensor inv_std;  // 1 / sqrt(bn_var + eps), acc dtype
   at::Tensor scale;    // s = bn_weight * inv_std, acc dtype
   at::Tensor shift;    // b' = (b - bn_mean) * s + bn_bias, acc dtype
-  at::Tensor weight;   // w' = w * s, x's dtype and layout
+  at::Tensor weight;   // w' = w * s, x's dtype and layout; w itself (in the op's layout) where out_scale is set
   at::Tensor b_minus_mean;  // b - bn_mean, acc dtype (the backward's dbn_weight needs it again)
+  // s applied to the convolution's output (y = act(conv(x, w) * s + b')) instead of to the weight: the CUDA
+  // forward's (a graph replay must not copy the weight); undefined where the weight carries it.
+  at::Tensor out_scale;
+  // With out_scale, on CUDA: (s, b') interleaved by channel, (C_out, 2) float32, for the Hopper kernel's epilogue
+  // (one load a channel).
+  at::Tensor scale_shift;
 };
 
 inline Folded fold_bn(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
@@ -79,16 +85,23 @@ inline Folded forward_fold(const at::Tensor& x, const at::Tensor& weight, const 
     return fold(x, weight, bias, bn_weight, bn_bias, bn_mean, bn_var, eps, fmt);
   const FoldValue v = fold_cache().find_or_insert(ps, x.scalar_type(), x.device(), fmt, eps, policy.stream, [&] {
     const Folded f = fold(x, weight, bias, bn_weight, bn_bias, bn_mean, bn_var, eps, fmt);
-    auto keep = [&](const at::Tensor& t) { return policy.keep != nullptr ? policy.keep(t) : t; };
-    return FoldValue{keep(f.weight), keep(f.shift)};
+    auto keep = [&](const at::Tensor& t) {
+      return !t.defined() ? t : policy.keep != nullptr ? policy.keep(t) : t;
+    };
+    // The caller's own weight is not kept: the entry would hold alive the tensor its key watches.
+    return FoldValue{f.weight.is_same(weight) ? at::Tensor() : keep(f.weight), keep(f.shift), keep(f.out_scale),
+                     keep(f.scale_shift)};
   });
   Folded f;
-  f.weight = v.weight;
+  f.weight = v.weight.defined() ? v.weight : weight;
   f.shift = v.shift;
+  f.out_scale = v.out_scale;
+  f.scale_shift = v.scale_shift;
   return f;
 }
 
-// ---- conv_bn_silu: the device passes bias_act_(y, shift, silu, s) and grad_z_(y, g, shift, silu, s) ----
+// ---- conv_bn_silu: the device passes bias_act_(y, scale, shift, silu, s) and grad_z_(y, g, shift, silu, s) ----
+// (bias_act_'s scale: Folded::out_scale, undefined where the weight carries s)
 // fused_(x, f, s, silu): the whole forward in one kernel where the device has one for this configuration
 // (an undefined tensor otherwise: then the convolution and the bias + SiLU pass).
 
@@ -110,7 +123,7 @@ inline at::Tensor conv_bn_silu_forward(const at::Tensor& x_in, const at::Tensor&
   at::Tensor y = fused_(x, f, s, silu);
   if (y.defined()) return y;
   y = folded_conv(x, f, s);
-  bias_act_(y, f.shift, silu, s);
+  bias_act_(y, f.out_scale, f.shift, silu, s);
   return y;
 }
 

@@ -1,6 +1,7 @@
-// A small cache of folded conv + BatchNorm parameters (w' = w * s, b' = (b - mean) * s + beta), so
-// inference calls with unchanged parameters skip the per-call fold. Shared by the CPU and CUDA kernels;
-// the one instance lives in csrc/cpu/fold_cache.cpp.
+// A small cache of folded conv + BatchNorm parameters (w' = w * s, b' = (b - mean) * s + beta; on CUDA s and
+// b' only, s applied to the output, and the weight only where it needed a layout copy), so inference calls
+// with unchanged parameters skip the per-call fold. Shared by the CPU and CUDA kernels; the one instance
+// lives in csrc/cpu/fold_cache.cpp.
 #pragma once
 #include <ATen/ATen.h>
 #include <c10/core/Device.h>
@@ -65,8 +66,10 @@ struct FoldKey {
 };
 
 struct FoldValue {
-  at::Tensor weight;  // w', x's dtype and layout
-  at::Tensor shift;   // b', acc dtype
+  at::Tensor weight;     // w', x's dtype and layout; undefined: the caller's weight as it is (see Folded)
+  at::Tensor shift;      // b', acc dtype
+  at::Tensor out_scale;  // s where the output takes it (Folded::out_scale), else undefined
+  at::Tensor scale_shift;  // Folded::scale_shift
 };
 
 class FoldCache {
@@ -160,8 +163,8 @@ struct FoldCachePolicy {
   // What the cache keeps of a fold (nullptr: the fold itself). CUDA: a copy outside the caching allocator
   // (keep_outside_pools, csrc/cuda/launch.h).
   at::Tensor (*keep)(const at::Tensor&) = nullptr;
-  // The forward's fold (nullptr: conv_gemm.h's fold_bn). CUDA: one kernel (fold_bn_cuda), what every replay
-  // of a captured graph runs.
+  // The forward's fold (nullptr: conv_gemm.h's fold_bn). CUDA: s and b' in one small kernel, s applied to the
+  // output and the weight left unscaled (bn_vectors_cuda): what every replay of a captured graph runs.
   FoldFn fold = nullptr;
 };
 

@@ -573,11 +573,11 @@ def test_hopper_kernel_matches_reference(device, dtype, tile, case, monkeypatch)
 @pytest.mark.parametrize("device", CUDA)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_fold_kernel_weight_strides_and_param_dtypes(empty_cache, device, dtype, monkeypatch):
-    """The CUDA fold (one kernel: w' in the op's layout from any strides of w; b' from per-channel vectors of
-    any float dtype and stride; with and without bias) against float64: channels_last and NCHW x; weights NCHW
-    (gathered), in the op's layout (a vector copy; at 20 x 3 x 1 weights a channel, not a whole number of
-    16-byte vectors: element by element) and strided; 3 x 3 and 3 x 1 kernels (kH != kW); cached (no_grad) and
-    folded afresh (x requiring grad: the training path, no cache), where the fold kernel must be what ran."""
+    """The CUDA fold (one small kernel: s and b' from per-channel vectors of any float dtype and stride, with
+    and without bias; s applied to the output, the weight read unscaled, copied only where it is not in the
+    op's layout) against float64: channels_last and NCHW x; weights NCHW, channels_last and strided; 3 x 3 and
+    3 x 1 kernels (kH != kW); cached (no_grad) and folded afresh (x requiring grad: the training path, no
+    cache), where the fold kernel must be what ran, and no copy of a weight already in x's layout."""
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
     torch.manual_seed(0)
     cl = torch.channels_last
@@ -605,7 +605,9 @@ def test_fold_kernel_weight_strides_and_param_dtypes(empty_cache, device, dtype,
                     xg = x.detach().clone().requires_grad_()
                     got = []
                     ran = " ".join(cuda_kernels_run(lambda: got.append(OP(xg, *args))))
-                    assert "fold_bn_kernel" in ran, f"{what}: {ran}"
+                    assert "bn_vectors_kernel" in ran, f"{what}: {ran}"
+                    in_layout = wt.is_contiguous(memory_format=x_fmt)
+                    assert in_layout != ("copy" in ran.lower()), f"{what}: {ran}"
                     assert_close_to(got[0].detach(), ref, tf32_tol(dtype), what=what)
 
 

@@ -31,30 +31,43 @@ __device__ __forceinline__ int64_t channel_of(int64_t i, int64_t C, int64_t S, b
   return channels_last ? i % C : (i / S) % C;
 }
 
+// y <- act(y * scale[c] + shift[c]): y is the convolution with the unscaled weight (see bn_vectors_cuda).
 template <typename scalar_t, typename acc_t>
-__global__ void bias_act_kernel(scalar_t* __restrict__ y, const acc_t* __restrict__ shift, int64_t n,
-                                int64_t C, int64_t S, bool channels_last, bool silu) {
+__global__ void bias_act_kernel(scalar_t* __restrict__ y, const acc_t* __restrict__ scale,
+                                const acc_t* __restrict__ shift, int64_t n, int64_t C, int64_t S,
+                                bool channels_last, bool silu) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
-    const acc_t z = static_cast<acc_t>(y[i]) + shift[channel_of(i, C, S, channels_last)];
+    const int64_t c = channel_of(i, C, S, channels_last);
+    const acc_t z = static_cast<acc_t>(y[i]) * scale[c] + shift[c];
     y[i] = static_cast<scalar_t>(silu ? silu_fast(z) : z);
   }
 }
 
 // The same pass on 16-byte vectors of V elements that share a channel run: V consecutive channels of an
 // NHWC row (C % V == 0) or V positions of one NCHW plane (S % V == 0). The scalar kernel's 64-bit
-// division per element made it issue-bound (~25 % of the copy rate on the UNet shapes).
+// division per element made it issue-bound (~25 % of the copy rate on the UNet shapes). NHWC reads the V
+// channels' s and b' as vectors too (scale and shift aligned to V elements: the host checks), where one load
+// each an element made the pass load-bound.
 template <typename scalar_t, typename acc_t, int V, bool kSilu, bool kChannelsLast>
-__global__ void bias_act_vec_kernel(scalar_t* __restrict__ y, const acc_t* __restrict__ shift, int64_t nv,
-                                    int64_t C, int64_t sv) {
+__global__ void bias_act_vec_kernel(scalar_t* __restrict__ y, const acc_t* __restrict__ scale,
+                                    const acc_t* __restrict__ shift, int64_t nv, int64_t C, int64_t sv) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t v = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; v < nv; v += stride) {
     Vec<scalar_t, V> x = reinterpret_cast<const Vec<scalar_t, V>*>(y)[v];
     // NHWC: sv = C / V vectors a row, the vector's first channel; NCHW: sv = S / V vectors a plane.
     const int64_t c0 = kChannelsLast ? (v % sv) * V : (v / sv) % C;
+    Vec<acc_t, V> m, b;
+    if constexpr (kChannelsLast) {
+      m = *reinterpret_cast<const Vec<acc_t, V>*>(scale + c0);
+      b = *reinterpret_cast<const Vec<acc_t, V>*>(shift + c0);
+    } else {
+#pragma unroll
+      for (int j = 0; j < V; ++j) m.v[j] = scale[c0], b.v[j] = shift[c0];
+    }
 #pragma unroll
     for (int j = 0; j < V; ++j) {
-      const acc_t z = static_cast<acc_t>(x.v[j]) + shift[kChannelsLast ? c0 + j : c0];
+      const acc_t z = static_cast<acc_t>(x.v[j]) * m.v[j] + b.v[j];
       x.v[j] = static_cast<scalar_t>(kSilu ? silu_fast(z) : z);
     }
     reinterpret_cast<Vec<scalar_t, V>*>(y)[v] = x;
@@ -77,13 +90,13 @@ unsigned grid_for(int64_t n, int threads) {
   return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>((n + threads - 1) / threads, 65535)));
 }
 
-// The forward's BatchNorm fold in one kernel: w' = w * s written in the op's layout from any strides of w,
-// and b' = (b - mean) * s + beta, with s = gamma / sqrt(var + eps): float32 arithmetic in the order of
-// conv_gemm.h's fold_bn (explicitly rounded steps, no contraction; 1 / sqrt correctly rounded, where ATen's
-// CUDA rsqrt may differ in the last bit, so s can differ by an ulp from the ATen fold that float64 input and
-// the backward use). Cached calls and CUDA-graph replays both fold here, so they agree. Under capture there is
-// no cache and every replay folds: ATen's five passes over a float32 copy of the weight took 0.14 ms at
-// 1280 channels, more than a 2-image convolution.
+// The forward's BatchNorm fold: s = gamma / sqrt(var + eps) and b' = (b - mean) * s + beta, one small kernel,
+// and s applied to the convolution's output (the kernels' epilogue, or the bias + SiLU pass after cuDNN), not
+// to the weight: the weight is read as it is where it is in the op's layout (else one layout copy, cached with
+// the vectors). Under CUDA-graph capture there is no cache and every replay folds: a weight fold was a pass
+// over the weight (0.022 ms at 1280 channels bf16 in one kernel, 0.14 ms as ATen's five), this one C_out
+// threads. float32 arithmetic in the order of conv_gemm.h's fold_bn (explicitly rounded steps, no
+// contraction; 1 / sqrt correctly rounded). Cached calls fold here too, so they and graph replays agree.
 struct FoldVec {  // a per-channel vector: any float dtype, any stride; p == nullptr: absent
   const void* p;
   int64_t stride;
@@ -102,44 +115,18 @@ __device__ __forceinline__ float load_vec(const FoldVec& v, int64_t c) {
   }
 }
 
-// Block (co, chunk): output channel co's n = C_in_g * kH * kW weights, in the output's order (channels_last:
-// (kh, kw, ci); else (ci, kh, kw)); chunk 0's thread 0 writes b'. kDense: w is dense in that order already (a
-// scaled copy in vectors of V); else gathered through its strides. 32-bit offsets within a channel (the host
-// checks n): a 64-bit division per element made the gather issue-bound (~0.1 ms at 1280 channels).
-template <typename scalar_t, int V, bool kDense>
-__global__ void fold_bn_kernel(const scalar_t* __restrict__ w, int64_t s0, int s1, int s2, int s3, int ci_n,
-                               int kh, int kw, bool cl, FoldVecs v, float eps, scalar_t* __restrict__ out,
-                               float* __restrict__ shift) {
-  const int64_t co = blockIdx.x;
-  const int n = ci_n * kh * kw;
+// scale, shift: C_out floats each; scale_shift: both, interleaved by channel (Folded::scale_shift).
+__global__ void bn_vectors_kernel(int64_t C_out, FoldVecs v, float eps, float* __restrict__ scale,
+                                  float* __restrict__ shift, float2* __restrict__ scale_shift) {
+  const int64_t co = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (co >= C_out) return;
   const float sc = __fmul_rn(load_vec(v.gamma, co), __frcp_rn(__fsqrt_rn(__fadd_rn(load_vec(v.var, co), eps))));
-  const scalar_t* wc = w + co * s0;
-  scalar_t* oc = out + co * n;
-  for (int i = (blockIdx.y * blockDim.x + threadIdx.x) * V; i < n; i += gridDim.y * blockDim.x * V) {
-    if constexpr (kDense) {
-      Vec<scalar_t, V> x = *reinterpret_cast<const Vec<scalar_t, V>*>(wc + i);
-#pragma unroll
-      for (int j = 0; j < V; ++j) x.v[j] = static_cast<scalar_t>(__fmul_rn(static_cast<float>(x.v[j]), sc));
-      *reinterpret_cast<Vec<scalar_t, V>*>(oc + i) = x;
-    } else {
-      int ci, r, q;
-      if (cl) {
-        ci = i % ci_n;
-        q = (i / ci_n) % kw;
-        r = i / (ci_n * kw);
-      } else {
-        q = i % kw;
-        r = (i / kw) % kh;
-        ci = i / (kh * kw);
-      }
-      oc[i] = static_cast<scalar_t>(__fmul_rn(static_cast<float>(wc[ci * s1 + r * s2 + q * s3]), sc));
-    }
-  }
-  if (blockIdx.y == 0 && threadIdx.x == 0) {
-    const float m = load_vec(v.mean, co);
-    const float bm = v.bias.p != nullptr ? __fsub_rn(load_vec(v.bias, co), m) : -m;
-    shift[co] = __fadd_rn(__fmul_rn(bm, sc), load_vec(v.beta, co));
-  }
+  const float m = load_vec(v.mean, co);
+  const float bm = v.bias.p != nullptr ? __fsub_rn(load_vec(v.bias, co), m) : -m;
+  const float sh = __fadd_rn(__fmul_rn(bm, sc), load_vec(v.beta, co));
+  scale[co] = sc;
+  shift[co] = sh;
+  scale_shift[co] = make_float2(sc, sh);
 }
 
 FoldVec fold_vec(const at::Tensor* t) {
@@ -149,58 +136,55 @@ FoldVec fold_vec(const at::Tensor* t) {
           d == at::kHalf ? 1 : d == at::kBFloat16 ? 2 : d == at::kDouble ? 3 : 0};
 }
 
-// Folded{weight, shift} for the forward (what it reads). float64 input, and weights whose offsets within an
-// output channel or per-channel size pass 32 bits, fold through ATen.
-Folded fold_bn_cuda(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                    const at::Tensor& bn_weight, const at::Tensor& bn_bias, const at::Tensor& bn_mean,
-                    const at::Tensor& bn_var, double eps, at::MemoryFormat fmt) {
-  const int64_t C_out = weight.size(0), n = weight.numel() / C_out;
-  const int64_t kMax = std::numeric_limits<int>::max();
-  int64_t last = 0;  // the largest offset within an output channel
-  for (int d = 1; d < 4; ++d) last += (weight.size(d) - 1) * weight.stride(d);
-  if (x.scalar_type() == at::kDouble || n > kMax / 2 || last > kMax)
-    return fold_bn(x, weight, bias, bn_weight, bn_bias, bn_mean, bn_var, eps, fmt);
+// Folded{weight: w in the op's layout (w itself where it is already), out_scale: s, shift: b'} for the
+// forward; float64 input computes s and b' in float64 through ATen.
+Folded bn_vectors_cuda(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                       const at::Tensor& bn_weight, const at::Tensor& bn_bias, const at::Tensor& bn_mean,
+                       const at::Tensor& bn_var, double eps, at::MemoryFormat fmt) {
+  const int64_t C_out = weight.size(0);
   Folded f;
-  f.weight = at::empty(weight.sizes(), weight.options().memory_format(fmt));
+  f.weight = weight.contiguous(fmt);
+  if (x.scalar_type() == at::kDouble) {
+    const auto acc = at::kDouble;
+    f.out_scale = (bn_weight.to(acc) * (bn_var.to(acc) + eps).rsqrt()).contiguous();
+    const at::Tensor bm = bias.has_value() ? bias->to(acc) - bn_mean.to(acc) : -bn_mean.to(acc);
+    f.shift = (bm * f.out_scale + bn_bias.to(acc)).contiguous();
+    return f;
+  }
+  f.out_scale = at::empty({C_out}, x.options().dtype(at::kFloat));
   f.shift = at::empty({C_out}, x.options().dtype(at::kFloat));
+  f.scale_shift = at::empty({C_out, 2}, x.options().dtype(at::kFloat));
+  if (C_out == 0) return f;
   const FoldVecs v{fold_vec(bias.has_value() ? &*bias : nullptr), fold_vec(&bn_weight), fold_vec(&bn_bias),
                    fold_vec(&bn_mean), fold_vec(&bn_var)};
-  const bool dense = weight.is_contiguous(fmt);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, weight.scalar_type(), "conv_bn_silu_fold", [&] {
-    constexpr int V = 16 / sizeof(scalar_t);
-    const bool vec = dense && n % V == 0 && aligned16(weight.const_data_ptr()) && aligned16(f.weight.const_data_ptr());
-    const int per = vec ? V : 1;
-    const dim3 grid(grid_of(C_out, kConvBnSiluOp),
-                    static_cast<unsigned>(std::min<int64_t>(ceil_div(n, 256 * per), 65535)));
-    auto launch = [&](auto kernel) {
-      kernel<<<grid, 256, 0, c10::cuda::getCurrentCUDAStream()>>>(
-          weight.const_data_ptr<scalar_t>(), weight.stride(0), static_cast<int>(weight.stride(1)),
-          static_cast<int>(weight.stride(2)), static_cast<int>(weight.stride(3)), static_cast<int>(weight.size(1)),
-          static_cast<int>(weight.size(2)), static_cast<int>(weight.size(3)), fmt == at::MemoryFormat::ChannelsLast,
-          v, static_cast<float>(eps), f.weight.mutable_data_ptr<scalar_t>(), f.shift.mutable_data_ptr<float>());
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    };
-    if (vec) launch(fold_bn_kernel<scalar_t, V, true>);
-    else if (dense) launch(fold_bn_kernel<scalar_t, 1, true>);
-    else launch(fold_bn_kernel<scalar_t, 1, false>);
-  });
+  bn_vectors_kernel<<<grid_of(ceil_div(C_out, 128), kConvBnSiluOp), 128, 0, c10::cuda::getCurrentCUDAStream()>>>(
+      C_out, v, static_cast<float>(eps), f.out_scale.mutable_data_ptr<float>(), f.shift.mutable_data_ptr<float>(),
+      reinterpret_cast<float2*>(f.scale_shift.mutable_data_ptr<float>()));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
   return f;
 }
 
-void bias_act_cuda_(at::Tensor& y, const at::Tensor& shift, bool silu, const ConvShape& s) {
+void bias_act_cuda_(at::Tensor& y, const at::Tensor& scale, const at::Tensor& shift, bool silu,
+                    const ConvShape& s) {
   const int64_t n = y.numel();
   if (n == 0) return;
+  TORCH_INTERNAL_ASSERT(scale.defined(), "conv_bn_silu: the CUDA forward applies s to the output");
   auto stream = c10::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, y.scalar_type(), "conv_bn_silu_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     at::Tensor sh = shift.to(c10::CppTypeToScalarType<acc_t>::value).contiguous();
+    at::Tensor sc = scale.to(c10::CppTypeToScalarType<acc_t>::value).contiguous();
     constexpr int V = 16 / sizeof(scalar_t);
     const int64_t S = s.H_out * s.W_out;
-    if (aligned16(y.const_data_ptr()) && (s.channels_last ? s.C_out % V == 0 : S % V == 0)) {
+    auto aligned_vec = [](const at::Tensor& t) {
+      return reinterpret_cast<uintptr_t>(t.const_data_ptr()) % (sizeof(acc_t) * V) == 0;
+    };
+    if (aligned16(y.const_data_ptr()) &&
+        (s.channels_last ? s.C_out % V == 0 && aligned_vec(sc) && aligned_vec(sh) : S % V == 0)) {
       const int64_t nv = n / V, sv = s.channels_last ? s.C_out / V : S / V;
       auto launch = [&](auto kernel) {
-        kernel<<<grid_for(nv, 256), 256, 0, stream>>>(y.mutable_data_ptr<scalar_t>(), sh.const_data_ptr<acc_t>(),
-                                                      nv, s.C_out, sv);
+        kernel<<<grid_for(nv, 256), 256, 0, stream>>>(y.mutable_data_ptr<scalar_t>(), sc.const_data_ptr<acc_t>(),
+                                                      sh.const_data_ptr<acc_t>(), nv, s.C_out, sv);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       };
       if (s.channels_last) {
@@ -213,8 +197,8 @@ void bias_act_cuda_(at::Tensor& y, const at::Tensor& shift, bool silu, const Con
       return;
     }
     bias_act_kernel<scalar_t, acc_t><<<grid_for(n, 256), 256, 0, stream>>>(
-        y.mutable_data_ptr<scalar_t>(), sh.const_data_ptr<acc_t>(), n, s.C_out, s.H_out * s.W_out,
-        s.channels_last, silu);
+        y.mutable_data_ptr<scalar_t>(), sc.const_data_ptr<acc_t>(), sh.const_data_ptr<acc_t>(), n, s.C_out,
+        s.H_out * s.W_out, s.channels_last, silu);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }
@@ -237,17 +221,18 @@ at::Tensor grad_z_cuda_(at::Tensor& y, const at::Tensor& g, const at::Tensor& sh
   return y.sum({0, 2, 3}, /*keepdim=*/false, acc);
 }
 
-// ---- Hopper: the folded convolution, bias and SiLU as one implicit GEMM ----
-// out[p, co] = silu(b'[co] + sum_{r, s, ci} x[n, h + r dil - pad, w + s dil - pad, ci] w'[co, r, s, ci]) for
-// each output pixel p = (n, h, w), NHWC. GEMM rows (M) are output pixels, columns (N) output channels, K
-// the taps times input channels, both operands K-major: a tile is BM (128 or 64) consecutive pixels x BN
-// channels (CbsTile), its K loop one tap and 128 bytes of input channels a stage (64 fp16 / bf16, 32 float32).
-// The copy engine loads the weight rows (the folded weight is channels_last: (C_out, kH, kW, C_in)) and, in
-// its im2col mode, the tile's BM input pixels for the tap in one box (the walk over output positions crosses
-// rows and images; positions in the padding read zeros), so there is no im2col buffer and no bounds test in
-// the loop. Two consumer warpgroups (64 pixels each, or at BM = 64 half the channels each) run wgmma
-// m64nNk16 (k8 TF32 for float32); one producer thread streams the stages (two copies a stage: with one box a
-// row segment its per-stage work was the bottleneck, the consumers waiting on it two thirds of the time).
+// ---- Hopper: the convolution, BatchNorm and SiLU as one implicit GEMM ----
+// out[p, co] = silu(s[co] sum_{r, s, ci} x[n, h + r dil - pad, w + s dil - pad, ci] w[co, r, s, ci] + b'[co])
+// for each output pixel p = (n, h, w), NHWC (s and b' from bn_vectors_cuda; w as the caller holds it). GEMM
+// rows (M) are output pixels, columns (N) output channels, K the taps times input channels, both operands
+// K-major: a tile is BM (128 or 64) consecutive pixels x BN channels (CbsTile), its K loop one tap and 128
+// bytes of input channels a stage (64 fp16 / bf16, 32 float32). The copy engine loads the weight rows (the
+// weight is channels_last: (C_out, kH, kW, C_in)) and, in its im2col mode, the tile's BM input pixels for
+// the tap in one box (the walk over output positions crosses rows and images; positions in the padding read
+// zeros), so there is no im2col buffer and no bounds test in the loop. Two consumer warpgroups (64 pixels
+// each, or at BM = 64 half the channels each) run wgmma m64nNk16 (k8 TF32 for float32); one producer thread
+// streams the stages (two copies a stage: with one box a row segment its per-stage work was the bottleneck,
+// the consumers waiting on it two thirds of the time).
 //
 // Work is split stream-K: the tiles' K steps, laid end to end, are cut into one even range per CTA (one
 // CTA an SM), so no last wave runs half empty (the UNet shapes have 90-432 tiles on 132 SMs). A tile cut
@@ -265,7 +250,7 @@ at::Tensor grad_z_cuda_(at::Tensor& y, const at::Tensor& g, const at::Tensor& sh
 // back; the clusters' K steps are cut as above.
 #if defined(VD_SM90A)
 struct CbsArgs {
-  const float* shift;  // b', C_out floats
+  const float2* scale_shift;  // (s, b') of each output channel (Folded::scale_shift)
   float* ws;           // partial sums: a slot of BM x BN floats a CTA
   int* flags;          // 2 a tile (one a consumer warpgroup): partial slots stored so far; zeroed by the host
   int64_t units;       // tiles x iters: the K steps of all tiles (cm > 1: groups x channel tiles x iters)
@@ -568,6 +553,18 @@ __global__ void __launch_bounds__(384, 1)
     const int nt = static_cast<int>(t % a.n_nt);
     const int64_t mw0 = (t / a.n_nt) * T::BM + (BM == 64 ? 0 : cw * MB * 64);  // the warpgroup's first pixel
     const int cn = nt * T::BN + (BM == 64 ? cw * T::WN : 0);                  // and channel
+    // 16-bit: lane l holds (s, b') of channels cn + 32 c + l, all loaded at once; the stores below take each
+    // quad's pair by shuffles. One load a channel pair in the loop below was one exposed L2 latency each (the
+    // compiler kept no registers to batch them beside the accumulators): 160-channel tiles ran 12 % slower.
+    static_assert(T::WN % 32 == 0, "whole warps of channels");
+    float2 ssv[kTf32 ? 1 : T::WN / 32];
+    if constexpr (!kTf32) {
+#pragma unroll
+      for (int c = 0; c < T::WN / 32; ++c) {
+        const int ch = cn + 32 * c + lane;
+        ssv[c] = ch < a.C_out ? a.scale_shift[ch] : make_float2(0.f, 0.f);
+      }
+    }
 #pragma unroll
     for (int mb = 0; mb < MB; ++mb) {
       const int64_t mw = mw0 + mb * 64;  // the block's first pixel
@@ -577,11 +574,12 @@ __global__ void __launch_bounds__(384, 1)
         for (int j = 0; j < T::WN / 8; ++j) {
           const int co = cn + 8 * j + 2 * tig;
           if (co >= a.C_out) continue;
-          const float2 b = *reinterpret_cast<const float2*>(a.shift + co);
+          // (s, b') of channels co and co + 1 (co even: 16-byte aligned)
+          const float4 e = *reinterpret_cast<const float4*>(a.scale_shift + co);
 #pragma unroll
           for (int rr = 0; rr < 2; ++rr) {
             const int64_t p = mw + warp * 16 + gq + 8 * rr;
-            float x0 = acc[mb][4 * j + 2 * rr] + b.x, x1 = acc[mb][4 * j + 2 * rr + 1] + b.y;
+            float x0 = fmaf(acc[mb][4 * j + 2 * rr], e.x, e.y), x1 = fmaf(acc[mb][4 * j + 2 * rr + 1], e.z, e.w);
             if (a.silu) x0 = silu_fast(x0), x1 = silu_fast(x1);
             if (p < a.P) *reinterpret_cast<float2*>(a.out + p * a.C_out + co) = make_float2(x0, x1);
           }
@@ -600,11 +598,15 @@ __global__ void __launch_bounds__(384, 1)
           const int sb = j / 8 - rd * T::round_blks;  // the block's place in the staging
           if (j / 8 < T::full_blks && (sb < 0 || sb >= T::round_blks)) continue;  // another round's
           const int co = cn + 8 * j + 2 * tig;  // C_out % 8 == 0: the pair is whole or absent
-          const float2 b = co < a.C_out ? *reinterpret_cast<const float2*>(a.shift + co) : make_float2(0.f, 0.f);
+          // channels co and co + 1 from the lanes that loaded them (j is unrolled: ssv[j / 4] stays a register)
+          const int l0 = (8 * j) % 32 + 2 * tig;
+          const float s0 = __shfl_sync(kFullMask, ssv[j / 4].x, l0), b0 = __shfl_sync(kFullMask, ssv[j / 4].y, l0);
+          const float s1 = __shfl_sync(kFullMask, ssv[j / 4].x, l0 + 1);
+          const float b1 = __shfl_sync(kFullMask, ssv[j / 4].y, l0 + 1);
 #pragma unroll
           for (int rr = 0; rr < 2; ++rr) {
             const int r = warp * 16 + gq + 8 * rr;  // the pixel row; r % 8 == gq
-            float x0 = acc[mb][4 * j + 2 * rr] + b.x, x1 = acc[mb][4 * j + 2 * rr + 1] + b.y;
+            float x0 = fmaf(acc[mb][4 * j + 2 * rr], s0, b0), x1 = fmaf(acc[mb][4 * j + 2 * rr + 1], s1, b1);
             if (a.silu) x0 = silu_fast(x0), x1 = silu_fast(x1);
             const uint32_t pk = pack_pair<scalar_t>(x0, x1);
             // 16-byte chunk j % 8 of the pixel's row, swizzled: 128-byte rows (chunk ^ row % 8), or in the
@@ -689,8 +691,7 @@ bool launch_conv_wgmma(const at::Tensor& x, const Folded& f, const ConvShape& s,
     return false;
 
   CbsArgs a{};
-  const at::Tensor shift = f.shift.to(at::kFloat).contiguous();
-  a.shift = shift.const_data_ptr<float>();
+  a.scale_shift = reinterpret_cast<const float2*>(f.scale_shift.const_data_ptr<float>());
   a.out = f32 ? y.mutable_data_ptr<float>() : nullptr;
   a.P = s.N * s.H_out * s.W_out;
   a.n_nt = static_cast<int>(ceil_div(s.C_out, T::BN));
@@ -766,7 +767,8 @@ at::Tensor conv_bn_silu_wgmma(const at::Tensor& x, const Folded& f, const ConvSh
     return {};
   const at::Tensor& w = f.weight;
   if (!x.is_contiguous(at::MemoryFormat::ChannelsLast) || !w.is_contiguous(at::MemoryFormat::ChannelsLast) ||
-      w.scalar_type() != dt || !aligned16(x.const_data_ptr()) || !aligned16(w.const_data_ptr()))
+      w.scalar_type() != dt || !aligned16(x.const_data_ptr()) || !aligned16(w.const_data_ptr()) ||
+      !f.scale_shift.defined() || !aligned16(f.scale_shift.const_data_ptr()))
     return {};
   const int64_t kMax = std::numeric_limits<int>::max() / 2;
   if (s.W + s.W_out > kMax || s.H + s.H_out > kMax || s.N > kMax || s.C_in > kMax || s.C_out > kMax ||
@@ -861,7 +863,7 @@ at::Tensor conv_bn_silu_cuda(const at::Tensor& x, const at::Tensor& weight,
   const auto stream = c10::cuda::getCurrentCUDAStream();
   const FoldCachePolicy policy{c10::cuda::currentStreamCaptureStatusMayInitCtx() ==
                                    c10::cuda::CaptureStatus::None,
-                               static_cast<int64_t>(stream.id()), keep_outside_pools, fold_bn_cuda};
+                               static_cast<int64_t>(stream.id()), keep_outside_pools, bn_vectors_cuda};
   return conv_bn_silu_forward(x, weight, bias, bn_weight, bn_bias, bn_mean, bn_var, eps, stride,
                               padding, dilation, groups, silu, bias_act_cuda_, conv_bn_silu_wgmma, policy);
 }
