@@ -21,7 +21,8 @@ struct Folded {
   at::Tensor inv_std;  // 1 / sqrt(bn_var + eps), acc dtype
   at::Tensor scale;    // s = bn_weight * inv_std, acc dtype
   at::Tensor shift;    // b' = (b - bn_mean) * s + bn_bias, acc dtype
-  at::Tensor weight;   // w' = w * s, x's dtype and layout; w itself (in the op's layout) where out_scale is set
+  at::Tensor weight;   // w' = w * s, x's dtype and layout; where out_scale is set, w unscaled: w itself where it is
+                       // in the op's layout, else a copy in it
   at::Tensor b_minus_mean;  // b - bn_mean, acc dtype (the backward's dbn_weight needs it again)
   // s applied to the convolution's output (y = act(conv(x, w) * s + b')) instead of to the weight: the CUDA
   // forward's (a graph replay must not copy the weight); undefined where the weight carries it.
@@ -103,7 +104,7 @@ inline Folded forward_fold(const at::Tensor& x, const at::Tensor& weight, const 
 // ---- conv_bn_silu: the device passes bias_act_(y, scale, shift, silu, s) and grad_z_(y, g, shift, silu, s) ----
 // (bias_act_'s scale: Folded::out_scale, undefined where the weight carries s)
 // fused_(x, f, s, silu): the whole forward in one kernel where the device has one for this configuration
-// (an undefined tensor otherwise: then the convolution and the bias + SiLU pass).
+// (an undefined tensor otherwise: then the convolution and the (scale +) bias + SiLU pass).
 
 template <typename BiasAct, typename Fused>
 inline at::Tensor conv_bn_silu_forward(const at::Tensor& x_in, const at::Tensor& weight,

@@ -66,7 +66,7 @@ struct FoldKey {
 };
 
 struct FoldValue {
-  at::Tensor weight;     // w', x's dtype and layout; undefined: the caller's weight as it is (see Folded)
+  at::Tensor weight;     // Folded::weight (w', or w's unscaled layout copy); undefined: the caller's weight as it is
   at::Tensor shift;      // b', acc dtype
   at::Tensor out_scale;  // s where the output takes it (Folded::out_scale), else undefined
   at::Tensor scale_shift;  // Folded::scale_shift

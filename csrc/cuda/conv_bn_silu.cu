@@ -1,7 +1,9 @@
-// CUDA kernels for vd::conv_bn_silu. On Hopper (sm_90a), fp16 / bf16 (or float32 as TF32) channels_last input
-// with stride 1: one implicit-GEMM kernel (wgmma + TMA) with the bias and SiLU in its epilogue. Elsewhere the folded
-// convolution runs through ATen (cuDNN) with the shared code of csrc/conv_gemm.h and the bias + SiLU
-// epilogue is one in-place pass over the output; the backward's dz = g * silu'(z) is another.
+// CUDA kernels for vd::conv_bn_silu. The forward applies BatchNorm as s and b' on the convolution's output
+// (bn_vectors_cuda), the weight unscaled. On Hopper (sm_90a), fp16 / bf16 (or float32 as TF32) channels_last input
+// with stride 1: one implicit-GEMM kernel (wgmma + TMA) with the scale, bias and SiLU in its epilogue. Elsewhere
+// the convolution runs through ATen (cuDNN) with the shared code of csrc/conv_gemm.h and the scale + bias + SiLU
+// epilogue is one in-place pass over the output; the backward (the weight folded, as on CPU) runs dz = g * silu'(z)
+// as another.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
@@ -31,7 +33,8 @@ __device__ __forceinline__ int64_t channel_of(int64_t i, int64_t C, int64_t S, b
   return channels_last ? i % C : (i / S) % C;
 }
 
-// y <- act(y * scale[c] + shift[c]): y is the convolution with the unscaled weight (see bn_vectors_cuda).
+// y <- act(y * scale[c] + shift[c]): y is the convolution with the unscaled weight (see bn_vectors_cuda), in
+// x's dtype as eager's conv -> BN has it (a float16 conv(x, w) past 65504 is inf here as there).
 template <typename scalar_t, typename acc_t>
 __global__ void bias_act_kernel(scalar_t* __restrict__ y, const acc_t* __restrict__ scale,
                                 const acc_t* __restrict__ shift, int64_t n, int64_t C, int64_t S,
@@ -91,9 +94,9 @@ unsigned grid_for(int64_t n, int threads) {
 }
 
 // The forward's BatchNorm fold: s = gamma / sqrt(var + eps) and b' = (b - mean) * s + beta, one small kernel,
-// and s applied to the convolution's output (the kernels' epilogue, or the bias + SiLU pass after cuDNN), not
-// to the weight: the weight is read as it is where it is in the op's layout (else one layout copy, cached with
-// the vectors). Under CUDA-graph capture there is no cache and every replay folds: a weight fold was a pass
+// and s applied to the convolution's output (the kernels' epilogue, or the scale + bias + SiLU pass after
+// cuDNN), not to the weight: the weight is read as it is where it is in the op's layout (else one layout copy,
+// cached with the vectors). Under CUDA-graph capture there is no cache and every replay folds: a weight fold was a pass
 // over the weight (0.022 ms at 1280 channels bf16 in one kernel, 0.14 ms as ATen's five), this one C_out
 // threads. float32 arithmetic in the order of conv_gemm.h's fold_bn (explicitly rounded steps, no
 // contraction; 1 / sqrt correctly rounded). Cached calls fold here too, so they and graph replays agree.
@@ -546,7 +549,7 @@ __global__ void __launch_bounds__(384, 1)
       }
     }
 
-    // Epilogue: b' and SiLU on each of the warpgroup's blocks of 64 pixels x WN channels, staged as the output
+    // Epilogue: s, b' and SiLU on each of the warpgroup's blocks of 64 pixels x WN channels, staged as the output
     // map's boxes (64 channels x BW pixels, 128-byte swizzle) and written by the copy engine while the
     // warpgroup goes on (to its next block or tile); the staging is refilled only after the copy engine has
     // read the previous boxes.
@@ -597,8 +600,7 @@ __global__ void __launch_bounds__(384, 1)
         for (int j = 0; j < T::WN / 8; ++j) {
           const int sb = j / 8 - rd * T::round_blks;  // the block's place in the staging
           if (j / 8 < T::full_blks && (sb < 0 || sb >= T::round_blks)) continue;  // another round's
-          const int co = cn + 8 * j + 2 * tig;  // C_out % 8 == 0: the pair is whole or absent
-          // channels co and co + 1 from the lanes that loaded them (j is unrolled: ssv[j / 4] stays a register)
+          // channels cn + 8 j + 2 tig and the next from the lanes that loaded them (ssv[j / 4]: j is unrolled)
           const int l0 = (8 * j) % 32 + 2 * tig;
           const float s0 = __shfl_sync(kFullMask, ssv[j / 4].x, l0), b0 = __shfl_sync(kFullMask, ssv[j / 4].y, l0);
           const float s1 = __shfl_sync(kFullMask, ssv[j / 4].x, l0 + 1);
@@ -649,7 +651,7 @@ __global__ void __launch_bounds__(384, 1)
 }
 #endif
 
-// VD_CONV_BN_SILU_KERNEL: "cudnn" keeps the cuDNN convolution and the bias + SiLU pass on Hopper too,
+// VD_CONV_BN_SILU_KERNEL: "cudnn" keeps the cuDNN convolution and the scale + bias + SiLU pass on Hopper too,
 // "wgmma" takes the Hopper kernel wherever it applies (no choice by shape); benchmarks and tests compare
 // them. VD_CONV_BN_SILU_TILE=128|160|256 pins the channel tile (of 128 pixels), 64x128|64x256 64-pixel tiles,
 // 256x128 256-pixel tiles of 128 channels;

@@ -46,7 +46,8 @@ def conv_bn_silu(
     with :math:`b'_c = (b_c - \mu_c) s_c + \beta_c`. ``silu=False`` returns ``z``. ``stride``,
     ``padding`` and ``dilation`` are ints or (height, width) pairs, as in ``F.conv2d``. The CPU kernel
     convolves with :math:`s \cdot w`; the CUDA kernels convolve with ``weight`` as given and apply
-    :math:`s_c` to the result (the first form of z), so a CUDA-graph replay reads the weight in place.
+    :math:`s_c` to the result (the first form of z), so a CUDA-graph replay reads a weight already in x's
+    memory format in place (others are copied into it on every replay).
 
     ``weight`` must have x's dtype; ``bias`` and the BatchNorm tensors may be any float dtype (they
     are folded in float32, float64 for float64 inputs). The output has x's dtype; a channels_last
