@@ -4,8 +4,8 @@
 # the tree's label. Same-session numbers are the only fair comparison of two builds: a fresh machine
 # starts at another clock and power state.
 #   bash bench/ab_builds.sh stage REF                # here: REF's sources into vdcompile-ab/REF (ignored by git)
-#   bash bench/ab_builds.sh run vdcompile-ab/REF OUTDIR CMD...   # on the GPU machine (carry vdcompile-ab)
-# e.g. run vdcompile-ab/main "$OUT" python3 bench/ops.py --ops conv_bn_silu --dtype fp16
+#   bash bench/ab_builds.sh run vdcompile-ab/REF OUTDIR CMD...   # on the GPU machine, vdcompile-ab copied along
+# e.g. run vdcompile-ab/main vdcompile-ab/out python3 bench/ops.py --ops conv_bn_silu --dtype fp16
 # Environment: ROUNDS (default 1), SKIP_BUILD=1 (trees already built), MAX_JOBS (split between the builds).
 set -uo pipefail
 cd "$(dirname "$0")/.."
