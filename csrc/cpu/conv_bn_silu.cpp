@@ -49,7 +49,7 @@ int64_t channel_chunks(const ConvShape& s) {
   return std::max<int64_t>(1, std::min({units, by_size, 4 * int64_t(at::get_num_threads())}));
 }
 
-// A per-channel vector (b' or s) as a host vector of the compute type.
+// The per-channel shift b' as a host vector of the compute type.
 template <typename opmath_t>
 std::vector<opmath_t> shift_values(const at::Tensor& shift, int64_t C) {
   const at::Tensor t = shift.to(c10::CppTypeToScalarType<opmath_t>::value).contiguous();
@@ -57,19 +57,18 @@ std::vector<opmath_t> shift_values(const at::Tensor& shift, int64_t C) {
   return std::vector<opmath_t>(p, p + C);
 }
 
-// y <- act(y * scale[c] + shift[c]) in place; an undefined scale is 1 (this file's fold scales the weight).
+// y <- act(y + shift[c]) in place. This file's fold (fold_bn) scales the weight, so there is no output scale.
 void bias_act_(at::Tensor& y, const at::Tensor& scale, const at::Tensor& shift, bool silu, const ConvShape& s) {
+  TORCH_INTERNAL_ASSERT(!scale.defined(), "conv_bn_silu (CPU): the weight carries s");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, y.scalar_type(), "conv_bn_silu_cpu", [&] {
     using opmath_t = at::opmath_type<scalar_t>;
     const std::vector<opmath_t> sh = shift_values<opmath_t>(shift, s.C_out);
-    const std::vector<opmath_t> sc = scale.defined() ? shift_values<opmath_t>(scale, s.C_out)
-                                                     : std::vector<opmath_t>(s.C_out, opmath_t(1));
     scalar_t* yp = y.mutable_data_ptr<scalar_t>();
     for_each_channel_run(s, channel_chunks(s), [&](int64_t, int64_t off, int64_t n, int64_t c) {
-      const opmath_t b = sh[c], m = sc[c];
+      const opmath_t b = sh[c];
       scalar_t* p = yp + off;
       for (int64_t i = 0; i < n; ++i) {
-        const opmath_t z = static_cast<opmath_t>(p[i]) * m + b;
+        const opmath_t z = static_cast<opmath_t>(p[i]) + b;
         p[i] = static_cast<scalar_t>(silu ? silu_fn(z) : z);
       }
     });
