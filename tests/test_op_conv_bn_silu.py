@@ -412,6 +412,37 @@ def test_fold_cache_separate_entries_per_device(empty_cache):
     assert cache_stats() == [0, 2, 2]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or "CUDA" not in built_backends("conv_bn_silu"),
+                    reason="needs the CUDA kernel and a GPU")
+def test_cuda_fold_cache_keeps_no_copy_of_a_weight_in_x_layout(empty_cache):
+    """On CUDA the cache keeps s and b' and a weight copy (device memory of its own, outside the caching
+    allocator) only where the weight is not in x's layout: a 59 MB float32 weight costs no device memory once
+    cached when it is channels_last like x, and its size when it is NCHW."""
+    cl = torch.channels_last
+    x = torch.randn(1, 1280, 8, 8, device="cuda").contiguous(memory_format=cl)
+
+    def kept(weight_format):  # device memory the cache holds after one call
+        w, b, *bn = make_params(1280, 1280, 3, device="cuda")
+        w = w.contiguous(memory_format=weight_format)
+        with torch.no_grad():
+            conv_bn_silu(x, w, b, *bn, 1e-5, 1, 1)  # handles and workspaces first; then an empty cache
+            torch.cuda.synchronize()
+            cache_stats(clear=True)
+            torch.cuda.empty_cache()
+            before = torch.cuda.mem_get_info()[0]
+            conv_bn_silu(x, w, b, *bn, 1e-5, 1, 1)
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            used = before - torch.cuda.mem_get_info()[0]
+        cache_stats(clear=True)
+        return used
+
+    weight_bytes = 1280 * 1280 * 9 * 4
+    used_cl, used_nchw = kept(cl), kept(torch.contiguous_format)
+    assert used_cl < weight_bytes / 4, (used_cl, weight_bytes)
+    assert used_nchw >= weight_bytes, (used_nchw, weight_bytes)
+
+
 def test_fold_cache_not_used_for_training_inference_tensors_or_fake(empty_cache):
     params = _eval_params()
     x = torch.randn(1, 4, 5, 5, requires_grad=True)
