@@ -25,6 +25,7 @@ case ${1:-} in
     [ $# -gt 0 ] || { echo "no command"; exit 2; }
     mkdir -p "$out"
     if [ "${SKIP_BUILD:-0}" != 1 ]; then
+      . bench/build_env.sh  # the compiler gpu_check.sh builds with (a shared libstdc++)
       jobs=$(( ${MAX_JOBS:-16} / 2 > 0 ? ${MAX_JOBS:-16} / 2 : 1 ))
       out_abs=$(realpath "$out")
       for tree in . "$other"; do
