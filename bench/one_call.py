@@ -3,7 +3,9 @@
     ncu --set full -k regex:fused_rows python bench/one_call.py group_norm_silu 28,320,72,128
     ncu --set full -k regex:smem_cols python bench/one_call.py group_norm_silu 32,640,64,96 --fp32 --channels-last
     ncu --set full -k regex:conv_bn_silu python bench/one_call.py conv_bn_silu 28,1280,18,32 [--fp32]
-(conv_bn_silu: a 3x3 convolution, C_in = C_out, channels_last; the VD_CONV_BN_SILU_* switches apply)
+    ncu --set full -k regex:temporal_conv python bench/one_call.py temporal_conv 2,1280,14,18,32 [--fp32] [--frames-major]
+(conv_bn_silu: a 3x3 convolution, C_in = C_out, channels_last; the VD_CONV_BN_SILU_* switches apply;
+temporal_conv: k = 3, padding 1, C_in = C_out, contiguous x or frames-major; float32 runs TF32, as eager's default)
 """
 from __future__ import annotations
 
@@ -37,6 +39,18 @@ def main():
         var = torch.rand(c, device="cuda", dtype=dtype) + 0.5
         for _ in range(2):
             torch.ops.vd.conv_bn_silu(x, weight, bias, bn_w, bn_b, mean, var, 1e-5, [1, 1], [1, 1], [1, 1], 1, True)
+        torch.cuda.synchronize()
+        return
+    if what == "temporal_conv":
+        b, c, f, h, w = map(int, name.split(","))
+        torch.backends.cudnn.allow_tf32 = True
+        if "--frames-major" in sys.argv:
+            x = torch.randn(b, f, c, h, w, device="cuda", dtype=dtype).transpose(1, 2)
+        else:
+            x = torch.randn(b, c, f, h, w, device="cuda", dtype=dtype)
+        weight = torch.randn(c, c, 3, 1, 1, device="cuda", dtype=dtype) / (3 * c) ** 0.5
+        for _ in range(2):
+            torch.ops.vd.temporal_conv(x, weight, None, 1)
         torch.cuda.synchronize()
         return
     if what != "attention":

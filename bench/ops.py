@@ -346,12 +346,11 @@ def main():
                 rows = bench_group_norm_silu_backward(dtype, dev, ceil.get("copy_GBps"), args.gn_variants)
             elif op == "scheduler_step":
                 rows = bench_scheduler_step(dtype, dev, ceil.get("copy_GBps"))
-            elif op == "conv_bn_silu":
+            elif op in ("conv_bn_silu", "temporal_conv"):
                 # float32: TF32 on the tensor cores (cuDNN's switch, on by default), so the TF32 rate
                 tf32 = dtype == torch.float32 and torch.backends.cudnn.allow_tf32
-                rows = bench_conv_bn_silu(dtype, dev, ceil.get("tf32_matmul_TFLOPs" if tf32 else "bf16_matmul_TFLOPs"))
-            elif op == "temporal_conv":
-                rows = bench_temporal_conv(dtype, dev, ceil.get("bf16_matmul_TFLOPs"))
+                rate = ceil.get("tf32_matmul_TFLOPs" if tf32 else "bf16_matmul_TFLOPs")
+                rows = (bench_conv_bn_silu if op == "conv_bn_silu" else bench_temporal_conv)(dtype, dev, rate)
             else:
                 raise SystemExit(f"unknown op {op!r}")
         except Exception as e:  # keep the other ops' numbers if one op fails

@@ -11,6 +11,7 @@ three CTAs an SM alone (the whole group_norm_silu set outlasts racecheck's time 
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -21,6 +22,17 @@ from vdcompile import has_cuda_kernels
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import env_var  # noqa: E402
+
+
+@contextlib.contextmanager
+def tf32_conv(on: bool):
+    """cuDNN's TF32 switch (torch.backends.cudnn.allow_tf32) set to on inside, as it was after."""
+    old = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = on
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.allow_tf32 = old
 
 
 def _grad(fn, *inputs):
@@ -256,7 +268,9 @@ def main():
             x = torch.randn(2, 8, 7, 5, 6, device=dev, dtype=dtype)
             w = torch.randn(12, 8, 3, 1, 1, device=dev, dtype=dtype)
             _grad(lambda x, w: torch.ops.vd.temporal_conv(x, w, None, 1), x, w)
-            if dtype != torch.float32:  # the Hopper kernel: partial channel / pixel tiles, padding-only frames
+            # the Hopper kernels (float32: the TF32 one, under cuDNN's TF32 switch, on by default): partial channel /
+            # pixel tiles, padding-only frames
+            with tf32_conv(dtype == torch.float32):
                 xf = torch.randn(2, 5, 72, 4, 26, device=dev, dtype=dtype).transpose(1, 2)
                 torch.ops.vd.temporal_conv(xf, torch.randn(200, 72, 3, 1, 1, device=dev, dtype=dtype),
                                            torch.randn(200, device=dev, dtype=dtype), 1)

@@ -82,6 +82,11 @@ CASES = {
                                    None),
     "temporal_conv": (lambda: [_rand(2, 32, 7, 9, 10), _rand(48, 32, 3, 1, 1), _rand(48)],
                       lambda x, w, b: torch.ops.vd.temporal_conv(x, w, b, 1)),
+    # The Hopper kernel's float32 build (TF32, where cuDNN's switch allows it: set in the test), frames-major x,
+    # a second pixel tile with one warpgroup idle (192 pixels), padding-only frames.
+    "temporal_conv_fp32": (lambda: [_rand(2, 5, 32, 12, 16, dtype=torch.float32).transpose(1, 2),
+                                    _rand(48, 32, 3, 1, 1, dtype=torch.float32) / 8, _rand(48, dtype=torch.float32)],
+                           lambda x, w, b: torch.ops.vd.temporal_conv(x, w, b, 3)),
     "scheduler_step": (lambda: [_rand(2, 14, 4, 9, 16, dtype=torch.float32), _rand(2, 14, 4, 9, 16, dtype=torch.float32),
                                 torch.tensor([1.0, -0.5, 0.9, 0.0, 0.1, 0.0], device="cuda")],
                        lambda m, x, c: torch.ops.vd.scheduler_step(m, x, c)),
@@ -98,7 +103,7 @@ def _flat(out):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_cuda_graph_capture_and_replay(case, monkeypatch):
     torch.manual_seed(0)
-    if case.startswith("conv_bn_silu") and case.endswith("_fp32"):
+    if case.endswith("_fp32"):
         monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
     make, fn = CASES[case]
     if case.startswith("conv_bn_silu"):
@@ -123,9 +128,10 @@ def test_cuda_graph_capture_and_replay(case, monkeypatch):
     expected = _flat(fn(*fresh))
     assert len(captured) == len(expected)
     for got, want in zip(captured, expected):
-        # The Hopper conv kernel is vd's own (a fixed summation order); elsewhere that case runs cuDNN.
-        library = case in LIBRARY_GEMMS or (case.startswith("conv_bn_silu_stream_k")
-                                            and torch.cuda.get_device_capability() != (9, 0))
+        # The Hopper conv kernels are vd's own (a fixed summation order); elsewhere those cases run cuDNN / cuBLAS.
+        library = case in LIBRARY_GEMMS or (
+            (case.startswith("conv_bn_silu_stream_k") or case == "temporal_conv_fp32")
+            and torch.cuda.get_device_capability() != (9, 0))
         if library:
             torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
         else:

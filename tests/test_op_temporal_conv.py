@@ -307,20 +307,73 @@ def test_hopper_kernel_matches_reference(device, dtype, case, monkeypatch):
         assert_close_to(OP(x, weight, bias, padding), ref, dtype, what="cuBLAS path")
 
 
+TF32_KERNEL = "temporal_conv_tf32_kernel"
+
+
 @pytest.mark.parametrize("device", CUDA)
-def test_hopper_weight_copy_follows_weight_changes(device, monkeypatch):
-    """The kernel's tap-major weight copy is kept while the weight is unchanged and rebuilt after an in-place
-    update, a .data swap (no version bump) or for another weight; the TMA and register epilogues agree bitwise."""
+@pytest.mark.parametrize("tile", ["128", "160"])
+@pytest.mark.parametrize("case", HOPPER_CASES, ids=lambda c: f"{c[1]}-{'x'.join(map(str, c[0]))}")
+def test_hopper_tf32_kernel_matches_reference(device, tile, case, monkeypatch):
+    """float32 takes the TF32 kernel where cuDNN's convolutions may run TF32 (torch.backends.cudnn.allow_tf32, as
+    eager's Conv3d), held to fp16's bound (TF32 keeps fp16's 10-bit mantissa), at both channel tiles: partial
+    channel tiles, partial pixel tiles with warpgroups past H * W, edge and padding-only frames, k = 1 and 5, a
+    channel slice. With the switch off, the cuBLAS path at float32's bound."""
+    (b, c_in, c_out, f, h, w, k, padding), layout = case
     torch.manual_seed(0)
-    x = make_input("contiguous", 2, 64, 6, 8, 16, device, torch.bfloat16)
-    w = torch.nn.Parameter(make_weight(64, 96, 3, device, torch.bfloat16))
-    bias = torch.randn(96, device=device, dtype=torch.bfloat16)
+    monkeypatch.setenv("VD_TEMPORAL_CONV_TF32_TILE", tile)
+    if layout == "channel_slice":
+        x = torch.randn(b, c_in + 32, f, h, w, device=device)[:, 16:16 + c_in]
+    else:
+        x = make_input(layout, b, c_in, f, h, w, device, torch.float32)
+    weight = make_weight(c_in, c_out, k, device, torch.float32)
+    for bias in (None, torch.randn(c_out, device=device)):
+        ref = reference_temporal_conv(x.double(), weight.double(), None if bias is None else bias.double(), padding)
+        monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
+        out = OP(x, weight, bias, padding)
+        ran = cuda_kernels_run(lambda: OP(x, weight, bias, padding))
+        assert (TF32_KERNEL in " ".join(ran)) == on_hopper(device), ran
+        assert_close_to(out, ref, torch.float16, what=f"bias={bias is not None}")
+        assert_fake_matches_real(OP, (x, weight, bias, padding))
+        monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+        assert TF32_KERNEL not in " ".join(cuda_kernels_run(lambda: OP(x, weight, bias, padding)))
+        assert_close_to(OP(x, weight, bias, padding), ref, torch.float32, what="cuBLAS path")
+
+
+@pytest.mark.parametrize("device", CUDA)
+def test_hopper_tf32_tile_choice(device, monkeypatch):
+    """The TF32 kernel takes 160 channels a tile, or 128 where that pads C_out to fewer channels (256, 200)."""
+    monkeypatch.delenv("VD_TEMPORAL_CONV_TF32_TILE", raising=False)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
+    if not on_hopper(device):
+        pytest.skip("needs an sm_90 device (the TF32 kernel)")
+    torch.manual_seed(0)
+    x = torch.randn(2, 64, 6, 8, 24, device=device)
+    for c_out, want in [(320, "160"), (640, "160"), (256, "128"), (200, "128")]:
+        weight = make_weight(64, c_out, 3, device, torch.float32)
+        ran = " ".join(cuda_kernels_run(lambda: OP(x, weight, None, 1)))
+        assert f"{TF32_KERNEL}<{want}>" in ran, (c_out, ran)
+        assert_close_to(OP(x, weight, None, 1), reference_temporal_conv(x.double(), weight.double(), None, 1),
+                        torch.float16, what=f"C_out {c_out}")
+
+
+@pytest.mark.parametrize("device", CUDA)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_hopper_weight_copy_follows_weight_changes(device, dtype, monkeypatch):
+    """The kernel's tap-major weight copy (float32: the TF32 kernel's, channels reordered) is kept while the weight
+    is unchanged and rebuilt after an in-place update, a .data swap (no version bump) or for another weight; the
+    TMA and register epilogues of the 16-bit kernel agree bitwise."""
+    torch.manual_seed(0)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
+    tol = torch.float16 if dtype == torch.float32 else dtype
+    x = make_input("contiguous", 2, 64, 6, 8, 16, device, dtype)
+    w = torch.nn.Parameter(make_weight(64, 96, 3, device, dtype))
+    bias = torch.randn(96, device=device, dtype=dtype)
 
     def check(weight):
         with torch.no_grad():
             out = OP(x, weight, bias, 1)
         ref = reference_temporal_conv(x.double(), weight.detach().double(), bias.double(), 1)
-        assert_close_to(out, ref, torch.bfloat16)
+        assert_close_to(out, ref, tol)
         return out
 
     first = check(w)
@@ -328,9 +381,11 @@ def test_hopper_weight_copy_follows_weight_changes(device, monkeypatch):
     with torch.no_grad():
         w.mul_(-0.5)
     assert not torch.equal(check(w), first)
-    w.data = make_weight(64, 96, 3, device, torch.bfloat16)
+    w.data = make_weight(64, 96, 3, device, dtype)
     check(w)
-    check(make_weight(64, 96, 3, device, torch.bfloat16))
+    check(make_weight(64, 96, 3, device, dtype))
+    if dtype == torch.float32:
+        return
     with torch.no_grad():
         tma = OP(x, w, bias, 1)
         monkeypatch.setenv("VD_TEMPORAL_CONV_STORE", "regs")
@@ -338,18 +393,23 @@ def test_hopper_weight_copy_follows_weight_changes(device, monkeypatch):
 
 
 @pytest.mark.parametrize("device", CUDA)
-def test_hopper_kernel_leaves_other_inputs_to_cublas(device):
-    """fp32, channels_last_3d and H*W not a multiple of 8 take the cuBLAS path (and stay correct)."""
+def test_hopper_kernel_leaves_other_inputs_to_cublas(device, monkeypatch):
+    """fp32 with cuDNN's TF32 switch off (the tests' default), channels_last_3d and H*W not a multiple of 8 (fp32
+    with the switch on too) take the cuBLAS path (and stay correct)."""
     torch.manual_seed(0)
-    cases = [
-        (make_input("contiguous", 1, 16, 4, 4, 8, device, torch.float32), torch.float32),
-        (make_input("channels_last", 1, 16, 4, 4, 8, device, torch.bfloat16), torch.bfloat16),
-        (make_input("contiguous", 1, 16, 4, 3, 5, device, torch.bfloat16), torch.bfloat16),
+    cases = [  # (x, dtype, cuDNN's TF32 switch)
+        (make_input("contiguous", 1, 16, 4, 4, 8, device, torch.float32), torch.float32, False),
+        (make_input("channels_last", 1, 16, 4, 4, 8, device, torch.bfloat16), torch.bfloat16, False),
+        (make_input("contiguous", 1, 16, 4, 3, 5, device, torch.bfloat16), torch.bfloat16, False),
+        (make_input("channels_last", 1, 16, 4, 4, 8, device, torch.float32), torch.float32, True),
+        (make_input("contiguous", 1, 16, 4, 3, 5, device, torch.float32), torch.float32, True),
     ]
-    for x, dtype in cases:
+    for x, dtype, tf32 in cases:
+        monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", tf32)
         weight = make_weight(16, 24, 3, device, dtype)
         out = OP(x, weight, None, 1)
-        assert HOPPER_KERNEL not in " ".join(cuda_kernels_run(lambda: OP(x, weight, None, 1)))
+        ran = " ".join(cuda_kernels_run(lambda: OP(x, weight, None, 1)))
+        assert HOPPER_KERNEL not in ran and TF32_KERNEL not in ran, ran
         assert_close_to(out, reference_temporal_conv(x.double(), weight.double(), None, 1), dtype)
 
 

@@ -1,6 +1,6 @@
-// CUDA kernels for vd::temporal_conv. On Hopper (sm_90a), fp16 / bf16: one implicit-GEMM kernel
-// (wgmma + TMA) that reads x in place, contiguous or frames-major, and skips the taps that fall in the
-// padding. Elsewhere: the per-tap GEMMs of csrc/conv_gemm.h on cuBLAS, reading (B, C, F, H, W) through
+// CUDA kernels for vd::temporal_conv. On Hopper (sm_90a), fp16 / bf16 and float32 as TF32 (where cuDNN's
+// switch allows it): one implicit-GEMM kernel (wgmma + TMA) that reads x in place, contiguous or frames-major,
+// and skips the taps that fall in the padding. Elsewhere: the per-tap GEMMs of csrc/conv_gemm.h on cuBLAS, reading (B, C, F, H, W) through
 // views. Both use the weight reordered to tap-major rows (a kernel below).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
@@ -15,6 +15,7 @@
 #include <cstdlib>
 #include <limits>
 #include <string>
+#include <type_traits>
 
 #include "../conv_gemm.h"
 #include "../fold_cache.h"
@@ -353,20 +354,183 @@ __global__ void __launch_bounds__(384, 1)
 #endif
 }
 
+// ---- Hopper, float32 with cuDNN's TF32 switch on (as the Conv3d it replaces): the same implicit GEMM on TF32 ----
+// TF32 products read shared-memory operands K-major only, and x's frame rows are pixel-contiguous (MN-major), so
+// the roles swap: A = x^T, 64 pixels a consumer warpgroup by 8 channels a step, loaded from the staged boxes into
+// registers; B = the weight rows (K-major, as the copy engine lands them). A tile is 192 pixels (64 a consumer
+// warpgroup, three of them) x BN = 160 (or 128: temporal_conv_tf32) output channels of one (b, f): float32 doubles
+// the bytes a product reads, and 128 x 128 tiles (two warpgroups) were bound by L2 (ncu: 67 % of its throughput,
+// the tensor cores ~60 % busy); 192 x 160 reads 28 % fewer bytes a product, and divides the UNet's pixel counts
+// (576, 2304, 9216) and channel counts (320, 640, 1280) whole. The producer warpgroup gives its registers to the
+// consumers (setmaxnreg).
+// Logical column tig of an A fragment is channel 2 tig of the step's 8 (tig + 4: 2 tig + 1), so a warp's four rows
+// differ in their swizzle bits and its loads hit 32 banks (in natural order two rows share them: 2-way
+// conflicts); the cached weight copy holds its channels in that order within each 8 (cached_tap_rows'
+// tf32_order). A warpgroup whose 64 pixels lie past H * W skips its products.
+template <int BN_>
+struct TcTf32Tile {
+  static constexpr int WG = 3, threads = 128 * (WG + 1);
+  static constexpr int regs_producer = 24, regs_consumer = 160;   // 24 * 128 + 160 * 128 * WG <= 65536
+  static constexpr int BM = 64 * WG, BN = BN_, BK = 32, kStages = 5;  // pixels, channels, input channels a stage
+  static constexpr int x_bytes = BK * BM * 4;                      // BM / 32 boxes of 32 pixels x 32 channels
+  static constexpr int w_bytes = BN * BK * 4;                      // BN weight rows of 32 channels
+  static constexpr int bar_off = kStages * (x_bytes + w_bytes);
+  static constexpr size_t smem_bytes = bar_off + 16 * kStages + 1024;  // + slack to align to 1024
+};
+
+template <int BN>
+__global__ void __launch_bounds__(TcTf32Tile<BN>::threads, 1)
+    temporal_conv_tf32_kernel(const TcArgs a, const __grid_constant__ CUtensorMap tw,
+                              const __grid_constant__ CUtensorMap tx) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using T = TcTf32Tile<BN>;
+  constexpr int S = T::kStages;
+  extern __shared__ __align__(16) unsigned char tc_smem[];
+  const uint32_t sX = (static_cast<uint32_t>(__cvta_generic_to_shared(tc_smem)) + 1023u) & ~1023u;
+  const uint32_t sW = sX + S * T::x_bytes, bar = sX + T::bar_off;
+  auto full = [&](int st) { return bar + 8 * st; };
+  auto empty = [&](int st) { return bar + 8 * (S + st); };
+  const int tid = threadIdx.x, wg = tid / 128;
+  if (tid == 0) wgmma::init_stage_ring(bar, S, 4 * T::WG);  // empty: one arrival per consumer warp
+  __syncthreads();
+
+  if (wg == 0) {
+    wgmma::setmaxnreg_dec<T::regs_producer>();
+    if (tid == 0) {
+      uint32_t u = 0;  // stages filled so far (runs on across tiles)
+      for (int64_t w = blockIdx.x; w < a.tiles; w += gridDim.x) {
+        const TcWork t = tc_work<false>(a, w);
+        for (int tap = t.t0; tap < t.t1; ++tap) {
+          const int fi = t.f + tap - a.pad;
+          for (int c = 0; c < a.chunks; ++c, ++u) {
+            const int st = static_cast<int>(u % S);
+            wgmma::mbar_wait(empty(st), ((u / S) & 1) ^ 1u);
+            wgmma::mbar_expect_tx(full(st), T::x_bytes + T::w_bytes);
+            wgmma::tma_load_4d(sW + st * T::w_bytes, &tw, full(st), c * T::BK, tap, t.cb * T::BN, 0);
+#pragma unroll
+            for (int i = 0; i < T::BM / 32; ++i)
+              wgmma::tma_load_4d(sX + st * T::x_bytes + i * 4096, &tx, full(st), t.pb * T::BM + 32 * i, c * T::BK,
+                                 fi, t.b);
+          }
+        }
+      }
+    }
+    return;
+  }
+  wgmma::setmaxnreg_inc<T::regs_consumer>();
+
+  // The consumer warpgroup's index through a shuffle, so the compiler sees it uniform (ptxas C7518).
+  const int cw = __shfl_sync(kFullMask, wg - 1, 0), warp = (tid / 32) % 4, lane = tid % 32;
+  const int g = lane >> 2, tig = lane & 3;
+  // Byte offsets in a stage's x boxes of this thread's A elements: rows (channels) 2 tig and 2 tig + 1 of each
+  // step of 8, pixels p and p + 8 (p = the warp's 16 rows' g-th); box p / 32, 128-byte swizzle (16-byte chunk
+  // index XOR row % 8). off[r][h]: row 2 tig + r, pixel p + 8 h; a step kk adds 8 rows (1024 bytes).
+  uint32_t off[2][2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int p = cw * 64 + warp * 16 + g + 8 * h, row = 2 * tig + r;
+      off[r][h] = (p >> 5) * 4096 + row * 128 + ((((p & 31) >> 2) ^ row) << 4) + (p & 3) * 4;
+    }
+  float* out = static_cast<float*>(a.out);
+  uint32_t u = 0;
+  for (int64_t w = blockIdx.x; w < a.tiles; w += gridDim.x) {
+    const TcWork t = tc_work<false>(a, w);
+    const int steps = max(0, t.t1 - t.t0) * a.chunks;
+    const bool active = t.pb * T::BM + cw * 64 < a.HW;  // this warpgroup's pixels exist
+    float acc[T::BN / 2];  // the first product overwrites it (scale-d 0); zeroed below if there is none
+    unsigned af[2][T::BK / 8][4];  // A fragments of two stages: a stage's are read until its products finish
+    int prev = -1;  // the stage whose products may still be reading shared memory
+    // One stage into fragment buffer B (a constant: the loop below runs two stages an iteration).
+    auto stage = [&](int s, auto buf) {
+      constexpr int B = decltype(buf)::value;
+      const int st = static_cast<int>(u % S);
+      wgmma::mbar_wait(full(st), (u / S) & 1);
+      if (active) {
+        const uint32_t xs = sX + st * T::x_bytes;
+#pragma unroll
+        for (int kk = 0; kk < T::BK / 8; ++kk) {
+          const uint32_t base = xs + kk * 1024;
+          asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(af[B][kk][0]) : "r"(base + off[0][0]));
+          asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(af[B][kk][1]) : "r"(base + off[0][1]));
+          asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(af[B][kk][2]) : "r"(base + off[1][0]));
+          asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(af[B][kk][3]) : "r"(base + off[1][1]));
+        }
+        // K steps of 8 channels: +32 bytes in the weight's 128-byte rows.
+        const uint64_t db = wgmma::desc_sw128(sW + st * T::w_bytes, 16, 1024);
+        wgmma::fence();  // the fragments' registers (and the accumulators) before the products read them
+#pragma unroll
+        for (int kk = 0; kk < T::BK / 8; ++kk)
+          if constexpr (BN == 160) wgmma::mma_m64n160k8_tf32_rs(acc, af[B][kk], db + ((kk * 32) >> 4), s > 0 || kk > 0);
+          else wgmma::mma_m64n128k8_tf32_rs(acc, af[B][kk], db + ((kk * 32) >> 4), s > 0 || kk > 0);
+        wgmma::commit();
+        wgmma::wait<1>();  // the previous stage's products are done: its buffer and stage are free
+      }
+      if (prev >= 0 && lane == 0) wgmma::mbar_arrive(empty(prev));
+      prev = st;
+      ++u;
+    };
+    for (int s = 0; s < steps; s += 2) {
+      stage(s, std::integral_constant<int, 0>{});
+      if (s + 1 < steps) stage(s + 1, std::integral_constant<int, 1>{});
+    }
+    wgmma::wait<0>();
+    wgmma::fence_regs(acc);
+    if (steps == 0 || !active) {  // every tap in the padding: the bias alone (an idle warpgroup stores nothing)
+#pragma unroll
+      for (int i = 0; i < T::BN / 2; ++i) acc[i] = 0.f;
+    }
+    if (prev >= 0 && lane == 0) wgmma::mbar_arrive(empty(prev));
+    if (!active) continue;
+
+    // acc[4 j + 2 rr + e]: pixel g + 8 rr of the warp's 16, channel 8 j + 2 tig + e of the tile's BN. A warp's
+    // store covers 8 consecutive pixels (32 bytes) of 4 channels.
+    const int64_t obase = t.b * a.out_sb + t.f * a.out_sf;
+    const int p0 = t.pb * T::BM + cw * 64 + warp * 16 + g;
+    const float* bias = static_cast<const float*>(a.bias);
+#pragma unroll
+    for (int j = 0; j < T::BN / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int co = t.cb * T::BN + 8 * j + 2 * tig + e;
+        if (co >= a.C_out) continue;
+        const float bv = bias != nullptr ? bias[co] : 0.f;
+        float* row = out + obase + co * a.out_sc;
+#pragma unroll
+        for (int rr = 0; rr < 2; ++rr) {
+          const int p = p0 + 8 * rr;
+          if (p < a.HW) row[p] = acc[4 * j + 2 * rr + e] + bv;
+        }
+      }
+    }
+  }
+#endif
+}
+
 #endif
 
 // tap_rows(weight) for the Hopper kernel, kept while the weight is unchanged (same tensor, version and
 // data; fold_cacheable's rules): the reorder is a launch and ~9 us a call at 1280 channels, 3 % of the
 // convolution. Not while a CUDA graph is captured (a replay would keep the captured copy after the weight
 // changes).
-at::Tensor cached_tap_rows(const at::Tensor& x, const at::Tensor& weight) {
+// tf32_order: the TF32 kernel's copy, each 8 input channels of a row in the order 0, 2, 4, 6, 1, 3, 5, 7
+// (TcTf32Tile); cached apart from the natural order (the key's eps field tells them apart).
+at::Tensor cached_tap_rows(const at::Tensor& x, const at::Tensor& weight, bool tf32_order = false) {
+  auto make = [&] {
+    at::Tensor w = tap_rows(weight);  // (C_out, k, C_in)
+    if (!tf32_order) return w;
+    const int64_t C_out = w.size(0), k = w.size(1), C = w.size(2);
+    // channel 2 i + h of each 8 goes to position 4 h + i
+    return w.view({C_out, k, C / 8, 4, 2}).transpose(3, 4).contiguous().view({C_out, k, C});
+  };
   const bool capturing = c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
   const std::array<const at::Tensor*, kFoldParams> ps{&weight, nullptr, nullptr, nullptr, nullptr, nullptr};
-  if (!fold_cacheable(x, ps, !capturing)) return tap_rows(weight);
+  if (!fold_cacheable(x, ps, !capturing)) return make();
   const int64_t stream = static_cast<int64_t>(c10::cuda::getCurrentCUDAStream().id());
   return tap_rows_cache()
-      .find_or_insert(ps, weight.scalar_type(), weight.device(), at::MemoryFormat::Contiguous, 0.0, stream,
-                      [&] { return FoldValue{keep_outside_pools(tap_rows(weight)), at::Tensor()}; })
+      .find_or_insert(ps, weight.scalar_type(), weight.device(), at::MemoryFormat::Contiguous, tf32_order ? 1.0 : 0.0,
+                      stream, [&] { return FoldValue{keep_outside_pools(make()), at::Tensor()}; })
       .weight;
 }
 
@@ -382,13 +546,91 @@ bool temporal_tma_store() {
   return e == nullptr || std::string(e) != "regs";
 }
 
-// The Hopper kernel for fp16 / bf16 x that is contiguous or frames-major with H * W and C_in multiples
-// of 8 (16-byte strides for the copy engine). Returns false where the cuBLAS path is used instead.
+#if defined(VD_SM90A)
+// The kernels' arguments but the tile grid: bias_x keeps the bias in x's dtype (as the cuBLAS path adds it; no
+// copy when it already is) alive for the launch.
+TcArgs tc_args(const at::Tensor& out, const std::optional<at::Tensor>& bias, const TemporalConvShape& s,
+               at::Tensor& bias_x) {
+  TcArgs a{};
+  a.out = out.data_ptr();
+  if (bias.has_value()) {
+    bias_x = bias->to(out.scalar_type()).contiguous();
+    a.bias = bias_x.const_data_ptr();
+  }
+  a.out_sb = out.stride(0);
+  a.out_sc = out.stride(1);
+  a.out_sf = out.stride(2);
+  a.C_out = static_cast<int>(s.C_out);
+  a.HW = static_cast<int>(s.H * s.W);
+  a.F = static_cast<int>(s.F);
+  a.F_out = static_cast<int>(s.F_out);
+  a.k = static_cast<int>(s.k);
+  a.pad = static_cast<int>(s.padding);
+  return a;
+}
+
+// VD_TEMPORAL_CONV_TF32_TILE=128|160 pins the TF32 kernel's channels a tile (tests and benchmarks compare them).
+std::string env_tile() {
+  const char* e = std::getenv("VD_TEMPORAL_CONV_TF32_TILE");
+  return e == nullptr ? std::string() : std::string(e);
+}
+
+// temporal_conv_wgmma's float32 half (its checks done): temporal_conv_tf32_kernel at BN = 160 output channels a tile,
+// or 128 where that pads C_out to fewer channels (256, 512: the VAE's temporal decoder). 128 where it only fills the
+// persistent grid's last round better was 7 % slower (H200: 0.527 against 0.491 ms at 1280 channels, 18 x 32
+// pixels; 0.544 against 0.507 at 640, 36 x 64): 14 % more bytes a product, the same per-stage overheads.
+bool temporal_conv_tf32(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                        at::Tensor& out, const TemporalConvShape& s) {
+  const int64_t HW = s.H * s.W;
+  const at::Tensor w = cached_tap_rows(x, weight, /*tf32_order=*/true);  // (C_out, k, C_in)
+  at::Tensor bias_x;
+  TcArgs a = tc_args(out, bias, s, bias_x);
+  a.half_pb = 0;
+  // The tile grid at BN channels a tile.
+  auto tiles = [&](int BN) {
+    a.n_cb = static_cast<int>(ceil_div(s.C_out, int64_t{BN}));
+    a.n_pb = static_cast<int>(ceil_div(HW, int64_t{TcTf32Tile<128>::BM}));
+    a.chunks = static_cast<int>(ceil_div(s.C_in, int64_t{TcTf32Tile<128>::BK}));
+    a.tiles = a.full_tiles = static_cast<int64_t>(a.n_cb) * a.n_pb * s.F_out * s.B;
+    return a.tiles;
+  };
+  auto padded = [&](int64_t BN) { return ceil_div(s.C_out, BN) * BN; };
+  using B160 = std::integral_constant<int, 160>;
+  using B128 = std::integral_constant<int, 128>;
+  const std::string pin = env_tile();
+  const bool narrow = pin == "128" || (pin != "160" && padded(128) < padded(160));
+  auto launch = [&](auto bn_tag) {
+    constexpr int BN = decltype(bn_tag)::value;
+    using T = TcTf32Tile<BN>;
+    tiles(BN);
+    auto kernel = temporal_conv_tf32_kernel<BN>;
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(T::smem_bytes)));
+    const unsigned grid = persistent_blocks(kernel, T::threads, T::smem_bytes, a.tiles);
+    CUtensorMap tw, tx;
+    if (!tensor_map_4d(&tw, w, {s.C_in, s.k, s.C_out, 1}, {s.C_in, s.k * s.C_in, s.C_out * s.k * s.C_in},
+                       {T::BK, 1, T::BN, 1}) ||
+        !tensor_map_4d(&tx, x, {HW, s.C_in, s.F, s.B}, {x.stride(1), x.stride(2), x.stride(0)}, {32, T::BK, 1, 1}))
+      return false;
+    kernel<<<grid, T::threads, T::smem_bytes, c10::cuda::getCurrentCUDAStream()>>>(a, tw, tx);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return true;
+  };
+  return narrow ? launch(B128{}) : launch(B160{});
+}
+#endif
+
+// The Hopper kernels for x that is contiguous or frames-major with H * W and C_in multiples of 8 (16-byte
+// strides for the copy engine): fp16 / bf16, and float32 on TF32 tensor cores where cuDNN's convolutions may
+// run TF32 (torch.backends.cudnn.allow_tf32, on by default: what eager's Conv3d does). Returns false where the
+// cuBLAS path is used instead (float32 with the switch off: IEEE float32 GEMMs).
 bool temporal_conv_wgmma(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                          at::Tensor& out, const TemporalConvShape& s) {
 #if defined(VD_SM90A)
   const auto dt = x.scalar_type();
-  if ((dt != at::kHalf && dt != at::kBFloat16) || s.channels_last || !temporal_wgmma_allowed() || !device_is_sm90a())
+  const bool tf32 = dt == at::kFloat && at::globalContext().allowTF32CuDNN();
+  if ((dt != at::kHalf && dt != at::kBFloat16 && !tf32) || s.channels_last || !temporal_wgmma_allowed() ||
+      !device_is_sm90a())
     return false;
   const int64_t HW = s.H * s.W, kMax = std::numeric_limits<int>::max();
   if (HW % 8 != 0 || s.C_in % 8 != 0 || x.stride(4) != 1 || x.stride(3) != s.W || out.stride(4) != 1 ||
@@ -397,6 +639,7 @@ bool temporal_conv_wgmma(const at::Tensor& x, const at::Tensor& weight, const st
   if (HW > kMax - 256 || s.C_in > kMax - 128 || s.C_out > kMax - 256 || s.F > kMax || s.B > kMax ||
       s.F_out > kMax || s.k > kMax || s.padding > kMax / 2)
     return false;  // the copy engine's coordinates and the tile fields are 32-bit
+  if (tf32) return temporal_conv_tf32(x, weight, bias, out, s);
   const at::Tensor w = cached_tap_rows(x, weight);  // (C_out, k, C_in) contiguous
   CUtensorMap tw, tx, to{};
   if (!tensor_map_4d(&tw, w, {s.C_in, s.k, s.C_out, 1}, {s.C_in, s.k * s.C_in, s.C_out * s.k * s.C_in},
@@ -407,22 +650,8 @@ bool temporal_conv_wgmma(const at::Tensor& x, const at::Tensor& weight, const st
   const bool tma = temporal_tma_store() && tensor_map_4d(&to, out, {HW, s.C_out, s.F_out, s.B},
                                                          {out.stride(1), out.stride(2), out.stride(0)}, {64, 64, 1, 1});
 
-  TcArgs a{};
-  a.out = out.data_ptr();
   at::Tensor bias_x;
-  if (bias.has_value()) {  // in x's dtype, as the cuBLAS path adds it (no copy when it already is)
-    bias_x = bias->to(dt).contiguous();
-    a.bias = bias_x.const_data_ptr();
-  }
-  a.out_sb = out.stride(0);
-  a.out_sc = out.stride(1);
-  a.out_sf = out.stride(2);
-  a.C_out = static_cast<int>(s.C_out);
-  a.HW = static_cast<int>(HW);
-  a.F = static_cast<int>(s.F);
-  a.F_out = static_cast<int>(s.F_out);
-  a.k = static_cast<int>(s.k);
-  a.pad = static_cast<int>(s.padding);
+  TcArgs a = tc_args(out, bias, s, bias_x);
   a.n_cb = static_cast<int>(ceil_div(s.C_out, TcTile::BM));
   a.n_pb = static_cast<int>(ceil_div(HW, TcTile::BN));
   a.chunks = static_cast<int>(ceil_div(s.C_in, TcTile::BK));

@@ -189,6 +189,24 @@ __device__ __forceinline__ void mma_m64n64k8_tf32_rs(float (&d)[32], const unsig
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
 }
 
+// d (64 x 128, f32) = (scale_d ? d : 0) + A (64 x 8, registers, TF32) * B (8 x 128, shared, K-major): as below.
+__device__ __forceinline__ void mma_m64n128k8_tf32_rs(float (&d)[64], const unsigned (&a)[4], uint64_t db, int scale_d) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 {" VD_R64 "}, {%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
+               : VD_D64(d)
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
+}
+
+// d (64 x 160, f32) = (scale_d ? d : 0) + A (64 x 8, registers, TF32) * B (8 x 160, shared, K-major):
+// temporal_conv's float32 products, x's pixels as the rows of A (loaded from its pixel-contiguous boxes), the
+// weight rows as B.
+__device__ __forceinline__ void mma_m64n160k8_tf32_rs(float (&d)[80], const unsigned (&a)[4], uint64_t db, int scale_d) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %85, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n160k8.f32.tf32.tf32 {" VD_R80 "}, {%80, %81, %82, %83}, %84, p, 1, 1;\n}\n"
+               : VD_D80(d)
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
+}
+
 #undef VD_SS_TF32
 #undef VD_RS
 #undef VD_SS
