@@ -5,7 +5,8 @@
 
 extern "C" {
 // Importing vdcompile._C runs the static registrations below; the module itself only says which
-// arch-specific kernels the build carries (HOPPER_ATTENTION: the sm_90a attention forward).
+// arch-specific kernels the build carries (HOPPER_ATTENTION: the sm_90a kernels, attention's forward and the
+// conv ops'; the name is older than the conv kernels).
 PyObject* PyInit__C(void) {
   static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
   PyObject* m = PyModule_Create(&module_def);

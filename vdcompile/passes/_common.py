@@ -44,6 +44,14 @@ _BY_FUNCTION: dict[Any, _Form] = {}
 _BY_METHOD: dict[str, _Form] = {}
 
 
+def hopper_kernels(device) -> bool:
+    """The build carries the sm_90a kernels (attention's forward, conv_bn_silu's and temporal_conv's) and the device
+    is compute capability 9.0."""
+    from vdcompile import _C
+    return (bool(getattr(_C, "HOPPER_ATTENTION", 0)) and torch.cuda.is_available()
+            and torch.cuda.get_device_capability(device) == (9, 0))
+
+
 def _sig(text: str) -> inspect.Signature:
     return inspect.signature(eval(f"lambda {text}: None"))  # noqa: S307 (constant strings below)
 

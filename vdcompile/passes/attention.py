@@ -31,7 +31,8 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-from vdcompile.passes._common import SKIP, Match, Rewrite, kernel_missing, known_equal, requires_grad, static_int
+from vdcompile.passes._common import (SKIP, Match, Rewrite, hopper_kernels, kernel_missing, known_equal, requires_grad,
+                                      static_int)
 
 FAMILY = "attention"
 SINGLE_KEY = "single_key_attention"
@@ -124,13 +125,6 @@ HOPPER_MIN = 2048  # q_len and kv_len from which vd's sm_90a kernel beats cuDNN 
 HOPPER_MAX_DIM = 64
 
 
-def _hopper_kernel(device) -> bool:
-    """The build carries the sm_90a attention kernel and the device is compute capability 9.0."""
-    from vdcompile import _C
-    return (bool(getattr(_C, "HOPPER_ATTENTION", 0)) and torch.cuda.is_available()
-            and torch.cuda.get_device_capability(device) == (9, 0))
-
-
 FP32_TRAINING_MAX = 16  # q_len and kv_len up to which vd's fp32 forward + backward beat SDPA's
 FP32_MAX_DIM = 64  # head_dim up to which vd's fp32 forward beats SDPA's on long sequences
 
@@ -179,7 +173,7 @@ def _sdpa_faster(m: Match, q, k) -> str | None:
         return (f"SDPA kept: q, k or v requires grad and vd's backward beyond {SHORT_MAX} tokens is slower than "
                 "SDPA's (options={'attention_kernels': 'vd'} forces vd)")
     if (lq is not None and lk is not None and d is not None and min(lq, lk) >= HOPPER_MIN and d <= HOPPER_MAX_DIM
-            and d % 8 == 0 and m.val("attn_mask") is None and _hopper_kernel(q.device)):
+            and d % 8 == 0 and m.val("attn_mask") is None and hopper_kernels(q.device)):
         return None
     return (f"SDPA kept: its CUDA kernels are faster than vd's beyond {SHORT_MAX} tokens, except from "
             f"{HOPPER_MIN} tokens at head_dim <= {HOPPER_MAX_DIM} without a mask on sm_90 "

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from vdcompile.passes._common import SKIP, Match, Rewrite, kernel_missing, static_int
+from vdcompile.passes._common import SKIP, Match, Rewrite, hopper_kernels, kernel_missing, static_int
 
 FAMILY = "temporal_conv"
 
@@ -59,13 +59,25 @@ def _check(m: Match):
 
 
 def _tf32_mismatch(x) -> str | None:
-    # Eager's float32 Conv3d runs TF32 on cuDNN (its default), the op's float32 GEMMs follow the matmul flag
-    # (IEEE by default): 3-5x slower than the convolution it would replace (H200, bench/notes/conv.md).
+    # Eager's float32 Conv3d runs TF32 on cuDNN (its default). So does the op where its Hopper kernel takes the
+    # input (its TF32 build follows cuDNN's switch); elsewhere its float32 GEMMs follow the matmul flag (IEEE by
+    # default): 3-5x slower than the convolution it would replace (H200, bench/notes/conv.md).
     if (x.device.type == "cuda" and x.dtype == torch.float32 and torch.backends.cudnn.allow_tf32
-            and not torch.backends.cuda.matmul.allow_tf32):
+            and not torch.backends.cuda.matmul.allow_tf32 and not _tf32_kernel_takes(x)):
         return ("float32 on CUDA: the Conv3d runs TF32 (torch.backends.cudnn.allow_tf32) but the op's GEMMs "
-                "would not (torch.backends.cuda.matmul.allow_tf32 is off)")
+                "would not (torch.backends.cuda.matmul.allow_tf32 is off, and the input is not one the TF32 kernel "
+                "takes: sm_90a, contiguous or frames-major, H*W and C_in multiples of 8)")
     return None
+
+
+def _tf32_kernel_takes(x) -> bool:
+    """The op's TF32 Hopper kernel serves x (csrc/cuda/temporal_conv.cu, temporal_conv_wgmma): an sm_90a build on a
+    compute-capability 9.0 device, x contiguous or frames-major ((B, F, C, H, W) memory), H * W and C_in multiples
+    of 8."""
+    c, h, w = (static_int(x.shape[i]) for i in (1, 3, 4))
+    if c is None or h is None or w is None or (h * w) % 8 != 0 or c % 8 != 0 or not hopper_kernels(x.device):
+        return False
+    return x.is_contiguous() or x.transpose(1, 2).is_contiguous()
 
 
 REWRITES = [Rewrite(FAMILY, "conv3d_k11", _pattern_1, _replacement_1, _check)]
