@@ -415,22 +415,31 @@ def test_hopper_kernel_leaves_other_inputs_to_cublas(device, monkeypatch):
 
 @pytest.mark.parametrize("device", CUDA)
 @pytest.mark.parametrize("layout", ["contiguous", "frames_major"])
-def test_over_2_31_elements(device, layout):
-    """x and the output of 3.2 G elements (bf16): the output offsets of the last rows pass 2^31."""
-    if torch.cuda.get_device_properties(device).total_memory < 24 * 2**30:
-        pytest.skip("needs 24 GiB of GPU memory")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_over_2_31_elements(device, layout, dtype, monkeypatch):
+    """x and the output of 3.2 G elements (bf16; float32 on the TF32 kernel): the output offsets of the last rows
+    pass 2^31."""
+    gib = 24 if dtype == torch.bfloat16 else 48
+    if torch.cuda.get_device_properties(device).total_memory < gib * 2**30:
+        pytest.skip(f"needs {gib} GiB of GPU memory")
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
     torch.manual_seed(0)
     b, c, f, h, w = 1, 16, 3, 8192, 8192
     x = torch.empty((b, f, c, h, w) if layout == "frames_major" else (b, c, f, h, w), device=device,
-                    dtype=torch.bfloat16).normal_()
+                    dtype=dtype).normal_()
     if layout == "frames_major":
         x = x.transpose(1, 2)
-    weight = make_weight(c, c, 3, device, torch.bfloat16)
-    bias = torch.randn(c, device=device, dtype=torch.bfloat16)
+    weight = make_weight(c, c, 3, device, dtype)
+    bias = torch.randn(c, device=device, dtype=dtype)
+    ran = " ".join(cuda_kernels_run(lambda: OP(x, weight, bias, 1)))
+    if on_hopper(device):
+        assert (HOPPER_KERNEL if dtype == torch.bfloat16 else TF32_KERNEL) in ran, ran
     out = OP(x, weight, bias, 1)
     for rows in (slice(0, 1), slice(h - 1, h)):
         ref = reference_temporal_conv(x[..., rows, :].double(), weight.double(), bias.double(), 1)
-        assert_close_to(out[..., rows, :], ref, torch.bfloat16, what=f"rows {rows}")
+        assert_close_to(out[..., rows, :], ref, torch.float16 if dtype == torch.float32 else dtype,
+                        what=f"rows {rows}")
+    del out, x
 
 
 @pytest.mark.parametrize("device", DEVICES)
