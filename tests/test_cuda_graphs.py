@@ -82,8 +82,8 @@ CASES = {
                                    None),
     "temporal_conv": (lambda: [_rand(2, 32, 7, 9, 10), _rand(48, 32, 3, 1, 1), _rand(48)],
                       lambda x, w, b: torch.ops.vd.temporal_conv(x, w, b, 1)),
-    # The Hopper kernel's float32 build (TF32, where cuDNN's switch allows it: set in the test), frames-major x,
-    # a second pixel tile with one warpgroup idle (192 pixels), padding-only frames.
+    # The Hopper kernel's float32 build (TF32, where cuDNN's switch allows it: set in the test), frames-major x
+    # (one 192-pixel tile), padding-only frames.
     "temporal_conv_fp32": (lambda: [_rand(2, 5, 32, 12, 16, dtype=torch.float32).transpose(1, 2),
                                     _rand(48, 32, 3, 1, 1, dtype=torch.float32) / 8, _rand(48, dtype=torch.float32)],
                            lambda x, w, b: torch.ops.vd.temporal_conv(x, w, b, 3)),

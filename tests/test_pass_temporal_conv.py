@@ -103,21 +103,24 @@ def test_svd_temporal_block_stays_frames_major():
 
 @pytest.mark.skipif("CUDA" not in built_backends("temporal_conv"), reason="vd::temporal_conv has no CUDA kernel")
 def test_float32_cuda_follows_the_tf32_settings(monkeypatch):
-    # A float32 Conv3d runs TF32 on cuDNN by default. The op's TF32 Hopper kernel follows the same switch, on the
-    # inputs it takes (sm_90a; contiguous or frames-major x, H*W and C_in multiples of 8); elsewhere the op's
-    # float32 GEMMs follow the matmul flag (IEEE by default, 3-5x slower than the convolution): the pass leaves
-    # those to cuDNN, and rewrites them when both run TF32 or both IEEE.
+    # A float32 Conv3d runs TF32 on cuDNN by default. The op's TF32 Hopper kernel follows the same switch in the
+    # forward, on the inputs it takes (sm_90a; contiguous or frames-major x, H*W and C_in multiples of 8); elsewhere,
+    # and in the backward, the op's float32 GEMMs follow the matmul flag (IEEE by default, 3-5x slower than the
+    # convolution): the pass leaves those to cuDNN, and rewrites them when both run TF32 or both IEEE.
     from vdcompile.passes._common import hopper_kernels
     torch.manual_seed(0)
     m = nn.Conv3d(8, 8, (3, 1, 1), padding=(1, 0, 0)).cuda()
     hopper = hopper_kernels(torch.device("cuda"))
-    for x, kernel_takes in [(torch.randn(1, 8, 5, 4, 4, device="cuda"), hopper),  # H*W 16: the TF32 kernel's
-                            (torch.randn(1, 8, 5, 3, 5, device="cuda"), False)]:  # H*W 15: cuBLAS only
+    for x, grad, kernel_takes in [
+            (torch.randn(1, 8, 5, 4, 4, device="cuda"), False, hopper),  # H*W 16, inference: the TF32 kernel's
+            (torch.randn(1, 8, 5, 4, 4, device="cuda"), True, False),  # the weight needs a gradient: cuBLAS's backward
+            (torch.randn(1, 8, 5, 3, 5, device="cuda"), False, False)]:  # H*W 15: cuBLAS only
         for cudnn_tf32, matmul_tf32, fires in [(True, False, kernel_takes), (True, True, True), (False, False, True)]:
             monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", cudnn_tf32)
             monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", matmul_tf32)
             torch._dynamo.reset()
-            out, _ = rewrite(m, x)
+            with torch.set_grad_enabled(grad):
+                out, _ = rewrite(m, x)
             assert_fired(out, {"temporal_conv": 1} if fires else {})
             if not fires:
                 assert_rejected(out, "temporal_conv", "runs TF32")

@@ -361,8 +361,8 @@ __global__ void __launch_bounds__(384, 1)
 // warpgroup, three of them) x BN = 160 (or 128: temporal_conv_tf32) output channels of one (b, f): float32 doubles
 // the bytes a product reads, and 128 x 128 tiles (two warpgroups) were bound by L2 (ncu: 67 % of its throughput,
 // the tensor cores ~60 % busy); 192 x 160 reads 28 % fewer bytes a product, and divides the UNet's pixel counts
-// (576, 2304, 9216) and channel counts (320, 640, 1280) whole. The producer warpgroup gives its registers to the
-// consumers (setmaxnreg).
+// (576, 2304, 9216) and channel counts (320, 640, 1280) whole. The producer warpgroup hands registers to the
+// consumers (setmaxnreg), though ptxas still allocates the consumers' code within 128 (16 bytes spilled).
 // Logical column tig of an A fragment is channel 2 tig of the step's 8 (tig + 4: 2 tig + 1), so a warp's four rows
 // differ in their swizzle bits and its loads hit 32 banks (in natural order two rows share them: 2-way
 // conflicts); the cached weight copy holds its channels in that order within each 8 (cached_tap_rows'
@@ -370,7 +370,7 @@ __global__ void __launch_bounds__(384, 1)
 template <int BN_>
 struct TcTf32Tile {
   static constexpr int WG = 3, threads = 128 * (WG + 1);
-  static constexpr int regs_producer = 24, regs_consumer = 160;   // 24 * 128 + 160 * 128 * WG <= 65536
+  static constexpr int regs_producer = 24, regs_consumer = 160;   // 24 * 128 + 160 * 128 * WG <= 65536 (a cap)
   static constexpr int BM = 64 * WG, BN = BN_, BK = 32, kStages = 5;  // pixels, channels, input channels a stage
   static constexpr int x_bytes = BK * BM * 4;                      // BM / 32 boxes of 32 pixels x 32 channels
   static constexpr int w_bytes = BN * BK * 4;                      // BN weight rows of 32 channels

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from vdcompile.passes._common import SKIP, Match, Rewrite, hopper_kernels, kernel_missing, static_int
+from vdcompile.passes._common import SKIP, Match, Rewrite, hopper_kernels, kernel_missing, requires_grad, static_int
 
 FAMILY = "temporal_conv"
 
@@ -55,25 +55,30 @@ def _check(m: Match):
     if pad is None or not all(isinstance(p, int) for p in pad) or pad[1:] != (0, 0):
         return "padding is not (p, 0, 0)"
     m.extra["pad"] = pad[0]
-    return kernel_missing("temporal_conv", x, w, b) or _tf32_mismatch(x)
+    return kernel_missing("temporal_conv", x, w, b) or _tf32_mismatch(m, x)
 
 
-def _tf32_mismatch(x) -> str | None:
-    # Eager's float32 Conv3d runs TF32 on cuDNN (its default). So does the op where its Hopper kernel takes the
-    # input (its TF32 build follows cuDNN's switch); elsewhere its float32 GEMMs follow the matmul flag (IEEE by
-    # default): 3-5x slower than the convolution it would replace (H200, bench/notes/conv.md).
+def _tf32_mismatch(m: Match, x) -> str | None:
+    # Eager's float32 Conv3d runs TF32 on cuDNN (its default). So does the op's forward where its Hopper kernel
+    # takes the input (its TF32 build follows cuDNN's switch); elsewhere, and in the backward, its float32 GEMMs
+    # follow the matmul flag (IEEE by default): 3-5x slower than the convolution it would replace (H200,
+    # bench/notes/conv.md).
     if (x.device.type == "cuda" and x.dtype == torch.float32 and torch.backends.cudnn.allow_tf32
-            and not torch.backends.cuda.matmul.allow_tf32 and not _tf32_kernel_takes(x)):
+            and not torch.backends.cuda.matmul.allow_tf32 and not _tf32_kernel_takes(m, x)):
         return ("float32 on CUDA: the Conv3d runs TF32 (torch.backends.cudnn.allow_tf32) but the op's GEMMs "
-                "would not (torch.backends.cuda.matmul.allow_tf32 is off, and the input is not one the TF32 kernel "
-                "takes: sm_90a, contiguous or frames-major, H*W and C_in multiples of 8)")
+                "would not (torch.backends.cuda.matmul.allow_tf32 is off; the op's TF32 kernel is forward only and "
+                "takes sm_90a, contiguous or frames-major x, H*W and C_in multiples of 8)")
     return None
 
 
-def _tf32_kernel_takes(x) -> bool:
-    """The op's TF32 Hopper kernel serves x (csrc/cuda/temporal_conv.cu, temporal_conv_wgmma): an sm_90a build on a
-    compute-capability 9.0 device, x contiguous or frames-major ((B, F, C, H, W) memory), H * W and C_in multiples
-    of 8."""
+def _tf32_kernel_takes(m: Match, x) -> bool:
+    """The op's TF32 Hopper kernel serves the whole call (csrc/cuda/temporal_conv.cu, temporal_conv_wgmma): no
+    gradient needed (compiled under no_grad, or nothing requires grad: the backward's GEMMs are cuBLAS's), an sm_90a
+    build on a compute-capability 9.0 device, x
+    contiguous or frames-major ((B, F, C, H, W) memory), H * W and C_in multiples of 8."""
+    grad = m.ctx.grad_enabled if m.ctx is not None else torch.is_grad_enabled()
+    if grad and any(requires_grad(m[name]) for name in ("x", "weight", "bias")):
+        return False
     c, h, w = (static_int(x.shape[i]) for i in (1, 3, 4))
     if c is None or h is None or w is None or (h * w) % 8 != 0 or c % 8 != 0 or not hopper_kernels(x.device):
         return False
