@@ -9,6 +9,7 @@ from expecttest import TestCase
 
 from tests.backend_checks import (BACKEND, FORCE_VD, assert_fired, assert_rejected, code, compare_with_eager, leaf,
                                   rewrite)
+from tests.common import cuda_kernels_run
 from vdcompile import built_backends
 
 pytestmark = pytest.mark.skipif("CPU" not in built_backends("temporal_conv"),
@@ -124,6 +125,16 @@ def test_float32_cuda_follows_the_tf32_settings(monkeypatch):
             assert_fired(out, {"temporal_conv": 1} if fires else {})
             if not fires:
                 assert_rejected(out, "temporal_conv", "runs TF32")
+    if hopper:  # the whole chain under the default switches: the compiled graph runs the TF32 kernel
+        monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
+        monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+        torch._dynamo.reset()
+        compiled = torch.compile(m, backend=BACKEND)
+        x16 = torch.randn(1, 8, 5, 4, 4, device="cuda")
+        with torch.no_grad():
+            compiled(x16)
+            ran = " ".join(cuda_kernels_run(lambda: compiled(x16)))
+        assert "temporal_conv_tf32_kernel" in ran, ran
     # Half precision is not affected.
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
