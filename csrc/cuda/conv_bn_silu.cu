@@ -656,10 +656,6 @@ __global__ void __launch_bounds__(384, 1)
 // them. VD_CONV_BN_SILU_TILE=128|160|256 pins the channel tile (of 128 pixels), 64x128|64x256 64-pixel tiles,
 // 256x128 256-pixel tiles of 128 channels;
 // VD_CONV_BN_SILU_CLUSTER=0 runs no clusters, =2..8 pins clusters of that many CTAs (other values: the choice).
-std::string env_str(const char* name) {
-  const char* e = std::getenv(name);
-  return e == nullptr ? std::string() : std::string(e);
-}
 
 #if defined(VD_SM90A)
 // cm >= 2: clusters of cm CTAs on cm consecutive pixel tiles, the weight stage loaded once a cluster.

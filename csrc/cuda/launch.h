@@ -11,7 +11,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <limits>
+#include <string>
 #include <type_traits>
 
 namespace vd {
@@ -33,6 +35,12 @@ __device__ __forceinline__ uint32_t pack_pair(float lo, float hi) {
     const __half2 h = __floats2half2_rn(lo, hi);
     return *reinterpret_cast<const uint32_t*>(&h);
   }
+}
+
+// The value of environment variable `name`, empty where it is unset (the kernels' benchmark and test switches).
+inline std::string env_str(const char* name) {
+  const char* e = std::getenv(name);
+  return e == nullptr ? std::string() : std::string(e);
 }
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }

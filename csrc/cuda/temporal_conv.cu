@@ -569,12 +569,6 @@ TcArgs tc_args(const at::Tensor& out, const std::optional<at::Tensor>& bias, con
   return a;
 }
 
-// VD_TEMPORAL_CONV_TF32_TILE=128|160 pins the TF32 kernel's channels a tile (tests and benchmarks compare them).
-std::string env_tile() {
-  const char* e = std::getenv("VD_TEMPORAL_CONV_TF32_TILE");
-  return e == nullptr ? std::string() : std::string(e);
-}
-
 // temporal_conv_wgmma's float32 half (its checks done): temporal_conv_tf32_kernel at BN = 160 output channels a tile,
 // or 128 where that pads C_out to fewer channels (256, 512: the VAE's temporal decoder). 128 where it only fills the
 // persistent grid's last round better was 7 % slower (H200: 0.527 against 0.491 ms at 1280 channels, 18 x 32
@@ -586,23 +580,17 @@ bool temporal_conv_tf32(const at::Tensor& x, const at::Tensor& weight, const std
   at::Tensor bias_x;
   TcArgs a = tc_args(out, bias, s, bias_x);
   a.half_pb = 0;
-  // The tile grid at BN channels a tile.
-  auto tiles = [&](int BN) {
-    a.n_cb = static_cast<int>(ceil_div(s.C_out, int64_t{BN}));
-    a.n_pb = static_cast<int>(ceil_div(HW, int64_t{TcTf32Tile<128>::BM}));
-    a.chunks = static_cast<int>(ceil_div(s.C_in, int64_t{TcTf32Tile<128>::BK}));
-    a.tiles = a.full_tiles = static_cast<int64_t>(a.n_cb) * a.n_pb * s.F_out * s.B;
-    return a.tiles;
-  };
   auto padded = [&](int64_t BN) { return ceil_div(s.C_out, BN) * BN; };
-  using B160 = std::integral_constant<int, 160>;
-  using B128 = std::integral_constant<int, 128>;
-  const std::string pin = env_tile();
+  // VD_TEMPORAL_CONV_TF32_TILE=128|160 pins the channels a tile (tests and benchmarks compare them).
+  const std::string pin = env_str("VD_TEMPORAL_CONV_TF32_TILE");
   const bool narrow = pin == "128" || (pin != "160" && padded(128) < padded(160));
   auto launch = [&](auto bn_tag) {
     constexpr int BN = decltype(bn_tag)::value;
     using T = TcTf32Tile<BN>;
-    tiles(BN);
+    a.n_cb = static_cast<int>(ceil_div(s.C_out, T::BN));
+    a.n_pb = static_cast<int>(ceil_div(HW, T::BM));
+    a.chunks = static_cast<int>(ceil_div(s.C_in, T::BK));
+    a.tiles = a.full_tiles = static_cast<int64_t>(a.n_cb) * a.n_pb * s.F_out * s.B;
     auto kernel = temporal_conv_tf32_kernel<BN>;
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         static_cast<int>(T::smem_bytes)));
@@ -616,7 +604,7 @@ bool temporal_conv_tf32(const at::Tensor& x, const at::Tensor& weight, const std
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return true;
   };
-  return narrow ? launch(B128{}) : launch(B160{});
+  return narrow ? launch(std::integral_constant<int, 128>{}) : launch(std::integral_constant<int, 160>{});
 }
 #endif
 
