@@ -287,6 +287,12 @@ def main():
                 for tile in ("128", "160"):
                     with env_var("VD_TEMPORAL_CONV_TF32_TILE", tile):
                         torch.ops.vd.temporal_conv(xt, wt, None, 1)
+                # float32: more tiles than a round of the grid (192 at 132 SMs), in both tile orders
+                xo = torch.randn(32, 16, 3, 8, 24, device=dev, dtype=dtype)
+                wo = torch.randn(320, 16, 5, 1, 1, device=dev, dtype=dtype)
+                for order in ("rr", "edges"):
+                    with env_var("VD_TEMPORAL_CONV_TF32_ORDER", order):
+                        torch.ops.vd.temporal_conv(xo, wo, None, 2)
             ran.append("temporal_conv")
         if want("scheduler_step"):
             s = torch.randn(2, 3, 4, 9, 7, device=dev, dtype=dtype)

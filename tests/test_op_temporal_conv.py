@@ -356,6 +356,47 @@ def test_hopper_tf32_tile_choice(device, monkeypatch):
                         torch.float16, what=f"C_out {c_out}")
 
 
+# (B, C_in, C_out, F, H, W, k, padding, layout): more tiles than a grid's round (132 SMs or fewer), not whole
+# rounds: SVD's 1280-channel row with few input channels (672 tiles), k = 5 (two edge frames each end), frames
+# that are all edges, frames-major x.
+TF32_ORDER_CASES = [
+    ((2, 64, 1280, 14, 18, 32, 3, 1), "contiguous"),
+    ((3, 64, 320, 14, 16, 24, 3, 1), "frames_major"),
+    ((16, 32, 320, 9, 8, 24, 5, 2), "contiguous"),
+    ((32, 16, 320, 3, 8, 24, 5, 2), "frames_major"),
+]
+
+
+@pytest.mark.parametrize("device", CUDA)
+@pytest.mark.parametrize("case", TF32_ORDER_CASES, ids=lambda c: f"{c[1]}-{'x'.join(map(str, c[0]))}")
+def test_hopper_tf32_tile_orders(device, case, monkeypatch):
+    """The TF32 kernel's two tile orders (the round robin and the edge-first one, VD_TEMPORAL_CONV_TF32_ORDER)
+    each cover every tile once: both match the reference and each other bitwise (a tile's sums run in the same
+    order whichever CTA takes it), as does the launcher's own choice."""
+    if not on_hopper(device):
+        pytest.skip("needs an sm_90 device (the TF32 kernel)")
+    (b, c_in, c_out, f, h, w, k, padding), layout = case
+    torch.manual_seed(0)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
+    x = make_input(layout, b, c_in, f, h, w, device, torch.float32)
+    weight = make_weight(c_in, c_out, k, device, torch.float32)
+    bias = torch.randn(c_out, device=device)
+    ref = reference_temporal_conv(x.double(), weight.double(), bias.double(), padding)
+    outs = {}
+    for order in ("rr", "edges", None):
+        if order is None:
+            monkeypatch.delenv("VD_TEMPORAL_CONV_TF32_ORDER", raising=False)
+        else:
+            monkeypatch.setenv("VD_TEMPORAL_CONV_TF32_ORDER", order)
+        # torch.empty's memory may hold a previous result: poison the pool's free blocks so a missed tile shows
+        torch.full((x.shape[0], c_out, f + 2 * padding - k + 1, h, w), float("nan"), device=device)
+        outs[order] = OP(x, weight, bias, padding)
+        assert TF32_KERNEL in " ".join(cuda_kernels_run(lambda: OP(x, weight, bias, padding)))
+        assert_close_to(outs[order], ref, torch.float16, what=f"order {order}")
+    assert torch.equal(outs["rr"], outs["edges"])
+    assert torch.equal(outs["rr"], outs[None])
+
+
 @pytest.mark.parametrize("device", CUDA)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_hopper_weight_copy_follows_weight_changes(device, dtype, monkeypatch):

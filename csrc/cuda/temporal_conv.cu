@@ -16,6 +16,7 @@
 #include <limits>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #include "../conv_gemm.h"
 #include "../fold_cache.h"
@@ -87,6 +88,8 @@ struct TcArgs {
   int C_out, HW, F, F_out, k, pad;
   int n_cb, n_pb, chunks;               // channel blocks of 128, pixel blocks of 128, input chunks of 64
   int half_pb;                          // 1 if the last pixel block has at most 64 pixels
+  int sched_r;                          // TF32 kernel: the edge-first order's R (tc_edges_tile); 0: natural order
+  int edge_lo, edge_hi;                 // output frames at the low / high end with fewer than k taps
 };
 
 struct TcTile {
@@ -122,6 +125,52 @@ __device__ __forceinline__ TcWork tc_work(const TcArgs& a, int64_t w) {
   r /= npb;
   t.f = static_cast<int>(r % a.F_out);
   t.b = static_cast<int>(r / a.F_out);
+  t.t0 = max(0, a.pad - t.f);
+  t.t1 = min(a.k, a.F + a.pad - t.f);
+  return t;
+}
+
+// Tile at position p of the TF32 kernel's edge-first order (p = r G + c: CTA c's r-th tile on a grid of G), as
+// (cb, pb, f, b). The static round robin hands the first R = tiles % G CTAs one tile more than the others; at
+// 1280 channels (672 tiles, 5.1 rounds) some of them drew two three-tap tiles more than the rest, a 16-tap makespan
+// against 14.5 on average. Here they draw from a stream A of the cheapest tiles (the frames at either end, fewer
+// taps), the others from stream B, the remaining tiles; both streams run through the tiles in order (channel block
+// fastest: the CTAs at work still share x's rows through L2). Tiles are ordered with the edge frames' blocks of
+// n_cb x n_pb tiles first (per sample: the edge_lo low ones, then the edge_hi high ones), then the inner frames'.
+struct TcPos {
+  int cb, pb, f, b;
+};
+// I: 32-bit unsigned in the kernel (the launcher keeps the tile count under 2^31), 64-bit on the host.
+template <typename I>
+__host__ __device__ inline TcPos tc_edges_tile(const TcArgs& a, I G, I p) {
+  const I R = static_cast<I>(a.sched_r), tiles = static_cast<I>(a.tiles), r = p / G, c = p % G;
+  const I i = c < R ? r * R + c : (tiles / G + 1) * R + r * (G - R) + (c - R);
+  const I Q = static_cast<I>(a.n_cb) * static_cast<I>(a.n_pb), j = i / Q, q = i % Q;
+  const I e = static_cast<I>(a.edge_lo + a.edge_hi), nb = tiles / Q / static_cast<I>(a.F_out);  // edge frames; samples
+  TcPos t;
+  t.cb = static_cast<int>(q % static_cast<I>(a.n_cb));
+  t.pb = static_cast<int>(q / static_cast<I>(a.n_cb));
+  if (j < e * nb) {
+    const int idx = static_cast<int>(j % e);
+    t.b = static_cast<int>(j / e);
+    t.f = idx < a.edge_lo ? idx : a.F_out - a.edge_hi + (idx - a.edge_lo);
+  } else {
+    const I jj = j - e * nb, inner = static_cast<I>(a.F_out) - e;
+    t.b = static_cast<int>(jj / inner);
+    t.f = a.edge_lo + static_cast<int>(jj % inner);
+  }
+  return t;
+}
+
+// The TF32 kernel's tile at position w (sched_r = edge_lo = edge_hi = 0: tc_work's order).
+__device__ __forceinline__ TcWork tc_tf32_work(const TcArgs& a, int64_t w) {
+  const TcPos p = tc_edges_tile<uint32_t>(a, gridDim.x, static_cast<uint32_t>(w));
+  TcWork t;
+  t.cb = p.cb;
+  t.pb = p.pb;
+  t.f = p.f;
+  t.b = p.b;
+  t.half = false;
   t.t0 = max(0, a.pad - t.f);
   t.t1 = min(a.k, a.F + a.pad - t.f);
   return t;
@@ -399,7 +448,7 @@ __global__ void __launch_bounds__(TcTf32Tile<BN>::threads, 1)
     if (tid == 0) {
       uint32_t u = 0;  // stages filled so far (runs on across tiles)
       for (int64_t w = blockIdx.x; w < a.tiles; w += gridDim.x) {
-        const TcWork t = tc_work<false>(a, w);
+        const TcWork t = tc_tf32_work(a, w);
         for (int tap = t.t0; tap < t.t1; ++tap) {
           const int fi = t.f + tap - a.pad;
           for (int c = 0; c < a.chunks; ++c, ++u) {
@@ -436,7 +485,7 @@ __global__ void __launch_bounds__(TcTf32Tile<BN>::threads, 1)
   float* out = static_cast<float*>(a.out);
   uint32_t u = 0;
   for (int64_t w = blockIdx.x; w < a.tiles; w += gridDim.x) {
-    const TcWork t = tc_work<false>(a, w);
+    const TcWork t = tc_tf32_work(a, w);
     const int steps = max(0, t.t1 - t.t0) * a.chunks;
     const bool active = t.pb * T::BM + cw * 64 < a.HW;  // this warpgroup's pixels exist
     float acc[T::BN / 2];  // the first product overwrites it (scale-d 0); zeroed below if there is none
@@ -569,6 +618,37 @@ TcArgs tc_args(const at::Tensor& out, const std::optional<at::Tensor>& bias, con
   return a;
 }
 
+// The TF32 kernel's tile order on a grid of G CTAs: tc_edges_tile's where a model of the CTAs' makespan says it is
+// shorter than the round robin's by 2 % or more: a tile costs its taps and 0.15 of a tap for its epilogue (the
+// register stores of 192 x 160 floats against ~27 us a tap at 1280 channels). Only grids of at most 8 rounds are
+// weighed (a few microseconds of host at most); past that the round robin's last round is a small share.
+// VD_TEMPORAL_CONV_TF32_ORDER=rr|edges pins one (tests and benchmarks compare them).
+void tf32_tile_order(TcArgs& a, int64_t G) {
+  const int edge_lo = std::min(a.pad, a.F_out), edge_hi = std::max(0, a.F_out - std::max(a.pad, a.F_out - a.pad));
+  a.sched_r = a.edge_lo = a.edge_hi = 0;  // tc_work's order
+  const int64_t R = a.tiles % G;
+  const std::string pin = env_str("VD_TEMPORAL_CONV_TF32_ORDER");
+  if (pin == "rr" || a.tiles <= G || R == 0 || edge_lo + edge_hi == 0) return;
+  TcArgs e = a;
+  e.sched_r = static_cast<int>(R);
+  e.edge_lo = edge_lo;
+  e.edge_hi = edge_hi;
+  if (pin != "edges") {
+    if (a.tiles > 8 * G) return;
+    auto cost = [&](int f) { return std::max(0, std::min(a.k, a.F + a.pad - f) - std::max(0, a.pad - f)) + 0.15; };
+    std::vector<double> rr(G, 0.0), edges(G, 0.0);
+    const int64_t frame_tiles = static_cast<int64_t>(a.n_cb) * a.n_pb;
+    for (int64_t p = 0; p < a.tiles; ++p) {
+      rr[p % G] += cost(static_cast<int>((p / frame_tiles) % a.F_out));
+      edges[p % G] += cost(tc_edges_tile<int64_t>(e, G, p).f);
+    }
+    if (*std::max_element(edges.begin(), edges.end()) > 0.98 * *std::max_element(rr.begin(), rr.end())) return;
+  }
+  a.sched_r = e.sched_r;
+  a.edge_lo = e.edge_lo;
+  a.edge_hi = e.edge_hi;
+}
+
 // temporal_conv_wgmma's float32 half (its checks done): temporal_conv_tf32_kernel at BN = 160 output channels a tile,
 // or 128 where that pads C_out to fewer channels (256, 512: the VAE's temporal decoder). 128 where it only fills the
 // persistent grid's last round better was 7 % slower (H200: 0.527 against 0.491 ms at 1280 channels, 18 x 32
@@ -591,10 +671,12 @@ bool temporal_conv_tf32(const at::Tensor& x, const at::Tensor& weight, const std
     a.n_pb = static_cast<int>(ceil_div(HW, T::BM));
     a.chunks = static_cast<int>(ceil_div(s.C_in, T::BK));
     a.tiles = a.full_tiles = static_cast<int64_t>(a.n_cb) * a.n_pb * s.F_out * s.B;
+    if (a.tiles > std::numeric_limits<int>::max()) return false;  // tc_edges_tile's 32-bit positions
     auto kernel = temporal_conv_tf32_kernel<BN>;
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         static_cast<int>(T::smem_bytes)));
     const unsigned grid = persistent_blocks(kernel, T::threads, T::smem_bytes, a.tiles);
+    tf32_tile_order(a, grid);
     CUtensorMap tw, tx;
     if (!tensor_map_4d(&tw, w, {s.C_in, s.k, s.C_out, 1}, {s.C_in, s.k * s.C_in, s.C_out * s.k * s.C_in},
                        {T::BK, 1, T::BN, 1}) ||
