@@ -115,7 +115,13 @@ def test_float32_cuda_follows_the_tf32_settings(monkeypatch):
     for x, grad, kernel_takes in [
             (torch.randn(1, 8, 5, 4, 4, device="cuda"), False, hopper),  # H*W 16, inference: the TF32 kernel's
             (torch.randn(1, 8, 5, 4, 4, device="cuda"), True, False),  # the weight needs a gradient: cuBLAS's backward
-            (torch.randn(1, 8, 5, 3, 5, device="cuda"), False, False)]:  # H*W 15: cuBLAS only
+            (torch.randn(1, 8, 5, 3, 5, device="cuda"), False, False),  # H*W 15: cuBLAS only
+            # H 1 with its pixel row's stride not W (contiguous by is_contiguous(), not to the kernel): cuBLAS
+            (torch.randn(1, 8, 5, 16, 1, device="cuda").transpose(3, 4), False, False),
+            (torch.randn(1, 8, 5, 4, 4, device="cuda"), False, "gemm")]:  # VD_TEMPORAL_CONV_KERNEL=gemm: cuBLAS
+        if kernel_takes == "gemm":
+            monkeypatch.setenv("VD_TEMPORAL_CONV_KERNEL", "gemm")
+            kernel_takes = False
         for cudnn_tf32, matmul_tf32, fires in [(True, False, kernel_takes), (True, True, True), (False, False, True)]:
             monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", cudnn_tf32)
             monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", matmul_tf32)
@@ -125,6 +131,11 @@ def test_float32_cuda_follows_the_tf32_settings(monkeypatch):
             assert_fired(out, {"temporal_conv": 1} if fires else {})
             if not fires:
                 assert_rejected(out, "temporal_conv", "runs TF32")
+            if hopper and cudnn_tf32 and not matmul_tf32 and not grad:  # the op agrees on the input: its TF32
+                with torch.no_grad():                                       # kernel runs exactly where taken
+                    ran = " ".join(cuda_kernels_run(lambda: torch.ops.vd.temporal_conv(x, m.weight, m.bias, 1)))
+                assert ("temporal_conv_tf32_kernel" in ran) == kernel_takes, (x.shape, x.stride(), ran)
+    monkeypatch.delenv("VD_TEMPORAL_CONV_KERNEL", raising=False)
     if hopper:  # the whole chain under the default switches: the compiled graph runs the TF32 kernel
         monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
         monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)

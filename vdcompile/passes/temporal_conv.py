@@ -1,6 +1,8 @@
 """Conv3d with a (k, 1, 1) kernel => vd::temporal_conv (a convolution over the frame axis only)."""
 from __future__ import annotations
 
+import os
+
 import torch
 
 from vdcompile.passes._common import SKIP, Match, Rewrite, hopper_kernels, kernel_missing, requires_grad, static_int
@@ -67,20 +69,27 @@ def _tf32_mismatch(m: Match, x) -> str | None:
             and not torch.backends.cuda.matmul.allow_tf32 and not _tf32_kernel_takes(m, x)):
         return ("float32 on CUDA: the Conv3d runs TF32 (torch.backends.cudnn.allow_tf32) but the op's GEMMs "
                 "would not (torch.backends.cuda.matmul.allow_tf32 is off; the op's TF32 kernel is forward only and "
-                "takes sm_90a, contiguous or frames-major x, H*W and C_in multiples of 8)")
+                "takes sm_90a, contiguous or frames-major x with pixel rows W apart, H*W and C_in multiples of 8, and "
+                "not VD_TEMPORAL_CONV_KERNEL=gemm)")
     return None
 
 
 def _tf32_kernel_takes(m: Match, x) -> bool:
     """The op's TF32 Hopper kernel serves the whole call (csrc/cuda/temporal_conv.cu, temporal_conv_wgmma): no
     gradient needed (compiled under no_grad, or nothing requires grad: the backward's GEMMs are cuBLAS's), an sm_90a
-    build on a compute-capability 9.0 device, x
-    contiguous or frames-major ((B, F, C, H, W) memory), H * W and C_in multiples of 8."""
+    build on a compute-capability 9.0 device, VD_TEMPORAL_CONV_KERNEL not "gemm" (read as the op reads it, at
+    compile time here), x contiguous or frames-major ((B, F, C, H, W) memory) with its pixel rows W elements apart
+    (also where H is 1: is_contiguous() ignores a size-1 dimension's stride, the kernel's tensor map does not),
+    H * W and C_in multiples of 8."""
     grad = m.ctx.grad_enabled if m.ctx is not None else torch.is_grad_enabled()
     if grad and any(requires_grad(m[name]) for name in ("x", "weight", "bias")):
         return False
+    if os.environ.get("VD_TEMPORAL_CONV_KERNEL") == "gemm":
+        return False
     c, h, w = (static_int(x.shape[i]) for i in (1, 3, 4))
     if c is None or h is None or w is None or (h * w) % 8 != 0 or c % 8 != 0 or not hopper_kernels(x.device):
+        return False
+    if static_int(x.stride(4)) != 1 or static_int(x.stride(3)) != w:
         return False
     return x.is_contiguous() or x.transpose(1, 2).is_contiguous()
 
