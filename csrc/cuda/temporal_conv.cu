@@ -102,6 +102,12 @@ struct TcTile {
   static constexpr size_t smem_bytes = bar_off + 16 * kStages + 1024;  // + slack to align to 1024
 };
 
+// Output frame f's taps [t0, t1): those that read existing frames (the others fall in the padding).
+__host__ __device__ inline void tc_taps(const TcArgs& a, int f, int& t0, int& t1) {
+  t0 = 0 > a.pad - f ? 0 : a.pad - f;
+  t1 = a.k < a.F + a.pad - f ? a.k : a.F + a.pad - f;
+}
+
 // A tile: channel block, pixel block, output frame, sample; taps [t0, t1) read existing frames; half:
 // the last pixel block of at most 64 pixels (one atom of x, products at N = 64).
 struct TcWork {
@@ -125,8 +131,7 @@ __device__ __forceinline__ TcWork tc_work(const TcArgs& a, int64_t w) {
   r /= npb;
   t.f = static_cast<int>(r % a.F_out);
   t.b = static_cast<int>(r / a.F_out);
-  t.t0 = max(0, a.pad - t.f);
-  t.t1 = min(a.k, a.F + a.pad - t.f);
+  tc_taps(a, t.f, t.t0, t.t1);
   return t;
 }
 
@@ -171,8 +176,7 @@ __device__ __forceinline__ TcWork tc_tf32_work(const TcArgs& a, int64_t w) {
   t.f = p.f;
   t.b = p.b;
   t.half = false;
-  t.t0 = max(0, a.pad - t.f);
-  t.t1 = min(a.k, a.F + a.pad - t.f);
+  tc_taps(a, t.f, t.t0, t.t1);
   return t;
 }
 
@@ -629,24 +633,25 @@ void tf32_tile_order(TcArgs& a, int64_t G) {
   const int64_t R = a.tiles % G;
   const std::string pin = env_str("VD_TEMPORAL_CONV_TF32_ORDER");
   if (pin == "rr" || a.tiles <= G || R == 0 || edge_lo + edge_hi == 0) return;
-  TcArgs e = a;
+  TcArgs e = a;  // a: the round robin
   e.sched_r = static_cast<int>(R);
   e.edge_lo = edge_lo;
   e.edge_hi = edge_hi;
   if (pin != "edges") {
     if (a.tiles > 8 * G) return;
-    auto cost = [&](int f) { return std::max(0, std::min(a.k, a.F + a.pad - f) - std::max(0, a.pad - f)) + 0.15; };
+    auto cost = [&](int f) {
+      int t0, t1;
+      tc_taps(a, f, t0, t1);
+      return std::max(0, t1 - t0) + 0.15;
+    };
     std::vector<double> rr(G, 0.0), edges(G, 0.0);
-    const int64_t frame_tiles = static_cast<int64_t>(a.n_cb) * a.n_pb;
     for (int64_t p = 0; p < a.tiles; ++p) {
-      rr[p % G] += cost(static_cast<int>((p / frame_tiles) % a.F_out));
+      rr[p % G] += cost(tc_edges_tile<int64_t>(a, G, p).f);
       edges[p % G] += cost(tc_edges_tile<int64_t>(e, G, p).f);
     }
     if (*std::max_element(edges.begin(), edges.end()) > 0.98 * *std::max_element(rr.begin(), rr.end())) return;
   }
-  a.sched_r = e.sched_r;
-  a.edge_lo = e.edge_lo;
-  a.edge_hi = e.edge_hi;
+  a = e;
 }
 
 // temporal_conv_wgmma's float32 half (its checks done): temporal_conv_tf32_kernel at BN = 160 output channels a tile,
@@ -658,8 +663,7 @@ bool temporal_conv_tf32(const at::Tensor& x, const at::Tensor& weight, const std
   const int64_t HW = s.H * s.W;
   const at::Tensor w = cached_tap_rows(x, weight, /*tf32_order=*/true);  // (C_out, k, C_in)
   at::Tensor bias_x;
-  TcArgs a = tc_args(out, bias, s, bias_x);
-  a.half_pb = 0;
+  TcArgs a = tc_args(out, bias, s, bias_x);  // half_pb 0: the TF32 kernel has no short tiles
   auto padded = [&](int64_t BN) { return ceil_div(s.C_out, BN) * BN; };
   // VD_TEMPORAL_CONV_TF32_TILE=128|160 pins the channels a tile (tests and benchmarks compare them).
   const std::string pin = env_str("VD_TEMPORAL_CONV_TF32_TILE");
