@@ -415,7 +415,7 @@ __global__ void __launch_bounds__(384, 1)
 // the bytes a product reads, and 128 x 128 tiles (two warpgroups) were bound by L2 (ncu: 67 % of its throughput,
 // the tensor cores ~60 % busy); 192 x 160 reads 28 % fewer bytes a product, and divides the UNet's pixel counts
 // (576, 2304, 9216) and channel counts (320, 640, 1280) whole. The producer warpgroup hands registers to the
-// consumers (setmaxnreg), though ptxas still allocates the consumers' code within 128 (16 bytes spilled).
+// consumers (setmaxnreg), though ptxas still allocates the consumers' code within 128 (the launch's 512 threads).
 // Logical column tig of an A fragment is channel 2 tig of the step's 8 (tig + 4: 2 tig + 1), so a warp's four rows
 // differ in their swizzle bits and its loads hit 32 banks (in natural order two rows share them: 2-way
 // conflicts); the cached weight copy holds its channels in that order within each 8 (cached_tap_rows'
@@ -423,7 +423,8 @@ __global__ void __launch_bounds__(384, 1)
 template <int BN_>
 struct TcTf32Tile {
   static constexpr int WG = 3, threads = 128 * (WG + 1);
-  static constexpr int regs_producer = 24, regs_consumer = 160;   // 24 * 128 + 160 * 128 * WG <= 65536 (a cap)
+  // 56 * 128 + 144 * 128 * WG <= 65536 (a cap); at 24 the producer's loop spilled 16 bytes (ptxas -v).
+  static constexpr int regs_producer = 56, regs_consumer = 144;
   static constexpr int BM = 64 * WG, BN = BN_, BK = 32, kStages = 5;  // pixels, channels, input channels a stage
   static constexpr int x_bytes = BK * BM * 4;                      // BM / 32 boxes of 32 pixels x 32 channels
   static constexpr int w_bytes = BN * BK * 4;                      // BN weight rows of 32 channels
@@ -475,17 +476,19 @@ __global__ void __launch_bounds__(TcTf32Tile<BN>::threads, 1)
   // The consumer warpgroup's index through a shuffle, so the compiler sees it uniform (ptxas C7518).
   const int cw = __shfl_sync(kFullMask, wg - 1, 0), warp = (tid / 32) % 4, lane = tid % 32;
   const int g = lane >> 2, tig = lane & 3;
-  // Byte offsets in a stage's x boxes of this thread's A elements: rows (channels) 2 tig and 2 tig + 1 of each
-  // step of 8, pixels p and p + 8 (p = the warp's 16 rows' g-th); box p / 32, 128-byte swizzle (16-byte chunk
-  // index XOR row % 8). off[r][h]: row 2 tig + r, pixel p + 8 h; a step kk adds 8 rows (1024 bytes).
-  uint32_t off[2][2];
+  // A rows g and g + 8 of a warp's 16 are its pixels 2 g and 2 g + 1: a thread's two pixels of a channel are
+  // adjacent, one 8-byte load a channel, and its accumulators one 8-byte store (rows g, g + 8 as pixels g, g + 8
+  // took twice the loads and 4-byte stores: 2.4-4.5 % slower). Byte offsets in a stage's x boxes of this thread's
+  // A elements: rows (channels) 2 tig and 2 tig + 1 of each step of 8, pixels p, p + 1 (p = the warp's first + 2 g);
+  // box p / 32, 128-byte swizzle (16-byte chunk index XOR row % 8). off[r]: row 2 tig + r; a step kk adds 8 rows
+  // (1024 bytes). A half warp's 8-byte loads hit all 32 banks: its g span two chunks, which the four tig's rows
+  // (0, 2, 4, 6 or 1, 3, 5, 7) swizzle apart.
+  uint32_t off[2];
 #pragma unroll
-  for (int r = 0; r < 2; ++r)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int p = cw * 64 + warp * 16 + g + 8 * h, row = 2 * tig + r;
-      off[r][h] = (p >> 5) * 4096 + row * 128 + ((((p & 31) >> 2) ^ row) << 4) + (p & 3) * 4;
-    }
+  for (int r = 0; r < 2; ++r) {
+    const int p = cw * 64 + warp * 16 + 2 * g, row = 2 * tig + r;
+    off[r] = (p >> 5) * 4096 + row * 128 + ((((p & 31) >> 2) ^ row) << 4) + (p & 3) * 4;
+  }
   float* out = static_cast<float*>(a.out);
   uint32_t u = 0;
   for (int64_t w = blockIdx.x; w < a.tiles; w += gridDim.x) {
@@ -505,10 +508,10 @@ __global__ void __launch_bounds__(TcTf32Tile<BN>::threads, 1)
 #pragma unroll
         for (int kk = 0; kk < T::BK / 8; ++kk) {
           const uint32_t base = xs + kk * 1024;
-          asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(af[B][kk][0]) : "r"(base + off[0][0]));
-          asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(af[B][kk][1]) : "r"(base + off[0][1]));
-          asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(af[B][kk][2]) : "r"(base + off[1][0]));
-          asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(af[B][kk][3]) : "r"(base + off[1][1]));
+          asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];\n"
+                       : "=r"(af[B][kk][0]), "=r"(af[B][kk][1]) : "r"(base + off[0]));
+          asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];\n"
+                       : "=r"(af[B][kk][2]), "=r"(af[B][kk][3]) : "r"(base + off[1]));
         }
         // K steps of 8 channels: +32 bytes in the weight's 128-byte rows.
         const uint64_t db = wgmma::desc_sw128(sW + st * T::w_bytes, 16, 1024);
@@ -537,10 +540,11 @@ __global__ void __launch_bounds__(TcTf32Tile<BN>::threads, 1)
     if (prev >= 0 && lane == 0) wgmma::mbar_arrive(empty(prev));
     if (!active) continue;
 
-    // acc[4 j + 2 rr + e]: pixel g + 8 rr of the warp's 16, channel 8 j + 2 tig + e of the tile's BN. A warp's
-    // store covers 8 consecutive pixels (32 bytes) of 4 channels.
+    // acc[4 j + 2 rr + e]: pixel p + rr, channel 8 j + 2 tig + e of the tile's BN. A warp's store covers 16
+    // consecutive pixels (64 bytes) of 4 channels.
     const int64_t obase = t.b * a.out_sb + t.f * a.out_sf;
-    const int p0 = t.pb * T::BM + cw * 64 + warp * 16 + g;
+    const int p = t.pb * T::BM + cw * 64 + warp * 16 + 2 * g;
+    if (p >= a.HW) continue;  // H * W is a multiple of 8: the pair is whole
     const float* bias = static_cast<const float*>(a.bias);
 #pragma unroll
     for (int j = 0; j < T::BN / 8; ++j) {
@@ -549,12 +553,8 @@ __global__ void __launch_bounds__(TcTf32Tile<BN>::threads, 1)
         const int co = t.cb * T::BN + 8 * j + 2 * tig + e;
         if (co >= a.C_out) continue;
         const float bv = bias != nullptr ? bias[co] : 0.f;
-        float* row = out + obase + co * a.out_sc;
-#pragma unroll
-        for (int rr = 0; rr < 2; ++rr) {
-          const int p = p0 + 8 * rr;
-          if (p < a.HW) row[p] = acc[4 * j + 2 * rr + e] + bv;
-        }
+        *reinterpret_cast<float2*>(out + obase + co * a.out_sc + p) =
+            make_float2(acc[4 * j + e] + bv, acc[4 * j + 2 + e] + bv);
       }
     }
   }
@@ -674,7 +674,7 @@ bool temporal_conv_tf32(const at::Tensor& x, const at::Tensor& weight, const std
     a.n_cb = static_cast<int>(ceil_div(s.C_out, T::BN));
     a.n_pb = static_cast<int>(ceil_div(HW, T::BM));
     a.chunks = static_cast<int>(ceil_div(s.C_in, T::BK));
-    a.tiles = a.full_tiles = static_cast<int64_t>(a.n_cb) * a.n_pb * s.F_out * s.B;
+    a.tiles = static_cast<int64_t>(a.n_cb) * a.n_pb * s.F_out * s.B;
     if (a.tiles > std::numeric_limits<int>::max()) return false;  // tc_edges_tile's 32-bit positions
     auto kernel = temporal_conv_tf32_kernel<BN>;
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
