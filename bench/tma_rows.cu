@@ -2,9 +2,9 @@
 // slower than boxes whose rows start on a 32-byte boundary?
 //
 // Build (sm_90a only; the program refuses other devices):
-//   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a bench/tma_rows.cu -o /tmp/tma_rows -lcuda
+//   mkdir -p build && nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a bench/tma_rows.cu -o build/tma_rows -lcuda
 // Run (from the repository root; the JSON path is optional):
-//   /tmp/tma_rows [out.json]
+//   build/tma_rows [out.json]
 // Default JSON path: bench/results/tma_rows_<device name, spaces as _>_<UTC yyyymmddThhmmss>.json
 //
 // Data: a float32 buffer of P pixel rows of C = 960 floats (3840-byte rows, P = 279552, about 1 GiB, far larger
