@@ -483,11 +483,12 @@ __global__ void __launch_bounds__(TcTf32Tile<BN>::threads, 1)
   // box p / 32, 128-byte swizzle (16-byte chunk index XOR row % 8). off[r]: row 2 tig + r; a step kk adds 8 rows
   // (1024 bytes). A half warp's 8-byte loads hit all 32 banks: its g span two chunks, which the four tig's rows
   // (0, 2, 4, 6 or 1, 3, 5, 7) swizzle apart.
+  const int wp = cw * 64 + warp * 16 + 2 * g;  // this thread's first pixel in a tile
   uint32_t off[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const int p = cw * 64 + warp * 16 + 2 * g, row = 2 * tig + r;
-    off[r] = (p >> 5) * 4096 + row * 128 + ((((p & 31) >> 2) ^ row) << 4) + (p & 3) * 4;
+    const int row = 2 * tig + r;
+    off[r] = (wp >> 5) * 4096 + row * 128 + ((((wp & 31) >> 2) ^ row) << 4) + (wp & 3) * 4;
   }
   float* out = static_cast<float*>(a.out);
   uint32_t u = 0;
@@ -533,17 +534,17 @@ __global__ void __launch_bounds__(TcTf32Tile<BN>::threads, 1)
     }
     wgmma::wait<0>();
     wgmma::fence_regs(acc);
-    if (steps == 0 || !active) {  // every tap in the padding: the bias alone (an idle warpgroup stores nothing)
+    if (steps == 0) {  // every tap in the padding: the bias alone
 #pragma unroll
       for (int i = 0; i < T::BN / 2; ++i) acc[i] = 0.f;
     }
     if (prev >= 0 && lane == 0) wgmma::mbar_arrive(empty(prev));
-    if (!active) continue;
+    if (!active) continue;  // an idle warpgroup stores nothing
 
     // acc[4 j + 2 rr + e]: pixel p + rr, channel 8 j + 2 tig + e of the tile's BN. A warp's store covers 16
     // consecutive pixels (64 bytes) of 4 channels.
     const int64_t obase = t.b * a.out_sb + t.f * a.out_sf;
-    const int p = t.pb * T::BM + cw * 64 + warp * 16 + 2 * g;
+    const int p = t.pb * T::BM + wp;
     if (p >= a.HW) continue;  // H * W is a multiple of 8: the pair is whole
     const float* bias = static_cast<const float*>(a.bias);
 #pragma unroll
