@@ -2,16 +2,17 @@
 op reads on every call), beside eager and inductor on the same tensors.
 
     python bench/gn_env_ab.py --env VD_GROUP_NORM_THREE_CTAS=0 [--env NAME=VALUE ...] [--dtype fp32,bf16]
-                              [--shapes 14x512x72x128,...] [--nchw] [--rounds 4] [--no-inductor] [--backward]
+                              [--shapes 14x512x72x128,...] [--nchw | --frames-major] [--rounds 4]
+                              [--no-inductor] [--backward]
 
 Per shape and dtype: device µs a call (torch.profiler, inputs rotated over sets larger than the L2) of the op as
 built ("default") and under each setting, the median of --rounds rounds that alternate the variants, and µs a call
 by events; the CUDA kernel that served each variant; eager and inductor (events a call) and the ratios (events a
-call, as bench/ops.py reports them). Input is channels_last unless
---nchw. --backward times the backward op alone (dx, dgamma, dbeta from dy and the statistics the forward saved;
-eager and inductor: autograd through their graphs, kept); its copy figure counts x and dy read once, dx written
-once; the forward runs once, before the rounds, outside the switches (a switch of the forward alone changes
-nothing timed there), and the error is dx's. JSON goes to bench/results/.
+call, as bench/ops.py reports them). Input is channels_last unless --nchw, or --frames-major (5-D shapes as
+(B, C, F, H, W) views of (B, F, C, H, W) memory). --backward times the backward op alone (dx, dgamma, dbeta from
+dy and the statistics the forward saved; eager and inductor: autograd through their graphs, kept); its copy
+figure counts x and dy read once, dx written once; the forward runs once, before the rounds, outside the switches
+(a switch of the forward alone changes nothing timed there), and the error is dx's. JSON goes to bench/results/.
 """
 from __future__ import annotations
 
@@ -47,6 +48,8 @@ def main(argv=None):
     p.add_argument("--shapes", default="14x512x72x128")
     p.add_argument("--groups", type=int, default=32)
     p.add_argument("--nchw", action="store_true")
+    p.add_argument("--frames-major", action="store_true",
+                   help="5-D shapes BxCxFxHxW as frames-major views of (B, F, C, H, W) memory")
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--no-inductor", action="store_true")
     p.add_argument("--backward", action="store_true")
@@ -64,8 +67,13 @@ def main(argv=None):
             per = (3 if args.backward else 2) * numel * dtype.itemsize  # the copy figure's bytes
             n_sets = rotation_sets(per // 2, dev)
             fmt = torch.channels_last if len(shape) == 4 else torch.channels_last_3d
-            xs = [torch.randn(shape, device=dev, dtype=dtype) * 3 + 1 for _ in range(n_sets)]
-            if not args.nchw:
+            if args.frames_major:
+                B, C_, F_, H, W = shape
+                xs = [(torch.randn(B, F_, C_, H, W, device=dev, dtype=dtype) * 3 + 1).transpose(1, 2)
+                      for _ in range(n_sets)]
+            else:
+                xs = [torch.randn(shape, device=dev, dtype=dtype) * 3 + 1 for _ in range(n_sets)]
+            if not args.nchw and not args.frames_major:
                 xs = [x.to(memory_format=fmt) for x in xs]
             C, G = shape[1], args.groups
             w, b = torch.randn(C, device=dev, dtype=dtype), torch.randn(C, device=dev, dtype=dtype)
@@ -95,7 +103,8 @@ def main(argv=None):
                     return eager_x(xs[i])
 
                 ref = F.silu(F.group_norm(xs[0].double(), G, w.double(), b.double(), 1e-5))
-            r = {"shape": spec, "dtype": dname, "layout": "NCHW" if args.nchw else "channels_last",
+            layout = "frames-major" if args.frames_major else "NCHW" if args.nchw else "channels_last"
+            r = {"shape": spec, "dtype": dname, "layout": layout,
                  "pass": "backward" if args.backward else "forward", "eager_ms": time_cuda(eager, n_sets)}
             if not args.no_inductor:
                 # Compiled on the tensor, not the set index: dynamo specializes on an int argument, so each index
