@@ -7,8 +7,7 @@ FAMILY (attention, group_norm_silu, conv_bn_silu, temporal_conv, scheduler_step)
 families; default: all. attention_backward (not in the default set) is a small masked bf16 backward at head
 dims 64 and 128 (the default kernels and the deterministic pair), small enough for racecheck (the full
 attention set takes it several minutes). group_norm_silu_three_ctas (not in the default set either) is version 8 at
-three CTAs an SM alone (the whole group_norm_silu set outlasts racecheck's time on a device call);
-group_norm_silu_lag is version 11 alone (also run with the group_norm_silu set).
+three CTAs an SM alone (the whole group_norm_silu set outlasts racecheck's time on a device call).
 """
 from __future__ import annotations
 
@@ -190,20 +189,6 @@ def main():
                         w, b = torch.randn(shape[1], device=dev, dtype=dtype), torch.randn(shape[1], device=dev, dtype=dtype)
                         torch.ops.vd.group_norm_silu_forward(x, groups, w, b, 1e-5, True)
             ran.append("group_norm_silu")
-        if want("group_norm_silu") or "group_norm_silu_lag" in only and has_cuda_kernels("group_norm_silu"):
-            # Version 11 (groups over 1.5 MB, every resident CTA, tiles normalized D rounds after their reduction),
-            # pinned: one tile a group; 4 MB fp32 groups (Q 256 / 128 at R 2 / 4); frames-major groups with a short
-            # last tile; at the least and a longer lag, with and without SiLU, statistics written.
-            with env_var("VD_GROUP_NORM_KERNEL", "lag"):
-                for r, slack in (("2", "0"), ("4", "3")):
-                    with env_var("VD_GROUP_NORM_LAG_R", r), env_var("VD_GROUP_NORM_LAG_SLACK", slack):
-                        for x, groups in [(torch.randn(2, 64, 16, 16, device=dev, dtype=dtype), 32),
-                                          (torch.randn(1, 64, 512, 512, device=dev, dtype=dtype), 16),
-                                          (torch.randn(2, 14, 320, 40, 64, device=dev, dtype=dtype).transpose(1, 2), 32)]:
-                            w = torch.randn(x.shape[1], device=dev, dtype=dtype)
-                            torch.ops.vd.group_norm_silu_forward(x, groups, w, w, 1e-5, True)
-                            torch.ops.vd.group_norm_silu(x, groups, None, None, 1e-5, False)
-            ran.append("group_norm_silu_lag")
         if "group_norm_silu_three_ctas" in only and has_cuda_kernels("group_norm_silu"):
             # Version 8 at three CTAs an SM (one stage of <= ~72 KB, group states folded over warps): a last rank
             # with fewer rows and a box partly past the sample; 64 KB parts in two boxes with more blocks than

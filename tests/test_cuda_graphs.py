@@ -44,9 +44,6 @@ CASES = {
                           lambda q, k, v: torch.ops.vd.strided_attention(q, k, v, 3, None)),
     "group_norm_silu_on_chip": (lambda: [_rand(4, 320, 18, 32)],
                                 lambda x: torch.ops.vd.group_norm_silu(x, 32, None, None, 1e-5, True)),
-    # Version 11: groups over 1.5 MB (2 MB here), every resident CTA, counters zeroed by a memset in the graph.
-    "group_norm_silu_lag": (lambda: [_rand(1, 64, 512, 512)],
-                            lambda x: torch.ops.vd.group_norm_silu(x, 16, None, None, 1e-5, True)),
     "group_norm_silu_channels_last": (lambda: [_rand(2, 64, 9, 11, channels_last=True)],
                                       lambda x: torch.ops.vd.group_norm_silu(x, 8, None, None, 1e-5, True)),
     # sm_90: version 8 (tensor copies into a ring of stages, clusters of 4 exchanging through st.async).

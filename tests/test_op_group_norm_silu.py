@@ -279,7 +279,7 @@ def test_forward_paths(device, shape, groups, cl, dtype):
 
 # Each forward kernel family on its own (VD_GROUP_NORM_KERNEL; a family that does not apply to a
 # shape leaves it to the two-pass path), on the cases above.
-FAMILIES = ["smem", "lag", "l2", "onchip", "twopass"]
+FAMILIES = ["smem", "l2", "onchip", "twopass"]
 
 
 @pytest.fixture(params=FAMILIES)
@@ -484,70 +484,6 @@ def test_misaligned_input(device, dtype):
     w, b = torch.randn(320, device=device, dtype=dtype), torch.randn(320, device=device, dtype=dtype)
     out = group_norm_silu(x, 32, w, b)
     assert_close_to(out, reference_group_norm_silu(x.double(), 32, w.double(), b.double()), dtype)
-
-
-# Version 11 ("lag"): NC* and frames-major groups over version 6's 1.5 MB, tiles of R vectors a thread taken round
-# robin by every resident CTA, each normalized D rounds after its reduction. (shape, groups, layout): the tiles a
-# group (R = 2: 1024 vectors a tile) and the lag D = (P - 1 + Q - 1) // P + 1 + slack on 264 CTAs.
-LAG_CASES = [
-    ((1, 64, 512, 512), 16, "contiguous"),     # 4 MB fp32 groups: Q 256 / 128 (R 2 / 4), D 3 at slack 1
-    ((2, 320, 14, 40, 64), 32, "frames-major"),  # 14 segments of 25600 a group: Q 88 (fp32, R 2), the last tile half full
-    ((3, 96, 300, 301), 3, "contiguous"),      # 32 channels of 90300: Q 706 (fp32); 16-bit vectors straddle channels
-    ((2, 64, 16, 16), 32, "contiguous"),       # one tile a group, 64 CTAs
-]
-
-
-def lag_runs(x, groups, w, b, silu):
-    names = cuda_kernels_run(lambda: group_norm_silu(x, groups, w, b, 1e-5, silu))
-    return any("lag_rows_kernel" in n for n in names)
-
-
-@pytest.mark.parametrize("device", CUDA)
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_version_11_lag(device, dtype, monkeypatch):
-    # Against the float64 reference with and without SiLU and affine, at both tile sizes and three lags; the lags
-    # bitwise equal (same tiles, same merge order); version 11 the kernel that ran (pinned).
-    if torch.cuda.get_device_capability(device)[0] < 9:
-        pytest.skip("version 11 is built for sm_90")
-    torch.manual_seed(0)
-    for shape, groups, layout in LAG_CASES:
-        C = shape[1]
-        x = layout_input(shape, layout, dtype, device)
-        w, b = torch.randn(C, device=device, dtype=dtype), torch.randn(C, device=device, dtype=dtype)
-        monkeypatch.setenv("VD_GROUP_NORM_KERNEL", "lag")
-        for r in ("2", "4"):
-            monkeypatch.setenv("VD_GROUP_NORM_LAG_R", r)
-            for silu in (True, False):
-                ref = reference_group_norm_silu(x.double(), groups, w.double(), b.double(), 1e-5, silu)
-                outs = []
-                for slack in ("0", "1", "3"):
-                    monkeypatch.setenv("VD_GROUP_NORM_LAG_SLACK", slack)
-                    what = f"{layout} {shape} {dtype} R={r} slack={slack} silu={silu}"
-                    assert lag_runs(x, groups, w, b, silu), what
-                    out = group_norm_silu(x, groups, w, b, 1e-5, silu)
-                    assert_close_to(out, ref, dtype, what=what)
-                    outs.append(out)
-                assert all(torch.equal(o, outs[0]) for o in outs[1:]), f"{layout} {shape} R={r}"
-        monkeypatch.delenv("VD_GROUP_NORM_KERNEL", raising=False)
-        monkeypatch.delenv("VD_GROUP_NORM_LAG_R", raising=False)
-        monkeypatch.delenv("VD_GROUP_NORM_LAG_SLACK", raising=False)
-
-
-@pytest.mark.parametrize("device", CUDA)
-def test_version_11_no_stale_output(device, monkeypatch):
-    # Every element written: the output buffer the allocator hands back is filled with NaN before each call.
-    if torch.cuda.get_device_capability(device)[0] < 9:
-        pytest.skip("version 11 is built for sm_90")
-    monkeypatch.setenv("VD_GROUP_NORM_KERNEL", "lag")
-    torch.manual_seed(0)
-    for shape, groups, layout in LAG_CASES:
-        x = layout_input(shape, layout, torch.float32, device)
-        for _ in range(2):
-            junk = torch.full_like(x, float("nan"))
-            del junk  # the next output of this size reuses the NaN-filled block
-            out = group_norm_silu(x, groups)
-            assert not out.isnan().any(), (shape, layout)
-            assert_close_to(out, reference_group_norm_silu(x.double(), groups), torch.float32, what=str(shape))
 
 
 @pytest.mark.parametrize("device", CUDA)

@@ -1403,219 +1403,6 @@ __global__ void __launch_bounds__(kL2Threads, 2) l2_rows_kernel(FusedArgs<scalar
 }
 
 // ---------------------------------------------------------------------------------------------
-// Version 11 forward ("lag"), NC* and frames-major with 16-byte vectors: groups over version 6's 1.5 MB
-// (frames-major 320 channels at 72 x 128, the VAE's full-size groups) ran two-pass, x read twice from DRAM.
-// Version 9 held each CTA's part in shared memory with the whole grid on a group or two at a time, and each
-// group waited for the whole device: shared memory allowed a lag of one group. Here x waits in L2 instead, so the
-// lag can be longer. A group is cut into tiles of R vectors a thread; the P resident CTAs (a cooperative launch)
-// take the tiles round robin (CTA p: tiles p, p + P, ...). In round r a CTA reduces tile p + r P (loaded during the
-// round before, evict-last) and publishes its (mean, m2) in the tile's slot, issues the next tile's loads, and
-// normalizes tile p + (r - D) P: it gathers that group's slots (a slot a thread, polled until written) and merges
-// them in slot order (the same bits in every CTA), then reads x back from L2 (evict-first) and stores y. D rounds
-// cover a group's tiles plus `slack` rounds, so the slots gathered were written a round or more before. Slots are
-// two 8-byte words, each a float's bits tagged in the high half and stored relaxed (single-copy atomic): no
-// fence, so publishing never waits for the CTA's y stores in flight. DRAM sees x once and y once; L2 holds about
-// D + 1 rounds of tiles. Deadlock-free because every CTA is resident and a CTA normalizing in round r waits only
-// on slots written in rounds before r.
-constexpr int kLagThreads = 512;  // two CTAs an SM
-
-template <typename scalar_t>
-struct LagArgs {
-  FusedArgs<scalar_t> f;  // K and part unused
-  int64_t tiles;          // groups * Q
-  int Q;                  // tiles a group
-  int tile;               // vectors a tile (kLagThreads * R)
-  int D;                  // rounds between a tile's reduction and its normalization
-  uint64_t* slots;        // [tiles][2]: each tile's tagged (mean, m2); zeroed by the host
-};
-
-__device__ __forceinline__ void lag_publish(uint64_t* slot, float mean, float m2) {
-  const uint64_t tag = uint64_t{1} << 32;
-  asm volatile("st.relaxed.gpu.global.v2.b64 [%0], {%1, %2};\n" ::"l"(slot), "l"(tag | __float_as_uint(mean)),
-               "l"(tag | __float_as_uint(m2))
-               : "memory");
-}
-
-// Slot j of a group as Welford (n elements), waiting until both words are written.
-__device__ __forceinline__ Welford<float> lag_gather(const uint64_t* slot, float n) {
-  for (;;) {
-    uint64_t w0, w1;
-    asm volatile("ld.relaxed.gpu.global.v2.b64 {%0, %1}, [%2];\n" : "=l"(w0), "=l"(w1) : "l"(slot) : "memory");
-    if ((w0 & w1) >> 32)
-      return {__uint_as_float(static_cast<unsigned>(w0)), __uint_as_float(static_cast<unsigned>(w1)), n};
-    __nanosleep(32);
-  }
-}
-
-template <typename scalar_t, int R, bool SILU, bool FM>
-__global__ void __launch_bounds__(kLagThreads, 2) lag_rows_kernel(const LagArgs<scalar_t> la) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  constexpr int THREADS = kLagThreads, VEC = max_vec<scalar_t>(), WARPS = THREADS / 32;
-  // As version 4: 16-bit inputs fold the mean into b_c, fp32 keeps x - mean.
-  constexpr bool kShift = sizeof(scalar_t) > 2;
-  const FusedArgs<scalar_t>& a = la.f;
-  // The tile being loaded for its statistics (thread tid's vector k at k * THREADS + tid), then a_c and b_c of the
-  // group being normalized.
-  extern __shared__ uint4 sh_stage[];
-  float* sh_chan = reinterpret_cast<float*>(sh_stage + R * THREADS);
-  __shared__ Welford<float> sh_tile[WARPS], sh_group[WARPS];
-  __shared__ float sh_mean;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid / 32;
-  const int64_t P = gridDim.x;
-  const int Mv = a.M / VEC;
-  const L2Policies pol = l2_policies();
-  const int64_t mine = (la.tiles - blockIdx.x + P - 1) / P;  // the grid is at most `tiles` CTAs
-  auto base_of = [&](int64_t ng) { return (ng / a.G) * a.nstride + (ng % a.G) * a.seg; };
-  // Thread tid's vectors of tile q of a group: v0, v0 + THREADS, ..., count_of(v0) of them.
-  auto count_of = [&](int v0) { return v0 < Mv ? min(R, (Mv - v0 + THREADS - 1) / THREADS) : 0; };
-  const float full = static_cast<float>(la.tile * VEC), last_n = static_cast<float>((Mv - (la.Q - 1) * la.tile) * VEC);
-
-  int n_t = 0;
-  // Tile t's loads, left in flight as asynchronous copies into the stage (no registers held through the round).
-  auto issue = [&](int64_t t) {
-    const int64_t g = t / la.Q;
-    const int v0 = static_cast<int>(t - g * la.Q) * la.tile + tid;
-    n_t = count_of(v0);
-    GroupWalk<FM> p(static_cast<unsigned>(v0) * VEC, a);
-    const scalar_t* xg = a.x + base_of(g);
-#pragma unroll
-    for (int k = 0; k < R; ++k) {
-      if (k < n_t)
-        asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;\n" ::"r"(
-                         static_cast<uint32_t>(__cvta_generic_to_shared(sh_stage + k * THREADS + tid))),
-                     "l"(xg + p.off), "l"(pol.keep)
-                     : "memory");
-      p.advance(a, THREADS * VEC);
-    }
-    asm volatile("cp.async.commit_group;\n" ::: "memory");
-  };
-  if (mine > 0) issue(blockIdx.x);
-  // Slot tid of the group normalized next round, loaded a round ahead (written by then unless a CTA lags: its tag
-  // is checked, and lag_gather waits where it is not set).
-  uint64_t pre0 = 0, pre1 = 0;
-  auto prefetch = [&](int64_t g) {
-    if (tid < la.Q)
-      asm volatile("ld.relaxed.gpu.global.v2.b64 {%0, %1}, [%2];\n"
-                   : "=l"(pre0), "=l"(pre1)
-                   : "l"(la.slots + 2 * (g * la.Q + tid))
-                   : "memory");
-  };
-
-  for (int64_t r = 0; r < mine + la.D; ++r) {
-    const int64_t t = blockIdx.x + r * P, ta = t - la.D * P;
-    const bool have = r < mine, apply = r >= la.D;
-    const int64_t ga = apply ? ta / la.Q : 0;
-    // Warp 1 fetches the channel table's gamma and beta now (lane c: channel c < 32); phase 2 needs them.
-    float wl = 1.f, bl = 0.f;
-    if (apply && warp == 1 && lane < a.cpg) {
-      const int64_t c = (ga % a.G) * a.cpg + lane;
-      if (a.w) wl = static_cast<float>(a.w[c]);
-      if (a.b) bl = static_cast<float>(a.b[c]);
-    }
-    // Phase 1: this thread's share of tile t (each thread's mean, then its squared deviations, in registers), the
-    // next tile's loads, and (apply) this thread's slots of group ga.
-    // Tile ta's x, read back from L2 now and normalized in phase 3.
-    uint4 abuf[R];
-    int n_a = 0;
-    if (apply) {
-      const int v0 = static_cast<int>(ta - ga * la.Q) * la.tile + tid;
-      n_a = count_of(v0);
-      GroupWalk<FM> p(static_cast<unsigned>(v0) * VEC, a);
-      const scalar_t* xg = a.x + base_of(ga);
-#pragma unroll
-      for (int k = 0; k < R; ++k) {
-        if (k < n_a) abuf[k] = load_hint(xg + p.off, pol.drop);
-        p.advance(a, THREADS * VEC);
-      }
-    }
-    if (have) {
-      asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-      uint4 buf[R];
-#pragma unroll
-      for (int k = 0; k < R; ++k)
-        if (k < n_t) buf[k] = sh_stage[k * THREADS + tid];
-      Welford<float> st{0.f, 0.f, 0.f};
-      if (n_t > 0) {
-        float s = 0.f;
-#pragma unroll
-        for (int k = 0; k < R; ++k)
-          if (k < n_t)
-#pragma unroll
-            for (int j = 0; j < VEC; ++j) s += elt_to_float<scalar_t>(buf[k], j);
-        const float n = static_cast<float>(n_t * VEC), mean = __fdividef(s, n);
-        float m2 = 0.f;
-#pragma unroll
-        for (int k = 0; k < R; ++k)
-          if (k < n_t)
-#pragma unroll
-            for (int j = 0; j < VEC; ++j) {
-              const float d = elt_to_float<scalar_t>(buf[k], j) - mean;
-              m2 = fmaf(d, d, m2);
-            }
-        st = {mean, m2, n};
-      }
-      st = warp_combine_f(st);
-      if (lane == 0) sh_tile[warp] = st;
-      if (r + 1 < mine) issue(t + P);
-    }
-    if (apply) {
-      Welford<float> g{0.f, 0.f, 0.f};
-      const uint64_t* sl = la.slots + 2 * ga * la.Q;
-      if (tid < la.Q) {
-        const float n = tid + 1 < la.Q ? full : last_n;
-        g = (pre0 & pre1) >> 32 ? Welford<float>{__uint_as_float(static_cast<unsigned>(pre0)),
-                                                 __uint_as_float(static_cast<unsigned>(pre1)), n}
-                                : lag_gather(sl + 2 * tid, n);
-      }
-      for (int j = tid + THREADS; j < la.Q; j += THREADS)
-        g = combine_f(g, lag_gather(sl + 2 * j, j + 1 < la.Q ? full : last_n));
-      g = warp_combine_f(g);
-      if (lane == 0) sh_group[warp] = g;
-    }
-    __syncthreads();
-    // Phase 2: warp 0 publishes tile t; warp 1 merges group ga and fills the channel table.
-    if (have && warp == 0) {
-      Welford<float> st = lane < WARPS ? sh_tile[lane] : Welford<float>{0.f, 0.f, 0.f};
-      st = warp_combine_f(st);
-      if (lane == 0) lag_publish(la.slots + 2 * t, st.mean, st.m2);
-    }
-    if (apply && warp == 1) {
-      Welford<float> g = lane < WARPS ? sh_group[lane] : Welford<float>{0.f, 0.f, 0.f};
-      g = warp_combine_f(g);
-      const float mean = __shfl_sync(kFullMask, g.mean, 0);
-      const float rstd = rsqrtf(__fdividef(__shfl_sync(kFullMask, g.m2, 0), __shfl_sync(kFullMask, g.n, 0)) +
-                                static_cast<float>(a.eps));
-      const float shift = kShift ? 0.f : mean;  // fp32 subtracts the mean from x (pivot = mean)
-      const int64_t c0 = (ga % a.G) * a.cpg;
-      for (int c = lane; c < a.cpg; c += 32) {
-        const float ac = rstd * (c < 32 ? wl : a.w ? static_cast<float>(a.w[c0 + c]) : 1.f);
-        sh_chan[c] = ac;
-        sh_chan[a.cpg + c] = fmaf(-shift, ac, c < 32 ? bl : a.b ? static_cast<float>(a.b[c0 + c]) : 0.f);
-      }
-      if (lane == 0) {
-        sh_mean = mean;
-        if (a.stats.p && ta % la.Q == 0) a.stats.write(ga, mean, 0.f, rstd);
-      }
-    }
-    __syncthreads();
-    // Phase 3: tile ta normalized, x read back from L2.
-    if (apply) {
-      const int v0 = static_cast<int>(ta - ga * la.Q) * la.tile + tid;
-      GroupWalk<FM> p(static_cast<unsigned>(v0) * VEC, a);
-      scalar_t* og = a.out + base_of(ga);
-      const float pivot = sh_mean;
-#pragma unroll
-      for (int k = 0; k < R; ++k) {
-        if (k < n_a) store_hint(og + p.off, norm_vec<scalar_t, SILU, kShift>(abuf[k], p, a, pivot, sh_chan), pol.drop);
-        p.advance(a, THREADS * VEC);
-      }
-    }
-    if (r + 1 >= la.D && r + 1 < mine + la.D) prefetch((t + P - la.D * P) / la.Q);
-  }
-#endif
-}
-
-// ---------------------------------------------------------------------------------------------
 // Version 6 forward ("smem"), NC* and frames-major with 16-byte vectors, sm_90: x read once from DRAM
 // into shared memory by the copy engine, y written once. Version 4 spends ~27 instructions an element
 // (two passes of loads with their addresses, per-batch sums) and runs at 60-63 % of the copy rate,
@@ -3311,11 +3098,11 @@ bool cluster_ok(Kernel kernel, int K, int device, int threads, size_t smem) {
   return K == 1 || resident_clusters(kernel, K, device, threads, smem) > 0;
 }
 
-// Which forward kernels may run. VD_GROUP_NORM_KERNEL=smem|lag|l2|onchip|twopass restricts the choice to one
+// Which forward kernels may run. VD_GROUP_NORM_KERNEL=smem|l2|onchip|twopass restricts the choice to one
 // family (benchmarks compare them in one process); unset: as measured (bench/notes/norm_and_elementwise.md),
 // version 6 (version 8 for channels_last) first, then version 4 (for 16-bit NC* x only where x fits the L2),
 // version 3 first for inputs under kSmallBytes, then version 1.
-enum class GNKernels { kAny, kSmem, kLag, kL2, kOnChip, kTwoPass };
+enum class GNKernels { kAny, kSmem, kL2, kOnChip, kTwoPass };
 // Under this many bytes of x, version 3's shorter CTAs beat version 4 by 1-2 us (H200).
 constexpr int64_t kSmallBytes = 16 << 20;
 
@@ -3324,7 +3111,6 @@ GNKernels gn_kernels() {
   if (e == nullptr) return GNKernels::kAny;
   const std::string v(e);
   if (v == "smem") return GNKernels::kSmem;
-  if (v == "lag") return GNKernels::kLag;
   if (v == "l2") return GNKernels::kL2;
   if (v == "onchip") return GNKernels::kOnChip;
   if (v == "twopass") return GNKernels::kTwoPass;
@@ -3426,82 +3212,6 @@ bool forward_smem(const GNShape& s, int64_t F, const scalar_t* x, scalar_t* out,
     a.stages = stages;
     a.stage_bytes = static_cast<int>(stage_bytes);
     launch_clusters(kOp, kernel, a, std::min<int64_t>(a.groups, clusters), K, threads, smem, stream);
-    return true;
-  }
-}
-
-// Version 11's shape: R vectors a thread a tile (VD_GROUP_NORM_LAG_R=2|4 pins one; default 2: 16 KB fp32 tiles,
-// 4.3 MB a round on an H200) and `slack` rounds of lag past what a group's tiles need (VD_GROUP_NORM_LAG_SLACK,
-// 0-4; default 0). Benchmarks compare them in one process.
-int lag_r() {
-  const char* e = std::getenv("VD_GROUP_NORM_LAG_R");
-  return e && std::atoi(e) == 4 ? 4 : 2;
-}
-
-int lag_slack() {
-  const char* e = std::getenv("VD_GROUP_NORM_LAG_SLACK");
-  const int v = e ? std::atoi(e) : 0;
-  return v >= 0 && v <= 4 ? v : 0;
-}
-
-template <typename scalar_t, int R>
-auto lag_kernel(bool silu, bool fm) {
-  return silu ? (fm ? lag_rows_kernel<scalar_t, R, true, true> : lag_rows_kernel<scalar_t, R, true, false>)
-              : (fm ? lag_rows_kernel<scalar_t, R, false, true> : lag_rows_kernel<scalar_t, R, false, false>);
-}
-
-// Runs version 11 when the shape, dtype, alignment and device allow it; false leaves the work to the others.
-template <typename scalar_t>
-bool forward_lag(const GNShape& s, int64_t F, const scalar_t* x, scalar_t* out, const scalar_t* w, const scalar_t* b,
-                 double eps, bool silu, bool vec, StatsOut stats, int device, cudaStream_t stream) {
-  if constexpr (std::is_same_v<scalar_t, double>) {
-    return false;  // float statistics only; fp64 keeps the double-precision path
-  } else {
-    constexpr int kVec = max_vec<scalar_t>();
-    if (s.channels_last || !vec) return false;
-    const int64_t cpg = s.C / s.G, seg = cpg * (s.S / F), M = F * seg, Mv = M / kVec;
-    // Element offsets within a group are 32-bit (FusedArgs).
-    if (seg % kVec != 0 || cpg > kSmemMaxCpg || M >= (int64_t{1} << 31)) return false;
-    int coop = 0;
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, device));
-    if (!coop) return false;
-    const int R = lag_r();
-    const bool fm = F > 1;
-    const auto kernel = R == 4 ? lag_kernel<scalar_t, 4>(silu, fm) : lag_kernel<scalar_t, 2>(silu, fm);
-    const size_t smem = static_cast<size_t>(R) * kLagThreads * 16 + 2 * cpg * sizeof(float);
-    // Every CTA resident at once (the kernel waits across CTAs): as many as fit, checked again by the
-    // cooperative launch.
-    const int resident = resident_clusters(kernel, 1, device, kLagThreads, smem);
-    if (resident == 0) return false;
-    const int tile = kLagThreads * R;
-    const int64_t groups = s.N * s.G, Q = ceil_div(Mv, static_cast<int64_t>(tile)), tiles = groups * Q;
-    const int64_t P = std::min<int64_t>(resident, tiles);
-    // A tile normalized in round r belongs to a group whose tiles were reduced by round r - D + (P - 1 + Q - 1) / P.
-    const int64_t D = (P - 1 + Q - 1) / P + 1 + lag_slack();
-    // The tiles' slots, zeroed on the stream (a tag of 0: not yet written).
-    const int64_t bytes = tiles * 2 * static_cast<int64_t>(sizeof(uint64_t));
-    at::Tensor ws = at::empty({bytes}, at::TensorOptions().device(at::kCUDA, device).dtype(at::kByte));
-    C10_CUDA_CHECK(cudaMemsetAsync(ws.mutable_data_ptr(), 0, bytes, stream));
-    LagArgs<scalar_t> a{};
-    a.f = fused_args(s, F, x, out, w, b, eps, silu, kLagThreads, 1, 0);
-    a.f.stats = stats;
-    a.tiles = tiles;
-    a.Q = static_cast<int>(Q);
-    a.tile = tile;
-    a.D = static_cast<int>(D);
-    a.slots = reinterpret_cast<uint64_t*>(ws.mutable_data_ptr());
-    cudaLaunchConfig_t cfg{};
-    cfg.gridDim = dim3(static_cast<unsigned>(P));
-    cfg.blockDim = dim3(kLagThreads);
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = stream;
-    cudaLaunchAttribute at{};
-    at.id = cudaLaunchAttributeCooperative;
-    at.val.cooperative = 1;
-    cfg.attrs = &at;
-    cfg.numAttrs = 1;
-    C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, a));
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
     return true;
   }
 }
@@ -4046,12 +3756,8 @@ at::Tensor forward_cuda(const at::Tensor& x_in, const GNShape& s, const std::opt
                  : forward_smem<scalar_t>(s, a.F, a.x, a.out, a.w, a.b, eps, silu, vec, so, x.get_device(), stream);
     };
     if ((any || use == GNKernels::kSmem) && smem()) return;
-    auto lag = [&] {
-      return forward_lag<scalar_t>(s, a.F, a.x, a.out, a.w, a.b, eps, silu, vec, so, x.get_device(), stream);
-    };
     const bool small = x.numel() * static_cast<int64_t>(sizeof(scalar_t)) < kSmallBytes;
     if (any && small && onchip()) return;
-    if (((any && !small) || use == GNKernels::kLag) && lag()) return;
     // Version 4 (NC*) keeps each group in L2 between its passes, but issue-bound it lost to the two-pass
     // kernels (16-bit statistics at the read rate) on every input larger than the L2: 0.434 vs 0.388 ms at
     // (28, 960, 72, 128), 0.099 vs 0.083 on 83 MB frames-major input; it still wins on 41 MB (0.046 vs 0.049).
