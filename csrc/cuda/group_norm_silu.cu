@@ -265,6 +265,9 @@ struct GNArgs {
   int TCV, R;
   int64_t ctiles, RB;
   bool silu;
+  // The second pass (apply, dx) walks its blocks last to first: the first pass (statistics, gradient sums) read
+  // x first to last, so its last reads are still in L2 when the second starts.
+  bool reverse;
 };
 
 // Block decomposition of the "cols" kernels: blockIdx.x -> (n, p, column tile).
@@ -278,7 +281,7 @@ struct ColBlock {
 template <typename A>
 __device__ __forceinline__ ColBlock col_block(const A& a, int vec) {
   ColBlock cb;
-  int64_t blk = blockIdx.x;
+  int64_t blk = a.reverse ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
   cb.ct = blk % a.ctiles;
   blk /= a.ctiles;
   cb.p = blk % a.P;
@@ -536,7 +539,8 @@ __global__ void __launch_bounds__(kThreads) stats_finalize_kernel(const Welford<
 template <typename scalar_t, typename acc_t, int VEC>
 __global__ void __launch_bounds__(kThreads) apply_rows_kernel(GNArgs<scalar_t, acc_t> a) {
   const int lane = threadIdx.x & 31;
-  const int64_t w = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
+  const int64_t blk = a.reverse ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+  const int64_t w = blk * kWarps + threadIdx.x / 32;
   if (w >= a.items) return;
   const int64_t row = w / a.P, p = w % a.P;
   const int64_t lo = row * a.S + p * a.CH;
@@ -812,7 +816,8 @@ __device__ __forceinline__ acc_t dx_of(acc_t xc, acc_t dy, acc_t rstd, acc_t gam
 template <typename scalar_t, typename acc_t, int VEC, bool FM>
 __global__ void __launch_bounds__(kThreads) dx_rows_kernel(GNArgs<scalar_t, acc_t> a) {
   const int lane = threadIdx.x & 31;
-  const int64_t w = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
+  const int64_t blk = a.reverse ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+  const int64_t w = blk * kWarps + threadIdx.x / 32;
   if (w >= a.items) return;
   const int64_t row = w / a.P, p = w % a.P;
   const int64_t lo = row * a.S + p * a.CH;
@@ -3216,6 +3221,13 @@ bool forward_smem(const GNShape& s, int64_t F, const scalar_t* x, scalar_t* out,
   }
 }
 
+// The two-pass kernels' second pass (forward apply, backward dx) walks x last to first (GNArgs::reverse);
+// VD_GROUP_NORM_APPLY_ORDER=memory keeps first to last (benchmarks compare both in one process).
+bool apply_reversed() {
+  const char* e = std::getenv("VD_GROUP_NORM_APPLY_ORDER");
+  return e == nullptr || std::string(e) != "memory";
+}
+
 // Which backward runs: VD_GROUP_NORM_BACKWARD=twopass keeps version 1's kernels, smem2 pins two CTAs an SM
 // (benchmarks compare); unset: version 7 where it applies, three CTAs an SM where the cluster need not grow.
 int grad_backward_choice() {
@@ -3771,6 +3783,7 @@ at::Tensor forward_cuda(const at::Tensor& x_in, const GNShape& s, const std::opt
     const at::Tensor buf = L::stats(a, s.channels_last, vec, eps, x.options(), x.get_device(), stream, st);
     const int v = vec ? L::kVec : 1;
     plan(a, v, a.S, s.channels_last);
+    a.reverse = apply_reversed();
     const unsigned blocks = grid_of(s.channels_last ? a.items : ceil_div(a.items, kWarps), kOp);
     if (!s.channels_last) {
       if (vec) apply_rows_kernel<scalar_t, acc_t, L::kVec><<<blocks, kThreads, 0, stream>>>(a);
@@ -3889,7 +3902,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_silu_backward_cuda(
     }, dw, db);
     a.m1 = m1;
     a.m2 = m2;
-
+    a.reverse = apply_reversed();
     if (!s.channels_last) {
       if (in_place) {
         if (vec) dx_rows_kernel<scalar_t, acc_t, L::kVec, true><<<blocks, kThreads, 0, stream>>>(a);
