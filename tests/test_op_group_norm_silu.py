@@ -766,7 +766,7 @@ def test_two_pass_second_pass_order(device, dtype, monkeypatch):
     # The two-pass kernels' second pass (forward apply, backward dx) walks its blocks last to first, or first to
     # last under VD_GROUP_NORM_APPLY_ORDER=memory: each block's work is the same either way, so the outputs must be
     # bitwise equal, and match the reference; on every layout, with a short last block (items not a multiple of a
-    # block's) and vectors straddling channels.
+    # block's) and vectors straddling channels; the second-pass kernels are the ones that ran.
     monkeypatch.setenv("VD_GROUP_NORM_KERNEL", "twopass")
     monkeypatch.setenv("VD_GROUP_NORM_BACKWARD", "twopass")
     torch.manual_seed(0)
@@ -782,6 +782,10 @@ def test_two_pass_second_pass_order(device, dtype, monkeypatch):
             y = group_norm_silu(x, groups, w, b, 1e-5, True)
             dx = torch.ops.vd.group_norm_silu_backward(g, x, groups, w, b, 1e-5, True)[0]
             outs[order] = (y, dx)
+        names = cuda_kernels_run(lambda: (group_norm_silu(x, groups, w, b, 1e-5, True),
+                                          torch.ops.vd.group_norm_silu_backward(g, x, groups, w, b, 1e-5, True)))
+        kind = "cols" if layout == "channels_last" else "rows"
+        assert any(f"apply_{kind}_kernel" in n for n in names) and any(f"dx_{kind}_kernel" in n for n in names), names
         what = f"{layout} {shape} {dtype}"
         assert torch.equal(outs[""][0], outs["memory"][0]), what
         assert torch.equal(outs[""][1], outs["memory"][1]), what
