@@ -270,6 +270,12 @@ struct GNArgs {
   bool reverse;
 };
 
+// This CTA's block of the grid, counted from the end where a.reverse (the two-pass kernels' second pass).
+template <typename A>
+__device__ __forceinline__ int64_t pass_block(const A& a) {
+  return a.reverse ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+}
+
 // Block decomposition of the "cols" kernels: blockIdx.x -> (n, p, column tile).
 struct ColBlock {
   int64_t n, p, ct, cv;  // cv: this thread's vector column
@@ -281,7 +287,7 @@ struct ColBlock {
 template <typename A>
 __device__ __forceinline__ ColBlock col_block(const A& a, int vec) {
   ColBlock cb;
-  int64_t blk = a.reverse ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+  int64_t blk = pass_block(a);
   cb.ct = blk % a.ctiles;
   blk /= a.ctiles;
   cb.p = blk % a.P;
@@ -539,8 +545,7 @@ __global__ void __launch_bounds__(kThreads) stats_finalize_kernel(const Welford<
 template <typename scalar_t, typename acc_t, int VEC>
 __global__ void __launch_bounds__(kThreads) apply_rows_kernel(GNArgs<scalar_t, acc_t> a) {
   const int lane = threadIdx.x & 31;
-  const int64_t blk = a.reverse ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-  const int64_t w = blk * kWarps + threadIdx.x / 32;
+  const int64_t w = pass_block(a) * kWarps + threadIdx.x / 32;
   if (w >= a.items) return;
   const int64_t row = w / a.P, p = w % a.P;
   const int64_t lo = row * a.S + p * a.CH;
@@ -816,8 +821,7 @@ __device__ __forceinline__ acc_t dx_of(acc_t xc, acc_t dy, acc_t rstd, acc_t gam
 template <typename scalar_t, typename acc_t, int VEC, bool FM>
 __global__ void __launch_bounds__(kThreads) dx_rows_kernel(GNArgs<scalar_t, acc_t> a) {
   const int lane = threadIdx.x & 31;
-  const int64_t blk = a.reverse ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-  const int64_t w = blk * kWarps + threadIdx.x / 32;
+  const int64_t w = pass_block(a) * kWarps + threadIdx.x / 32;
   if (w >= a.items) return;
   const int64_t row = w / a.P, p = w % a.P;
   const int64_t lo = row * a.S + p * a.CH;
