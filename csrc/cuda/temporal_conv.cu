@@ -562,314 +562,18 @@ __global__ void __launch_bounds__(TcTf32Tile<BN>::threads, 1)
 #endif
 }
 
-// ---- Hopper, float32 (TF32), k = 3 and padding 1: Winograd F(2, 3) along the frames ----
-// Two output frames y0 = y[2q], y1 = y[2q + 1] from the four input frames d0..d3 = x[2q - 1 .. 2q + 2] (zeros
-// outside x) in four products instead of six (five at the edge pairs): with the cached weight rows
-//   G1 = w0, G2 = (w0 + w1 + w2) / 2, G3 = (w0 - w1 + w2) / 2, G4 = w2 (each C_out x C_in),
-//   m1 = G1 (d0 - d2), m2 = G2 (d1 + d2), m3 = G3 (d2 - d1), m4 = G4 (d1 - d3),
-//   y0 = m1 + m2 + m3, y1 = m2 - m3 - m4.
-// At SVD's 14 frames, 40 direct products of a frame's worth become 28. The sums of frames are formed in registers,
-// where x's fragments land anyway (TF32 products take x from registers, see temporal_conv_tf32_kernel). m2 feeds
-// both outputs, so a tile keeps two accumulators (80 channels each: the registers of one 160-channel one) and runs
-// its K loop twice: pass A adds m2 into acc0 and m3 into acc1, then (acc0, acc1) = (acc0 + acc1, acc0 - acc1);
-// pass B adds m1 into acc0 and -m4 into acc1. A stage of pass A holds 32 input channels of d1 and d2 with the rows
-// of G2 and G3; one of pass B 16 channels of d0..d3 with the rows of G1 and G4 (one 128-byte row: 16 channels of
-// each). Frames past either end are boxes outside x: the copy engine fills them with zeros. Error against float64,
-// measured on random data: 1.05-1.15x the direct TF32 kernel's (the frames' sums are formed in float32, then read as
-// TF32 like x itself; the G rows are rounded to TF32 once).
-// With 80-channel tiles every x box would be read by twice as many CTAs as at 160: in clusters of CM = 2 CTAs on
-// neighbouring channel blocks of the same pixels and frames, each CTA loads half of a stage's x boxes into both
-// (multicast). x's boxes are read into registers at once, so their ring slots go back right after the loads; the
-// weight rows stay in use until the products finish and have their own ring.
-struct TcWinoTile {
-  static constexpr int WG = 3, threads = 128 * (WG + 1);
-  static constexpr int regs_producer = 56, regs_consumer = 144;  // as TcTf32Tile
-  static constexpr int BM = 64 * WG, BN = 80;                   // pixels, channels
-  static constexpr int XS = 3, WS = 4;                          // x ring slots, weight ring slots
-  // x per 32 pixels: pass A, two boxes (16 channels each) of 32 pixels x 16 channels x 2 frames (d1, d2); pass B,
-  // one box of 32 pixels x 16 channels x 4 frames (d0..d3). Rows of 128 bytes: frame-major, then channel.
-  static constexpr int col_bytes = 4 * 16 * 128;                // one 32-pixel column of a stage: 8 KB
-  static constexpr int x_bytes = (BM / 32) * col_bytes;         // 48 KB
-  static constexpr int mat_bytes = BN * 128;                    // BN weight rows of 32 floats
-  static constexpr int w_bytes = 2 * mat_bytes;
-  static constexpr int bar_off = XS * x_bytes + WS * w_bytes;
-  static constexpr size_t smem_bytes = bar_off + 16 * (XS + WS) + 1024;  // + slack to align to 1024
-};
-
-// Unit w of the Winograd kernel: channel-block group (CM blocks, fastest: the clusters at work share x's rows through
-// L2), pixel block, frame pair, sample; a.n_cb counts the groups.
-struct TcWinoUnit {
-  int cb, pb, q, b;
-};
-template <int CM>
-__device__ __forceinline__ TcWinoUnit tc_wino_unit(const TcArgs& a, int64_t w, int rank) {
-  TcWinoUnit t;
-  t.cb = static_cast<int>(w % a.n_cb) * CM + rank;
-  int64_t r = w / a.n_cb;
-  t.pb = static_cast<int>(r % a.n_pb);
-  r /= a.n_pb;
-  const int Q = (a.F + 1) / 2;
-  t.q = static_cast<int>(r % Q);
-  t.b = static_cast<int>(r / Q);
-  return t;
-}
-
-// The weight rows (cached_tap_rows' kWinoRows): (C_out, 4 C32) floats, C32 = 32 * ceil(C_in / 32); columns [0, C32)
-// G2, [C32, 2 C32) G3, then per 16 input channels j: 16 of G1, 16 of G4 (2 C32 columns). Zero-padded past C_in.
-// Pass A: a.chunks stages of 32 channels (tx2: boxes of 2 frames); pass B: 2 a.chunks stages of 16 (tx4: 4 frames).
-template <int CM>
-__global__ void __launch_bounds__(TcWinoTile::threads, 1)
-    temporal_conv_tf32_wino_kernel(const TcArgs a, const __grid_constant__ CUtensorMap tw,
-                                   const __grid_constant__ CUtensorMap tx2, const __grid_constant__ CUtensorMap tx4) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using T = TcWinoTile;
-  constexpr int XS = T::XS, WS = T::WS, PB = T::BM / 32;
-  extern __shared__ __align__(16) unsigned char tc_smem[];
-  const uint32_t sX = (static_cast<uint32_t>(__cvta_generic_to_shared(tc_smem)) + 1023u) & ~1023u;
-  const uint32_t sW = sX + XS * T::x_bytes, bar = sX + T::bar_off;
-  auto full_x = [&](int i) { return bar + 8 * i; };
-  auto empty_x = [&](int i) { return bar + 8 * (XS + i); };
-  auto full_w = [&](int i) { return bar + 8 * (2 * XS + i); };
-  auto empty_w = [&](int i) { return bar + 8 * (2 * XS + WS + i); };
-  const int tid = threadIdx.x, wg = tid / 128, rank = CM > 1 ? static_cast<int>(blockIdx.x % CM) : 0;
-  const int64_t G = gridDim.x / CM, g = blockIdx.x / CM;
-  if (tid == 0) {
-    // empty_x: one arrival per consumer warp of every CTA whose copies write the slot (the cluster's)
-    for (int i = 0; i < XS; ++i) wgmma::mbar_init(full_x(i), 1), wgmma::mbar_init(empty_x(i), 4 * T::WG * CM);
-    for (int i = 0; i < WS; ++i) wgmma::mbar_init(full_w(i), 1), wgmma::mbar_init(empty_w(i), 4 * T::WG);
-    wgmma::mbar_init_fence();
-  }
-  if constexpr (CM > 1) {
-    wgmma::cluster_arrive();  // every CTA's barriers initialized before any copy or arrival targets them
-    wgmma::cluster_wait();
-  } else {
-    __syncthreads();
-  }
-  const int stages = 3 * a.chunks, c32 = 32 * a.chunks;
-
-  if (wg == 0) {
-    wgmma::setmaxnreg_dec<T::regs_producer>();
-    if (tid == 0) {
-      uint32_t u = 0;  // stages filled so far (runs on across units)
-      for (int64_t w = g; w < a.tiles; w += G) {
-        const TcWinoUnit t = tc_wino_unit<CM>(a, w, rank);
-        for (int s = 0; s < stages; ++s, ++u) {
-          const bool pass_a = s < a.chunks;
-          const int xs = static_cast<int>(u % XS), ws = static_cast<int>(u % WS);
-          wgmma::mbar_wait(empty_x(xs), ((u / XS) & 1) ^ 1u);
-          wgmma::mbar_expect_tx(full_x(xs), T::x_bytes);
-          // pass A: box n = (column n / 2, channels 16 (n % 2) on) of frames d1, d2; pass B: column n, d0..d3
-          const int nbox = pass_a ? 2 * PB : PB;
-          const CUtensorMap* map = pass_a ? &tx2 : &tx4;
-#pragma unroll 1
-          for (int n = rank; n < nbox; n += CM) {  // the other CTA loads the other half of the boxes
-            const int col = pass_a ? n / 2 : n;
-            const int ch = pass_a ? 32 * s + 16 * (n % 2) : 16 * (s - a.chunks);
-            const uint32_t dst = sX + xs * T::x_bytes + col * T::col_bytes + (pass_a ? (n % 2) * (T::col_bytes / 2) : 0);
-            const int fr = 2 * t.q + (pass_a ? 0 : -1);
-            if constexpr (CM > 1)
-              wgmma::tma_load_4d_multicast(dst, map, full_x(xs), t.pb * T::BM + 32 * col, ch, fr, t.b,
-                                           static_cast<uint16_t>((1u << CM) - 1));
-            else
-              wgmma::tma_load_4d(dst, map, full_x(xs), t.pb * T::BM + 32 * col, ch, fr, t.b);
-          }
-          wgmma::mbar_wait(empty_w(ws), ((u / WS) & 1) ^ 1u);
-          const uint32_t wdst = sW + ws * T::w_bytes, row0 = t.cb * T::BN;
-          if (pass_a) {
-            wgmma::mbar_expect_tx(full_w(ws), 2 * T::mat_bytes);
-            wgmma::tma_load_4d(wdst, &tw, full_w(ws), 32 * s, 0, row0, 0);
-            wgmma::tma_load_4d(wdst + T::mat_bytes, &tw, full_w(ws), c32 + 32 * s, 0, row0, 0);
-          } else {
-            wgmma::mbar_expect_tx(full_w(ws), T::mat_bytes);
-            wgmma::tma_load_4d(wdst, &tw, full_w(ws), 2 * c32 + 32 * (s - a.chunks), 0, row0, 0);
-          }
-        }
-      }
-    }
-    if constexpr (CM > 1) {  // no CTA leaves while the cluster's copies and arrivals may still target its memory
-      wgmma::cluster_arrive();
-      wgmma::cluster_wait();
-    }
-    return;
-  }
-  wgmma::setmaxnreg_inc<T::regs_consumer>();
-
-  // As temporal_conv_tf32_kernel: the consumer warpgroup's index made uniform; a thread's A rows are the pixels
-  // 2 g8 and 2 g8 + 1 of its warp's 16; off[r]: the byte offset of channel row 2 tig + r of its 32-pixel column
-  // (16 channel rows of a frame: two 1024-byte swizzle atoms; a K step of 8 channels is one).
-  const int cw = __shfl_sync(kFullMask, wg - 1, 0), warp = (tid / 32) % 4, lane = tid % 32;
-  const int g8 = lane >> 2, tig = lane & 3;
-  const int wp = cw * 64 + warp * 16 + 2 * g8;
-  uint32_t off[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int row = 2 * tig + r;
-    off[r] = (wp >> 5) * T::col_bytes + row * 128 + ((((wp & 31) >> 2) ^ row) << 4) + (wp & 3) * 4;
-  }
-  // An x slot goes back to every CTA whose copies write it: lane r of each consumer warp tells rank r.
-  auto release_x = [&](int xs) {
-    __syncwarp();  // the warp's loads from the slot are done
-    if constexpr (CM > 1) {
-      if (lane < CM) wgmma::mbar_arrive_cluster(wgmma::cluster_map(empty_x(xs), lane));
-    } else if (lane == 0) {
-      wgmma::mbar_arrive(empty_x(xs));
-    }
-  };
-  auto ld2 = [](unsigned (&v)[4], uint32_t addr0, uint32_t addr1) {
-    asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];\n" : "=r"(v[0]), "=r"(v[1]) : "r"(addr0));
-    asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];\n" : "=r"(v[2]), "=r"(v[3]) : "r"(addr1));
-  };
-  float* out = static_cast<float*>(a.out);
-  uint32_t u = 0;
-  for (int64_t w = g; w < a.tiles; w += G) {
-    const TcWinoUnit t = tc_wino_unit<CM>(a, w, rank);
-    const bool active = t.pb * T::BM + cw * 64 < a.HW;  // this warpgroup's pixels exist
-    float acc0[T::BN / 2], acc1[T::BN / 2];  // pass A's first products overwrite them (scale-d 0)
-    // Fragments of two K steps (8 channels each): [step & 1][accumulator][4]; a buffer is refilled once the
-    // products of the step before the last (wait<1>) are done.
-    unsigned af[2][2][4];
-    int prev_w = -1;  // the weight slot whose products may still be reading it
-    // One stage's K steps (NK = 4 in pass A, 2 in pass B) into both accumulators.
-    auto steps = [&](auto pass_b, int s, uint32_t xb, uint32_t wb) {
-      constexpr bool kB = decltype(pass_b)::value;
-      const uint64_t db0 = wgmma::desc_sw128(wb, 16, 1024);
-      // pass A: G3's rows in the slot's second block; pass B: G4's 16 channels 64 bytes into each row
-      const uint64_t db1 = kB ? db0 + (64 >> 4) : wgmma::desc_sw128(wb + T::mat_bytes, 16, 1024);
-      const int scale = kB || s > 0 ? 1 : 0;
-#pragma unroll
-      for (int kk = 0; kk < (kB ? 2 : 4); ++kk) {
-        const int B = kk & 1;
-        wgmma::wait<1>();  // the products that read buffer B (two steps back) are done
-        if (kk == 1 && prev_w >= 0) {  // and with them the previous stage's last: its weight slot goes back
-          if (lane == 0) wgmma::mbar_arrive(empty_w(prev_w));
-          prev_w = -1;
-        }
-        // a column's 2 KB frame blocks: pass A (d1, d2 of channels 0-15; d1, d2 of 16-31), K step kk in block pair
-        // kk / 2; pass B (d0, d1, d2, d3)
-        auto at = [&](int blk, int r) { return xb + blk * 2048 + (kB ? kk : kk & 1) * 1024 + off[r]; };
-        if constexpr (!kB) {
-          ld2(af[B][0], at(2 * (kk >> 1), 0), at(2 * (kk >> 1), 1));          // d1
-          ld2(af[B][1], at(2 * (kk >> 1) + 1, 0), at(2 * (kk >> 1) + 1, 1));  // d2
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {  // d1 + d2 for G2, d2 - d1 for G3
-            const float p = __uint_as_float(af[B][0][e]), q = __uint_as_float(af[B][1][e]);
-            af[B][0][e] = __float_as_uint(p + q);
-            af[B][1][e] = __float_as_uint(q - p);
-          }
-        } else {
-          unsigned tmp[4];
-          ld2(af[B][0], at(0, 0), at(0, 1));  // d0
-          ld2(tmp, at(2, 0), at(2, 1));       // d2
-#pragma unroll
-          for (int e = 0; e < 4; ++e)  // d0 - d2 for G1
-            af[B][0][e] = __float_as_uint(__uint_as_float(af[B][0][e]) - __uint_as_float(tmp[e]));
-          ld2(af[B][1], at(3, 0), at(3, 1));  // d3
-          ld2(tmp, at(1, 0), at(1, 1));       // d1
-#pragma unroll
-          for (int e = 0; e < 4; ++e)  // d3 - d1 for G4 (-m4 into acc1)
-            af[B][1][e] = __float_as_uint(__uint_as_float(af[B][1][e]) - __uint_as_float(tmp[e]));
-        }
-        wgmma::fence_regs(af[B]);
-        wgmma::fence();  // the fragments' registers (and the accumulators) before the products read them
-        const uint64_t dk = (kk * 32) >> 4;
-        wgmma::mma_m64n80k8_tf32_rs(acc0, af[B][0], db0 + dk, scale | (kk > 0));
-        wgmma::mma_m64n80k8_tf32_rs(acc1, af[B][1], db1 + dk, scale | (kk > 0));
-        wgmma::commit();
-      }
-    };
-    for (int s = 0; s < stages; ++s, ++u) {
-      const int xs = static_cast<int>(u % XS), ws = static_cast<int>(u % WS);
-      if (s == a.chunks) {  // pass A done: (m2, m3) -> (m2 + m3, m2 - m3)
-        wgmma::wait<0>();
-        wgmma::fence_regs(acc0);
-        wgmma::fence_regs(acc1);
-#pragma unroll
-        for (int i = 0; i < T::BN / 2; ++i) {
-          const float p = acc0[i], m = acc1[i];
-          acc0[i] = p + m;
-          acc1[i] = p - m;
-        }
-        wgmma::fence_regs(acc0);
-        wgmma::fence_regs(acc1);
-      }
-      wgmma::mbar_wait(full_x(xs), (u / XS) & 1);
-      wgmma::mbar_wait(full_w(ws), (u / WS) & 1);
-      if (active) {
-        const uint32_t xb = sX + xs * T::x_bytes, wb = sW + ws * T::w_bytes;
-        if (s < a.chunks) steps(std::false_type{}, s, xb, wb);
-        else steps(std::true_type{}, s, xb, wb);
-      } else if (prev_w >= 0) {
-        if (lane == 0) wgmma::mbar_arrive(empty_w(prev_w));
-        prev_w = -1;
-      }
-      release_x(xs);
-      prev_w = ws;
-    }
-    wgmma::wait<0>();
-    wgmma::fence_regs(acc0);
-    wgmma::fence_regs(acc1);
-    if (lane == 0) wgmma::mbar_arrive(empty_w(prev_w));
-    if (!active) continue;  // an idle warpgroup stores nothing
-
-    // acc[4 j + 2 rr + e]: pixel p + rr, channel 8 j + 2 tig + e of the tile's BN; acc0 is frame 2q, acc1 2q + 1.
-    const int p = t.pb * T::BM + wp;
-    if (p >= a.HW) continue;  // H * W is a multiple of 8: the pair is whole
-    const float* bias = static_cast<const float*>(a.bias);
-    const int f0 = 2 * t.q;
-    const int64_t obase = t.b * a.out_sb + f0 * a.out_sf + p;
-    const bool second = f0 + 1 < a.F_out;
-#pragma unroll
-    for (int j = 0; j < T::BN / 8; ++j) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int co = t.cb * T::BN + 8 * j + 2 * tig + e;
-        if (co >= a.C_out) continue;
-        const float bv = bias != nullptr ? bias[co] : 0.f;
-        float* o = out + obase + co * a.out_sc;
-        *reinterpret_cast<float2*>(o) = make_float2(acc0[4 * j + e] + bv, acc0[4 * j + 2 + e] + bv);
-        if (second)
-          *reinterpret_cast<float2*>(o + a.out_sf) = make_float2(acc1[4 * j + e] + bv, acc1[4 * j + 2 + e] + bv);
-      }
-    }
-  }
-  if constexpr (CM > 1) {
-    wgmma::cluster_arrive();
-    wgmma::cluster_wait();
-  }
-#endif
-}
-
 #endif
 
 // tap_rows(weight) for the Hopper kernel, kept while the weight is unchanged (same tensor, version and
 // data; fold_cacheable's rules): the reorder is a launch and ~9 us a call at 1280 channels, 3 % of the
 // convolution. Not while a CUDA graph is captured (a replay would keep the captured copy after the weight
 // changes).
-// The rows' layouts: kTapRows (C_out, k, C_in); kTf32Rows, the TF32 kernel's copy, each 8 input channels of a row in
-// the order 0, 2, 4, 6, 1, 3, 5, 7 (TcTf32Tile); kWinoRows, the Winograd kernel's (C_out, 4, C_in) rows G1..G4
-// (TcWinoTile, k = 3) in the TF32 order, rounded to the nearest TF32 value (the products would truncate them).
-// Each is cached apart from the others (the key's eps field tells them apart).
-enum TapRowsLayout { kTapRows = 0, kTf32Rows = 1, kWinoRows = 2 };
-
-at::Tensor cached_tap_rows(const at::Tensor& x, const at::Tensor& weight, TapRowsLayout layout = kTapRows) {
+// tf32_order: the TF32 kernel's copy, each 8 input channels of a row in the order 0, 2, 4, 6, 1, 3, 5, 7
+// (TcTf32Tile); cached apart from the natural order (the key's eps field tells them apart).
+at::Tensor cached_tap_rows(const at::Tensor& x, const at::Tensor& weight, bool tf32_order = false) {
   auto make = [&] {
     at::Tensor w = tap_rows(weight);  // (C_out, k, C_in)
-    if (layout == kTapRows) return w;
-    if (layout == kWinoRows) {  // temporal_conv_tf32_wino_kernel's rows: see its comment
-      const int64_t C_out = w.size(0), C = w.size(2), C32 = ceil_div(C, int64_t{32}) * 32;
-      w = at::constant_pad_nd(w, {0, C32 - C});
-      const at::Tensor w0 = w.select(1, 0), w1 = w.select(1, 1), w2 = w.select(1, 2);
-      const at::Tensor s02 = w0 + w2;
-      at::Tensor g = at::stack({(s02 + w1) * 0.5, (s02 - w1) * 0.5, w0, w2}, 1);  // G2, G3, G1, G4
-      // round to nearest TF32 (10 mantissa bits): add half of the dropped part, clear it; not where that overflows
-      const at::Tensor r = at::bitwise_and(g.view(at::kInt) + 0x1000, static_cast<int64_t>(~0x1FFF)).view(at::kFloat);
-      g = at::where(at::isfinite(r) & at::isfinite(g), r, g);
-      // channel 2 i + h of each 8 goes to position 4 h + i (TcTf32Tile)
-      g = g.view({C_out, 4, C32 / 8, 4, 2}).transpose(3, 4).reshape({C_out, 4, C32});
-      // G1 and G4 interleaved by 16 channels: (C_out, C32 / 16, 2, 16)
-      const at::Tensor b = at::stack({g.select(1, 2).view({C_out, C32 / 16, 16}), g.select(1, 3).view({C_out, C32 / 16, 16})}, 2);
-      return at::cat({g.select(1, 0), g.select(1, 1), b.reshape({C_out, 2 * C32})}, 1).contiguous();
-    }
+    if (!tf32_order) return w;
     const int64_t C_out = w.size(0), k = w.size(1), C = w.size(2);
     // channel 2 i + h of each 8 goes to position 4 h + i
     return w.view({C_out, k, C / 8, 4, 2}).transpose(3, 4).contiguous().view({C_out, k, C});
@@ -879,7 +583,7 @@ at::Tensor cached_tap_rows(const at::Tensor& x, const at::Tensor& weight, TapRow
   if (!fold_cacheable(x, ps, !capturing)) return make();
   const int64_t stream = static_cast<int64_t>(c10::cuda::getCurrentCUDAStream().id());
   return tap_rows_cache()
-      .find_or_insert(ps, weight.scalar_type(), weight.device(), at::MemoryFormat::Contiguous, static_cast<double>(layout),
+      .find_or_insert(ps, weight.scalar_type(), weight.device(), at::MemoryFormat::Contiguous, tf32_order ? 1.0 : 0.0,
                       stream, [&] { return FoldValue{keep_outside_pools(make()), at::Tensor()}; })
       .weight;
 }
@@ -951,45 +655,6 @@ void tf32_tile_order(TcArgs& a, int64_t G) {
   a = e;
 }
 
-// The Winograd kernel (temporal_conv_tf32_wino_kernel) for k = 3, padding 1, in clusters of two CTAs where there are
-// two channel blocks of 80 or more. VD_TEMPORAL_CONV_WINO_CLUSTER=1|2 pins the cluster size (benchmarks compare them).
-bool temporal_conv_wino(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                        at::Tensor& out, const TemporalConvShape& s) {
-  using T = TcWinoTile;
-  const int64_t HW = s.H * s.W;
-  const at::Tensor w = cached_tap_rows(x, weight, kWinoRows);  // (C_out, 4 C32)
-  at::Tensor bias_x;
-  TcArgs a = tc_args(out, bias, s, bias_x);
-  const int64_t blocks = ceil_div(s.C_out, T::BN);
-  const std::string pin = env_str("VD_TEMPORAL_CONV_WINO_CLUSTER");
-  const int cm = pin == "1" ? 1 : pin == "2" ? 2 : blocks >= 2 ? 2 : 1;
-  a.n_cb = static_cast<int>(ceil_div(blocks, cm));
-  a.n_pb = static_cast<int>(ceil_div(HW, T::BM));
-  a.chunks = static_cast<int>(ceil_div(s.C_in, int64_t{32}));  // pass A's stages (pass B: twice as many)
-  a.tiles = static_cast<int64_t>(a.n_cb) * a.n_pb * ((s.F + 1) / 2) * s.B;
-  CUtensorMap tw, tx2, tx4;
-  const int64_t cols = w.size(1);
-  if (!tensor_map_4d(&tw, w, {cols, 1, s.C_out, 1}, {cols, cols, s.C_out * cols}, {32, 1, T::BN, 1}) ||
-      !tensor_map_4d(&tx2, x, {HW, s.C_in, s.F, s.B}, {x.stride(1), x.stride(2), x.stride(0)}, {32, 16, 2, 1}) ||
-      !tensor_map_4d(&tx4, x, {HW, s.C_in, s.F, s.B}, {x.stride(1), x.stride(2), x.stride(0)}, {32, 16, 4, 1}))
-    return false;
-  const auto stream = c10::cuda::getCurrentCUDAStream();
-  auto launch = [&](auto kernel, int K) {
-    const int clusters = resident_clusters(kernel, K, x.get_device(), T::threads, T::smem_bytes);
-    if (clusters == 0) return false;
-    launch_clusters(kTemporalConvOp, kernel, a, std::min<int64_t>(clusters, a.tiles), K, T::threads, T::smem_bytes,
-                    stream, tw, tx2, tx4);
-    return true;
-  };
-  return cm == 2 ? launch(temporal_conv_tf32_wino_kernel<2>, 2) : launch(temporal_conv_tf32_wino_kernel<1>, 1);
-}
-
-// VD_TEMPORAL_CONV_TF32_ALGO=direct keeps the direct TF32 kernel where the Winograd one applies (tests and
-// benchmarks compare them).
-bool temporal_wino_allowed(const TemporalConvShape& s) {
-  return s.k == 3 && s.padding == 1 && env_str("VD_TEMPORAL_CONV_TF32_ALGO") != "direct";
-}
-
 // temporal_conv_wgmma's float32 half (its checks done): temporal_conv_tf32_kernel at BN = 160 output channels a tile,
 // or 128 where that pads C_out to fewer channels (256, 512: the VAE's temporal decoder). 128 where it only fills the
 // persistent grid's last round better was 7 % slower (H200: 0.527 against 0.491 ms at 1280 channels, 18 x 32
@@ -997,7 +662,7 @@ bool temporal_wino_allowed(const TemporalConvShape& s) {
 bool temporal_conv_tf32(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                         at::Tensor& out, const TemporalConvShape& s) {
   const int64_t HW = s.H * s.W;
-  const at::Tensor w = cached_tap_rows(x, weight, kTf32Rows);  // (C_out, k, C_in)
+  const at::Tensor w = cached_tap_rows(x, weight, /*tf32_order=*/true);  // (C_out, k, C_in)
   at::Tensor bias_x;
   TcArgs a = tc_args(out, bias, s, bias_x);  // half_pb 0: the TF32 kernel has no short tiles
   auto padded = [&](int64_t BN) { return ceil_div(s.C_out, BN) * BN; };
@@ -1049,7 +714,6 @@ bool temporal_conv_wgmma(const at::Tensor& x, const at::Tensor& weight, const st
   if (HW > kMax - 256 || s.C_in > kMax - 128 || s.C_out > kMax - 256 || s.F > kMax || s.B > kMax ||
       s.F_out > kMax || s.k > kMax || s.padding > kMax / 2)
     return false;  // the copy engine's coordinates and the tile fields are 32-bit
-  if (tf32 && temporal_wino_allowed(s) && temporal_conv_wino(x, weight, bias, out, s)) return true;
   if (tf32) return temporal_conv_tf32(x, weight, bias, out, s);
   const at::Tensor w = cached_tap_rows(x, weight);  // (C_out, k, C_in) contiguous
   CUtensorMap tw, tx, to{};

@@ -55,7 +55,6 @@ __device__ __forceinline__ void fence_regs(unsigned (&d)[M][N]) {
 #define VD_R32 VD_R16 ", %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
 #define VD_R64 VD_R32 ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
   "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-#define VD_R40 VD_R32 ", %32, %33, %34, %35, %36, %37, %38, %39"
 #define VD_R80 VD_R64 ", %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79"
 #define VD_R128 VD_R64 ", %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, " \
   "%81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, "   \
@@ -63,7 +62,6 @@ __device__ __forceinline__ void fence_regs(unsigned (&d)[M][N]) {
   "%120, %121, %122, %123, %124, %125, %126, %127"
 #define VD_D16(d) VD_ACC8(d, 0), VD_ACC8(d, 8)
 #define VD_D32(d) VD_D16(d), VD_ACC8(d, 16), VD_ACC8(d, 24)
-#define VD_D40(d) VD_D32(d), VD_ACC8(d, 32)
 #define VD_D64(d) VD_D32(d), VD_ACC8(d, 32), VD_ACC8(d, 40), VD_ACC8(d, 48), VD_ACC8(d, 56)
 #define VD_D80(d) VD_D64(d), VD_ACC8(d, 64), VD_ACC8(d, 72)
 #define VD_D128(d) VD_D64(d), VD_ACC8(d, 64), VD_ACC8(d, 72), VD_ACC8(d, 80), VD_ACC8(d, 88), VD_ACC8(d, 96), \
@@ -209,28 +207,17 @@ __device__ __forceinline__ void mma_m64n160k8_tf32_rs(float (&d)[80], const unsi
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
 }
 
-// d (64 x 80, f32) = (scale_d ? d : 0) + A (64 x 8, registers, TF32) * B (8 x 80, shared, K-major): temporal_conv's
-// Winograd products (two accumulators of 80 channels a tile).
-__device__ __forceinline__ void mma_m64n80k8_tf32_rs(float (&d)[40], const unsigned (&a)[4], uint64_t db, int scale_d) {
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %45, 0;\n"
-               "wgmma.mma_async.sync.aligned.m64n80k8.f32.tf32.tf32 {" VD_R40 "}, {%40, %41, %42, %43}, %44, p, 1, 1;\n}\n"
-               : VD_D40(d)
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
-}
-
 #undef VD_SS_TF32
 #undef VD_RS
 #undef VD_SS
 #undef VD_SS_ASM
 #undef VD_D128
 #undef VD_D80
-#undef VD_D40
 #undef VD_D64
 #undef VD_D32
 #undef VD_D16
 #undef VD_R128
 #undef VD_R80
-#undef VD_R40
 #undef VD_R64
 #undef VD_R32
 #undef VD_R16
