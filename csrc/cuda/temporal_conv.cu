@@ -420,19 +420,12 @@ __global__ void __launch_bounds__(384, 1)
 // differ in their swizzle bits and its loads hit 32 banks (in natural order two rows share them: 2-way
 // conflicts); the cached weight copy holds its channels in that order within each 8 (cached_tap_rows'
 // tf32_order). A warpgroup whose 64 pixels lie past H * W skips its products.
-// BN = 256 (where C_out is a multiple of 256): two consumer warpgroups, 128 x 256 tiles. Shared memory, not the
-// tensor cores, sets this kernel's pace (notes/conv.md: per 32 input channels the copy engine writes x and the weight
-// rows, the warpgroups read x into fragments and every warpgroup's products read the weight rows): 0.133 bytes a
-// product at 192 x 160, 0.125 at 128 x 256. Its 128 accumulators a thread need the 168 registers of 384 threads;
-// the fragments then go two K steps deep instead of two stages.
 template <int BN_>
 struct TcTf32Tile {
-  static constexpr int WG = BN_ == 256 ? 2 : 3, threads = 128 * (WG + 1);
-  // 56 * 128 + 144 * 128 * 3 <= 65536 (a cap); at 24 the producer's loop spilled 16 bytes (ptxas -v). Two
-  // warpgroups: 40 * 128 + 232 * 256.
-  static constexpr int regs_producer = WG == 2 ? 40 : 56, regs_consumer = WG == 2 ? 232 : 144;
-  static constexpr int kStages = WG == 2 ? 4 : 5;
-  static constexpr int BM = 64 * WG, BN = BN_, BK = 32;  // pixels, channels, input channels a stage
+  static constexpr int WG = 3, threads = 128 * (WG + 1);
+  // 56 * 128 + 144 * 128 * WG <= 65536 (a cap); at 24 the producer's loop spilled 16 bytes (ptxas -v).
+  static constexpr int regs_producer = 56, regs_consumer = 144;
+  static constexpr int BM = 64 * WG, BN = BN_, BK = 32, kStages = 5;  // pixels, channels, input channels a stage
   static constexpr int x_bytes = BK * BM * 4;                      // BM / 32 boxes of 32 pixels x 32 channels
   static constexpr int w_bytes = BN * BK * 4;                      // BN weight rows of 32 channels
   static constexpr int bar_off = kStages * (x_bytes + w_bytes);
@@ -504,40 +497,8 @@ __global__ void __launch_bounds__(TcTf32Tile<BN>::threads, 1)
     const int steps = max(0, t.t1 - t.t0) * a.chunks;
     const bool active = t.pb * T::BM + cw * 64 < a.HW;  // this warpgroup's pixels exist
     float acc[T::BN / 2];  // the first product overwrites it (scale-d 0); zeroed below if there is none
-    int prev = -1;  // the stage whose products may still be reading shared memory
-    if constexpr (T::WG == 2) {
-      // Fragments two K steps deep: buffer kk & 1 is refilled once the products of the step before the last are
-      // done (wait<1>); the previous stage's last step is done by this stage's second.
-      unsigned af[2][4];
-      for (int s = 0; s < steps; ++s, ++u) {
-        const int st = static_cast<int>(u % S);
-        wgmma::mbar_wait(full(st), (u / S) & 1);
-        if (active) {
-          const uint32_t xs = sX + st * T::x_bytes;
-          const uint64_t db = wgmma::desc_sw128(sW + st * T::w_bytes, 16, 1024);
-#pragma unroll
-          for (int kk = 0; kk < T::BK / 8; ++kk) {
-            const int B = kk & 1;
-            wgmma::wait<1>();
-            if (kk == 1 && prev >= 0) {
-              if (lane == 0) wgmma::mbar_arrive(empty(prev));
-              prev = -1;
-            }
-            const uint32_t base = xs + kk * 1024;
-            asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];\n" : "=r"(af[B][0]), "=r"(af[B][1]) : "r"(base + off[0]));
-            asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];\n" : "=r"(af[B][2]), "=r"(af[B][3]) : "r"(base + off[1]));
-            wgmma::fence();
-            wgmma::mma_m64n256k8_tf32_rs(acc, af[B], db + ((kk * 32) >> 4), s > 0 || kk > 0);
-            wgmma::commit();
-          }
-        } else if (prev >= 0) {
-          if (lane == 0) wgmma::mbar_arrive(empty(prev));
-          prev = -1;
-        }
-        prev = st;
-      }
-    } else {
     unsigned af[2][T::BK / 8][4];  // A fragments of two stages: a stage's are read until its products finish
+    int prev = -1;  // the stage whose products may still be reading shared memory
     // One stage into fragment buffer B (a constant: the loop below runs two stages an iteration).
     auto stage = [&](int s, auto buf) {
       constexpr int B = decltype(buf)::value;
@@ -559,7 +520,7 @@ __global__ void __launch_bounds__(TcTf32Tile<BN>::threads, 1)
 #pragma unroll
         for (int kk = 0; kk < T::BK / 8; ++kk)
           if constexpr (BN == 160) wgmma::mma_m64n160k8_tf32_rs(acc, af[B][kk], db + ((kk * 32) >> 4), s > 0 || kk > 0);
-          else if constexpr (BN == 128) wgmma::mma_m64n128k8_tf32_rs(acc, af[B][kk], db + ((kk * 32) >> 4), s > 0 || kk > 0);
+          else wgmma::mma_m64n128k8_tf32_rs(acc, af[B][kk], db + ((kk * 32) >> 4), s > 0 || kk > 0);
         wgmma::commit();
         wgmma::wait<1>();  // the previous stage's products are done: its buffer and stage are free
       }
@@ -570,7 +531,6 @@ __global__ void __launch_bounds__(TcTf32Tile<BN>::threads, 1)
     for (int s = 0; s < steps; s += 2) {
       stage(s, std::integral_constant<int, 0>{});
       if (s + 1 < steps) stage(s + 1, std::integral_constant<int, 1>{});
-    }
     }
     wgmma::wait<0>();
     wgmma::fence_regs(acc);
@@ -706,9 +666,8 @@ bool temporal_conv_tf32(const at::Tensor& x, const at::Tensor& weight, const std
   at::Tensor bias_x;
   TcArgs a = tc_args(out, bias, s, bias_x);  // half_pb 0: the TF32 kernel has no short tiles
   auto padded = [&](int64_t BN) { return ceil_div(s.C_out, BN) * BN; };
-  // VD_TEMPORAL_CONV_TF32_TILE=128|160|256 pins the channels a tile (tests and benchmarks compare them).
+  // VD_TEMPORAL_CONV_TF32_TILE=128|160 pins the channels a tile (tests and benchmarks compare them).
   const std::string pin = env_str("VD_TEMPORAL_CONV_TF32_TILE");
-  const bool wide = pin == "256" || (pin.empty() && s.C_out % 256 == 0);
   const bool narrow = pin == "128" || (pin != "160" && padded(128) < padded(160));
   auto launch = [&](auto bn_tag) {
     constexpr int BN = decltype(bn_tag)::value;
@@ -732,7 +691,6 @@ bool temporal_conv_tf32(const at::Tensor& x, const at::Tensor& weight, const std
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return true;
   };
-  if (wide) return launch(std::integral_constant<int, 256>{});
   return narrow ? launch(std::integral_constant<int, 128>{}) : launch(std::integral_constant<int, 160>{});
 }
 #endif

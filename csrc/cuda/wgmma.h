@@ -207,15 +207,6 @@ __device__ __forceinline__ void mma_m64n160k8_tf32_rs(float (&d)[80], const unsi
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
 }
 
-// d (64 x 256, f32) = (scale_d ? d : 0) + A (64 x 8, registers, TF32) * B (8 x 256, shared, K-major): temporal_conv's
-// two-warpgroup 128 x 256 tiles.
-__device__ __forceinline__ void mma_m64n256k8_tf32_rs(float (&d)[128], const unsigned (&a)[4], uint64_t db, int scale_d) {
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
-               "wgmma.mma_async.sync.aligned.m64n256k8.f32.tf32.tf32 {" VD_R128 "}, {%128, %129, %130, %131}, %132, p, 1, 1;\n}\n"
-               : VD_D128(d)
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
-}
-
 #undef VD_SS_TF32
 #undef VD_RS
 #undef VD_SS
