@@ -83,7 +83,7 @@ def main(argv=None):
             print(f"   {cg:>2} groups a chunk ({c['n']} chunks of {c['chunk_MB']:.1f} MB): {c['ms']:.4f} ms (graph "
                   f"{c['graph_ms']:.4f}), x inductor {r['inductor_ms'] / c['ms']:.3f} (graph "
                   f"{r['inductor_ms'] / c['graph_ms']:.3f}), max diff {c['max_diff']:.2e}; {c['kernels']}")
-        del x, full, ind
+        x = full = ind = None  # free the case's tensors before the next
         torch.cuda.empty_cache()
     print("wrote", write_json("gn_chunks", {"environment": environment(dev), "rows": rows}))
 
