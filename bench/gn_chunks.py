@@ -49,33 +49,36 @@ def main(argv=None):
         x = make(shape, layout, dev)
         C = shape[1]
         w, b = torch.randn(C, device=dev), torch.randn(C, device=dev)
-        full = torch.ops.vd.group_norm_silu(x, G, w, b, 1e-5, True)
+        def whole():
+            return torch.ops.vd.group_norm_silu(x, G, w, b, 1e-5, True)
+
+        full = whole()
         ind = torch.compile(lambda t: F.silu(F.group_norm(t, G, w, b, 1e-5)), dynamic=False)
         r = {"case": name, "shape": list(shape), "layout": layout, "bytes_x": x.numel() * 4,
-             "whole_ms": time_cuda(lambda i: torch.ops.vd.group_norm_silu(x, G, w, b, 1e-5, True)),
-             "whole_graph_ms": time_cuda_graph([lambda: torch.ops.vd.group_norm_silu(x, G, w, b, 1e-5, True)]),
-             "whole_kernels": served_by(lambda: torch.ops.vd.group_norm_silu(x, G, w, b, 1e-5, True)),
-             "inductor_ms": time_cuda(lambda i: ind(x)), "chunks": {}}
+             "whole_ms": time_cuda(lambda i: whole()), "whole_graph_ms": time_cuda_graph([whole]),
+             "whole_kernels": served_by(whole), "inductor_ms": time_cuda(lambda i: ind(x)), "chunks": {}}
         cpg = C // G
         for cg in (int(v) for v in args.chunk_groups.split(",")):
             if G % cg:
                 continue
-            parts = [(s, c0) for s in range(shape[0]) for c0 in range(0, C, cg * cpg)]
+            width = cg * cpg  # channels a chunk
+            parts = [(s, c0) for s in range(shape[0]) for c0 in range(0, C, width)]
             outs = [None] * len(parts)
 
-            def chunked(parts=parts, cg=cg, outs=outs):
+            def chunk(s, c0, cg=cg, width=width):
+                return torch.ops.vd.group_norm_silu(x[s:s + 1, c0:c0 + width], cg, w[c0:c0 + width],
+                                                    b[c0:c0 + width], 1e-5, True)
+
+            def chunked(parts=parts, outs=outs, chunk=chunk):
                 for k, (s, c0) in enumerate(parts):
-                    xs = x[s:s + 1, c0:c0 + cg * cpg]
-                    outs[k] = torch.ops.vd.group_norm_silu(xs, cg, w[c0:c0 + cg * cpg], b[c0:c0 + cg * cpg],
-                                                           1e-5, True)
+                    outs[k] = chunk(s, c0)
             chunked()
-            diff = max((outs[k] - full[s:s + 1, c0:c0 + cg * cpg]).abs().max().item()
+            diff = max((outs[k] - full[s:s + 1, c0:c0 + width]).abs().max().item()
                        for k, (s, c0) in enumerate(parts))
             mb = x.numel() * 4 / len(parts) / 1e6
             r["chunks"][str(cg)] = {"n": len(parts), "chunk_MB": mb, "ms": time_cuda(lambda i: chunked()),
                                     "graph_ms": time_cuda_graph([chunked]), "max_diff": diff,
-                                    "kernels": served_by(lambda: torch.ops.vd.group_norm_silu(
-                                        x[0:1, 0:cg * cpg], cg, w[:cg * cpg], b[:cg * cpg], 1e-5, True))}
+                                    "kernels": served_by(lambda: chunk(0, 0))}
         rows.append(r)
         print(f"{name} {shape} {layout}: whole {r['whole_ms']:.4f} ms (graph {r['whole_graph_ms']:.4f}), inductor "
               f"{r['inductor_ms']:.4f}; kernels {r['whole_kernels']}")

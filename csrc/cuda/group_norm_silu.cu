@@ -3227,10 +3227,7 @@ bool forward_smem(const GNShape& s, int64_t F, const scalar_t* x, scalar_t* out,
 
 // The two-pass kernels' second pass (forward apply, backward dx) walks x last to first (GNArgs::reverse);
 // VD_GROUP_NORM_APPLY_ORDER=memory keeps first to last (benchmarks compare both in one process).
-bool apply_reversed() {
-  const char* e = std::getenv("VD_GROUP_NORM_APPLY_ORDER");
-  return e == nullptr || std::string(e) != "memory";
-}
+bool apply_reversed() { return env_str("VD_GROUP_NORM_APPLY_ORDER") != "memory"; }
 
 // Which backward runs: VD_GROUP_NORM_BACKWARD=twopass keeps version 1's kernels, smem2 pins two CTAs an SM
 // (benchmarks compare); unset: version 7 where it applies, three CTAs an SM where the cluster need not grow.
