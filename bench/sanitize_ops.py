@@ -280,13 +280,22 @@ def main():
                 torch.ops.vd.temporal_conv(torch.randn(1, 64, 3, 12, 16, device=dev, dtype=dtype),
                                            torch.randn(200, 64, 3, 1, 1, device=dev, dtype=dtype),
                                            torch.randn(200, device=dev, dtype=dtype), 1)
-                # float32: the TF32 kernel at both channel tiles (the rule picks 128 above, 160 at 320 channels),
-                # 320 pixels (a second 192-pixel tile with its third warpgroup idle)
+                # float32: the direct TF32 kernel at both channel tiles (the rule picks 128 above, 160 at 320
+                # channels), 320 pixels (a second 192-pixel tile with its third warpgroup idle); the Winograd one
+                # (k = 3, padding 1) alone and in clusters of two: 10 units of 64 pixels (5 pairs: the last
+                # cluster's second CTA idle), an odd frame count, C_in 72 (a zero-filled chunk), 200 channels
+                # (weight rows past C_out) and a partial pixel block
                 xt = torch.randn(1, 64, 3, 16, 20, device=dev, dtype=dtype)
                 wt = torch.randn(320, 64, 3, 1, 1, device=dev, dtype=dtype)
                 for tile in ("128", "160"):
-                    with env_var("VD_TEMPORAL_CONV_TF32_TILE", tile):
+                    with env_var("VD_TEMPORAL_CONV_TF32_TILE", tile), env_var("VD_TEMPORAL_CONV_TF32_ALGO", "direct"):
                         torch.ops.vd.temporal_conv(xt, wt, None, 1)
+                if dtype == torch.float32:
+                    for cm in ("1", "2"):
+                        with env_var("VD_TEMPORAL_CONV_WINO_CLUSTER", cm):
+                            torch.ops.vd.temporal_conv(xt, wt, None, 1)
+                            torch.ops.vd.temporal_conv(xf, torch.randn(200, 72, 3, 1, 1, device=dev, dtype=dtype),
+                                                       torch.randn(200, device=dev, dtype=dtype), 1)
                 # float32: more tiles than a round of the grid (192 at 132 SMs), in both tile orders
                 xo = torch.randn(32, 16, 3, 8, 24, device=dev, dtype=dtype)
                 wo = torch.randn(320, 16, 5, 1, 1, device=dev, dtype=dtype)

@@ -308,6 +308,7 @@ def test_hopper_kernel_matches_reference(device, dtype, case, monkeypatch):
 
 
 TF32_KERNEL = "temporal_conv_tf32_kernel"
+WINO_KERNEL = "temporal_conv_tf32_wino_kernel"
 
 
 @pytest.mark.parametrize("device", CUDA)
@@ -321,6 +322,7 @@ def test_hopper_tf32_kernel_matches_reference(device, tile, case, monkeypatch):
     (b, c_in, c_out, f, h, w, k, padding), layout = case
     torch.manual_seed(0)
     monkeypatch.setenv("VD_TEMPORAL_CONV_TF32_TILE", tile)
+    monkeypatch.setenv("VD_TEMPORAL_CONV_TF32_ALGO", "direct")  # k = 3, padding 1: Winograd's otherwise
     if layout == "channel_slice":
         x = torch.randn(b, c_in + 32, f, h, w, device=device)[:, 16:16 + c_in]
     else:
@@ -343,6 +345,7 @@ def test_hopper_tf32_kernel_matches_reference(device, tile, case, monkeypatch):
 def test_hopper_tf32_tile_choice(device, monkeypatch):
     """The TF32 kernel takes 160 channels a tile, or 128 where that pads C_out to fewer channels (256, 200)."""
     monkeypatch.delenv("VD_TEMPORAL_CONV_TF32_TILE", raising=False)
+    monkeypatch.setenv("VD_TEMPORAL_CONV_TF32_ALGO", "direct")
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
     if not on_hopper(device):
         pytest.skip("needs an sm_90 device (the TF32 kernel)")
@@ -378,6 +381,7 @@ def test_hopper_tf32_tile_orders(device, case, monkeypatch):
     (b, c_in, c_out, f, h, w, k, padding), layout = case
     torch.manual_seed(0)
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
+    monkeypatch.setenv("VD_TEMPORAL_CONV_TF32_ALGO", "direct")
     x = make_input(layout, b, c_in, f, h, w, device, torch.float32)
     weight = make_weight(c_in, c_out, k, device, torch.float32)
     bias = torch.randn(c_out, device=device)
@@ -395,6 +399,74 @@ def test_hopper_tf32_tile_orders(device, case, monkeypatch):
         assert_close_to(outs[order], ref, torch.float16, what=f"order {order}")
     assert torch.equal(outs["rr"], outs["edges"])
     assert torch.equal(outs["rr"], outs[None])
+
+
+# (B, C_in, C_out, F, H, W, layout) for the Winograd kernel (k = 3, padding 1; units of 64 pixels x 160 channels x 2
+# frames, two a CTA): even and odd frame counts (the last pair's second frame dropped), one and two frames, an odd
+# count of units (an idle warpgroup) and of unit pairs (the cluster's second CTA idle), a partial last pixel block,
+# C_out off 160 (weight rows past C_out zero-filled), C_in not a multiple of 16 or 32 (zero-filled chunks),
+# frames-major x and a channel slice.
+WINO_CASES = [
+    ((1, 64, 320, 6, 8, 24), "contiguous"),
+    ((2, 72, 200, 5, 4, 26), "frames_major"),
+    ((1, 40, 64, 1, 8, 8), "contiguous"),
+    ((1, 16, 160, 2, 8, 48), "frames_major"),
+    ((2, 136, 240, 7, 12, 16), "contiguous"),
+    ((2, 64, 96, 4, 4, 8), "channel_slice"),
+]
+
+
+@pytest.mark.parametrize("device", CUDA)
+@pytest.mark.parametrize("case", WINO_CASES, ids=lambda c: f"{c[1]}-{'x'.join(map(str, c[0]))}")
+def test_hopper_tf32_winograd_matches_reference(device, case, monkeypatch):
+    """float32 at k = 3, padding 1 takes the Winograd TF32 kernel, held to the direct TF32 kernel's bound (fp16's)
+    with and without a bias, in clusters of two CTAs and without (bitwise equal: a unit's sums do not depend on
+    who loads the weight rows), every output written (the pool's free memory poisoned with NaN first)."""
+    if not on_hopper(device):
+        pytest.skip("needs an sm_90 device (the TF32 kernels)")
+    (b, c_in, c_out, f, h, w), layout = case
+    torch.manual_seed(0)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
+    monkeypatch.delenv("VD_TEMPORAL_CONV_TF32_ALGO", raising=False)
+    if layout == "channel_slice":
+        x = torch.randn(b, c_in + 32, f, h, w, device=device)[:, 16:16 + c_in]
+    else:
+        x = make_input(layout, b, c_in, f, h, w, device, torch.float32)
+    weight = make_weight(c_in, c_out, 3, device, torch.float32)
+    for bias in (None, torch.randn(c_out, device=device)):
+        ref = reference_temporal_conv(x.double(), weight.double(), None if bias is None else bias.double(), 1)
+        outs = {}
+        for cluster in ("1", "2"):
+            monkeypatch.setenv("VD_TEMPORAL_CONV_WINO_CLUSTER", cluster)
+            torch.full((b, c_out, f, h, w), float("nan"), device=device)
+            outs[cluster] = OP(x, weight, bias, 1)
+            assert f"{WINO_KERNEL}<{cluster}>" in " ".join(cuda_kernels_run(lambda: OP(x, weight, bias, 1)))
+            assert_close_to(outs[cluster], ref, torch.float16, what=f"cluster {cluster}, bias={bias is not None}")
+        assert torch.equal(outs["1"], outs["2"])
+        monkeypatch.delenv("VD_TEMPORAL_CONV_WINO_CLUSTER")
+        assert_fake_matches_real(OP, (x, weight, bias, 1))
+
+
+@pytest.mark.parametrize("device", CUDA)
+def test_hopper_tf32_winograd_error_against_direct(device, monkeypatch):
+    """The Winograd kernel's error against float64 stays within 1.5x the direct TF32 kernel's (measured 1.05-1.15x
+    on random data: the frames' sums are read as TF32 like x itself), on SVD's 1280 channels with a non-zero mean."""
+    if not on_hopper(device):
+        pytest.skip("needs an sm_90 device (the TF32 kernels)")
+    torch.manual_seed(0)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
+    x = make_input("frames_major", 1, 1280, 6, 8, 24, device, torch.float32) + 0.5
+    weight = make_weight(1280, 1280, 3, device, torch.float32)
+    ref = reference_temporal_conv(x.double(), weight.double(), None, 1)
+    errs = {}
+    for algo in ("direct", "winograd"):
+        monkeypatch.setenv("VD_TEMPORAL_CONV_TF32_ALGO", algo)
+        out = OP(x, weight, None, 1)
+        assert (WINO_KERNEL if algo == "winograd" else TF32_KERNEL) in " ".join(
+            cuda_kernels_run(lambda: OP(x, weight, None, 1)))
+        errs[algo] = ((out.double() - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()).item()
+    assert errs["direct"] > 0  # the products ran in TF32, not float32
+    assert errs["winograd"] <= 1.5 * errs["direct"], errs
 
 
 @pytest.mark.parametrize("device", CUDA)
@@ -450,20 +522,22 @@ def test_hopper_kernel_leaves_other_inputs_to_cublas(device, monkeypatch):
         weight = make_weight(16, 24, 3, device, dtype)
         out = OP(x, weight, None, 1)
         ran = " ".join(cuda_kernels_run(lambda: OP(x, weight, None, 1)))
-        assert HOPPER_KERNEL not in ran and TF32_KERNEL not in ran, ran
+        assert HOPPER_KERNEL not in ran and TF32_KERNEL not in ran and WINO_KERNEL not in ran, ran
         assert_close_to(out, reference_temporal_conv(x.double(), weight.double(), None, 1), dtype)
 
 
 @pytest.mark.parametrize("device", CUDA)
 @pytest.mark.parametrize("layout", ["contiguous", "frames_major"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_over_2_31_elements(device, layout, dtype, monkeypatch):
-    """x and the output of 3.2 G elements (bf16; float32 on the TF32 kernel): the output offsets of the last rows
+@pytest.mark.parametrize("dtype,algo", [(torch.bfloat16, None), (torch.float32, "direct"), (torch.float32, "winograd")])
+def test_over_2_31_elements(device, layout, dtype, algo, monkeypatch):
+    """x and the output of 3.2 G elements (bf16; float32 on both TF32 kernels): the output offsets of the last rows
     pass 2^31."""
     gib = 24 if dtype == torch.bfloat16 else 48
     if torch.cuda.get_device_properties(device).total_memory < gib * 2**30:
         pytest.skip(f"needs {gib} GiB of GPU memory")
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
+    if algo is not None:
+        monkeypatch.setenv("VD_TEMPORAL_CONV_TF32_ALGO", algo)
     torch.manual_seed(0)
     b, c, f, h, w = 1, 16, 3, 8192, 8192
     x = torch.empty((b, f, c, h, w) if layout == "frames_major" else (b, c, f, h, w), device=device,
@@ -474,7 +548,8 @@ def test_over_2_31_elements(device, layout, dtype, monkeypatch):
     bias = torch.randn(c, device=device, dtype=dtype)
     ran = " ".join(cuda_kernels_run(lambda: OP(x, weight, bias, 1)))
     if on_hopper(device):
-        assert (HOPPER_KERNEL if dtype == torch.bfloat16 else TF32_KERNEL) in ran, ran
+        want = {None: HOPPER_KERNEL, "direct": TF32_KERNEL, "winograd": WINO_KERNEL}[algo]
+        assert want in ran, ran
     out = OP(x, weight, bias, 1)
     for rows in (slice(0, 1), slice(h - 1, h)):
         ref = reference_temporal_conv(x[..., rows, :].double(), weight.double(), bias.double(), 1)

@@ -562,18 +562,333 @@ __global__ void __launch_bounds__(TcTf32Tile<BN>::threads, 1)
 #endif
 }
 
+// ---- Hopper, float32 (TF32), k = 3 and padding 1: Winograd F(2, 3) along the frames ----
+// Two output frames y0 = y[2q], y1 = y[2q + 1] from the four input frames d0..d3 = x[2q - 1 .. 2q + 2] (zeros
+// outside x) in four products instead of six: with the cached weight rows
+//   G1 = w0, G2 = (w0 + w1 + w2) / 2, G3 = (w0 - w1 + w2) / 2, G4 = w2 (each C_out x C_in),
+//   m1 = G1 (d0 - d2), m2 = G2 (d1 + d2), m3 = G3 (d2 - d1), m4 = G4 (d1 - d3),
+//   y0 = m1 + m2 + m3, y1 = m2 - m3 - m4.
+// At SVD's 14 frames, 40 direct products of a frame's worth become 28. The sums of frames are formed in registers,
+// where x's fragments land anyway (TF32 products take x from registers, see temporal_conv_tf32_kernel). m2 feeds
+// both outputs, so a unit keeps two accumulators and runs its K loop twice: pass A adds m2 into acc0 and m3 into
+// acc1, then (acc0, acc1) = (acc0 + acc1, acc0 - acc1); pass B adds m1 into acc0 and -m4 into acc1. A stage of
+// pass A holds 32 input channels of d1 and d2 with the rows of G2 and G3; one of pass B 16 channels of d0..d3 with
+// the rows of G1 and G4 (one 128-byte row: 16 channels of each). Frames past either end are boxes outside x: the
+// copy engine fills them with zeros.
+// A unit is 64 pixels x 160 output channels x 2 frames, one per consumer warpgroup, so both accumulators are
+// m64n160 (80 registers each): products as large as the direct kernel's (an earlier version with 80-channel
+// accumulators in 128 registers ran its tensor pipe at 41 %, latency-bound). 2 x 80 accumulators and the fragments
+// need ~220 registers: the producer warpgroup hands its registers to the two consumer warpgroups (setmaxnreg, 56
+// and 224 of the launch's 168 a thread; ptxas compiles each side to its count). The two warpgroups take two units
+// of the same 160 channels and share the weight stages; in clusters of CM CTAs on the same channels, each CTA loads
+// 1 / CM of a stage's weight rows into all of them (multicast: L2 traffic a product halved at CM = 2, measured
+// slower; see temporal_conv_wino).
+// x's boxes are read into registers at once, so their ring slots go back right after the loads; the weight rows
+// stay in use until the products finish and have their own ring.
+struct TcWinoTile {
+  static constexpr int WG = 2, threads = 128 * (WG + 1);  // two consumer warpgroups, then the producer's
+  // 56 * 128 + 224 * 128 * WG <= 168 * threads, what the launch allocates (the producer spilled at 40 or 24)
+  static constexpr int regs_producer = 56, regs_consumer = 224;
+  static constexpr int BN = 160;                          // output channels
+  static constexpr int XS = 3, WS = 3;                    // x ring slots, weight ring slots
+  // x per unit and stage: two 32-pixel columns of 8 KB, each one box: pass A (32 pixels, 32 channels, frames d1,
+  // d2), pass B (32 pixels, 16 channels, frames d0..d3); rows of 128 bytes, frame-major, then channel.
+  static constexpr int col_bytes = 8192, unit_bytes = 2 * col_bytes, x_bytes = WG * unit_bytes;
+  static constexpr int mat_bytes = BN * 128;  // BN weight rows of 32 floats
+  static constexpr int w_bytes = 2 * mat_bytes;
+  static constexpr int bar_off = XS * x_bytes + WS * w_bytes;
+  static constexpr size_t smem_bytes = bar_off + 16 * (XS + WS) + 1024;  // + slack to align to 1024
+};
+
+// Unit m of the Winograd kernel (pixel block of 64 fastest, then frame pair, then sample); a.tiles counts the
+// units, a.full_tiles the (channel block, pair of units) items, a.n_pb the pixel blocks.
+struct TcWinoUnit {
+  int pb, q, b;
+  bool on;
+};
+__device__ __forceinline__ TcWinoUnit tc_wino_unit(const TcArgs& a, int64_t m) {
+  TcWinoUnit t;
+  t.on = m < a.tiles;
+  t.pb = static_cast<int>(m % a.n_pb);
+  int64_t r = m / a.n_pb;
+  const int Q = (a.F + 1) / 2;
+  t.q = static_cast<int>(r % Q);
+  t.b = static_cast<int>(r / Q);
+  return t;
+}
+
+// The weight rows (cached_tap_rows' kWinoRows): (C_out, 4 C32) floats, C32 = 32 * ceil(C_in / 32); columns [0, C32)
+// G2, [C32, 2 C32) G3, then per 16 input channels j: 16 of G1, 16 of G4 (2 C32 columns). Zero-padded past C_in.
+// Pass A: a.chunks stages of 32 channels (tx2); pass B: 2 a.chunks stages of 16 (tx4). Items: cluster item i is
+// channel block i % n_cb (the clusters at work at once share x's rows through L2) and unit pairs
+// CM (i / n_cb) + rank; tw's box is BN / CM weight rows.
+template <int CM>
+__global__ void __launch_bounds__(TcWinoTile::threads, 1)
+    temporal_conv_tf32_wino_kernel(const TcArgs a, const __grid_constant__ CUtensorMap tw,
+                                   const __grid_constant__ CUtensorMap tx2, const __grid_constant__ CUtensorMap tx4) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using T = TcWinoTile;
+  constexpr int XS = T::XS, WS = T::WS, RB = T::BN / CM;  // RB: weight rows this CTA loads a matrix
+  extern __shared__ __align__(16) unsigned char tc_smem[];
+  const uint32_t sX = (static_cast<uint32_t>(__cvta_generic_to_shared(tc_smem)) + 1023u) & ~1023u;
+  const uint32_t sW = sX + XS * T::x_bytes, bar = sX + T::bar_off;
+  auto full_x = [&](int i) { return bar + 8 * i; };
+  auto empty_x = [&](int i) { return bar + 8 * (XS + i); };
+  auto full_w = [&](int i) { return bar + 8 * (2 * XS + i); };
+  auto empty_w = [&](int i) { return bar + 8 * (2 * XS + WS + i); };
+  const int tid = threadIdx.x, wg = tid / 128, rank = CM > 1 ? static_cast<int>(blockIdx.x % CM) : 0;
+  const int64_t G = gridDim.x / CM, g = blockIdx.x / CM;
+  if (tid == 0) {
+    // empty_w: one arrival per consumer warp of every CTA whose copies write the slot (the cluster's)
+    for (int i = 0; i < XS; ++i) wgmma::mbar_init(full_x(i), 1), wgmma::mbar_init(empty_x(i), 4 * T::WG);
+    for (int i = 0; i < WS; ++i) wgmma::mbar_init(full_w(i), 1), wgmma::mbar_init(empty_w(i), 4 * T::WG * CM);
+    wgmma::mbar_init_fence();
+  }
+  if constexpr (CM > 1) {
+    wgmma::cluster_arrive();  // every CTA's barriers initialized before any copy or arrival targets them
+    wgmma::cluster_wait();
+  } else {
+    __syncthreads();
+  }
+  const int stages = 3 * a.chunks, c32 = 32 * a.chunks;
+  const int64_t items = a.full_tiles;  // cluster items
+
+  if (wg == T::WG) {  // the producer warpgroup: one thread issues the copies
+    wgmma::setmaxnreg_dec<T::regs_producer>();
+    if (tid == 128 * T::WG) {
+      uint32_t u = 0;  // stages filled so far (runs on across items)
+      for (int64_t i = g; i < items; i += G) {
+        const int cb = static_cast<int>(i % a.n_cb);
+        const int64_t pair = (i / a.n_cb) * CM + rank;
+        const TcWinoUnit t0 = tc_wino_unit(a, 2 * pair), t1 = tc_wino_unit(a, 2 * pair + 1);
+        const uint32_t xbytes = (t0.on ? T::unit_bytes : 0) + (t1.on ? T::unit_bytes : 0);
+        for (int s = 0; s < stages; ++s, ++u) {
+          const bool pass_a = s < a.chunks;
+          const int xs = static_cast<int>(u % XS), ws = static_cast<int>(u % WS);
+          wgmma::mbar_wait(empty_x(xs), ((u / XS) & 1) ^ 1u);
+          if (xbytes > 0) {
+            wgmma::mbar_expect_tx(full_x(xs), xbytes);
+            const CUtensorMap* map = pass_a ? &tx2 : &tx4;
+            const int ch = pass_a ? 32 * s : 16 * (s - a.chunks);
+#pragma unroll
+            for (int v = 0; v < T::WG; ++v) {
+              const TcWinoUnit& t = v == 0 ? t0 : t1;
+              if (!t.on) continue;
+              const int fr = 2 * t.q + (pass_a ? 0 : -1);
+#pragma unroll
+              for (int col = 0; col < 2; ++col)
+                wgmma::tma_load_4d(sX + xs * T::x_bytes + v * T::unit_bytes + col * T::col_bytes, map, full_x(xs),
+                                   t.pb * 64 + 32 * col, ch, fr, t.b);
+            }
+          } else {
+            wgmma::mbar_arrive(full_x(xs));  // no unit: the phase completes with no copies
+          }
+          wgmma::mbar_wait(empty_w(ws), ((u / WS) & 1) ^ 1u);
+          const uint32_t wdst = sW + ws * T::w_bytes + rank * RB * 128;
+          const int row0 = cb * T::BN + rank * RB;
+          auto load_w = [&](uint32_t dst, int col) {
+            if constexpr (CM > 1)
+              wgmma::tma_load_4d_multicast(dst, &tw, full_w(ws), col, 0, row0, 0, static_cast<uint16_t>((1u << CM) - 1));
+            else
+              wgmma::tma_load_4d(dst, &tw, full_w(ws), col, 0, row0, 0);
+          };
+          if (pass_a) {
+            wgmma::mbar_expect_tx(full_w(ws), 2 * T::mat_bytes);
+            load_w(wdst, 32 * s);
+            load_w(wdst + T::mat_bytes, c32 + 32 * s);
+          } else {
+            wgmma::mbar_expect_tx(full_w(ws), T::mat_bytes);
+            load_w(wdst, 2 * c32 + 32 * (s - a.chunks));
+          }
+        }
+      }
+    }
+    if constexpr (CM > 1) {  // no CTA leaves while the cluster's copies and arrivals may still target its memory
+      wgmma::cluster_arrive();
+      wgmma::cluster_wait();
+    }
+    return;
+  }
+
+  wgmma::setmaxnreg_inc<T::regs_consumer>();
+
+  // As temporal_conv_tf32_kernel: the consumer warpgroup's index made uniform; a thread's A rows are the pixels
+  // 2 g8 and 2 g8 + 1 of its warp's 16; off[r]: the byte offset of channel row 2 tig + r of its 32-pixel column
+  // (a K step of 8 channels is one 1024-byte swizzle atom).
+  const int cw = __shfl_sync(kFullMask, wg, 0), warp = (tid / 32) % 4, lane = tid % 32;
+  const int g8 = lane >> 2, tig = lane & 3;
+  const int wp = warp * 16 + 2 * g8;
+  uint32_t off[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = 2 * tig + r;
+    off[r] = cw * T::unit_bytes + (wp >> 5) * T::col_bytes + row * 128 + ((((wp & 31) >> 2) ^ row) << 4) + (wp & 3) * 4;
+  }
+  // A weight slot goes back to every CTA whose copies write it: lane r of each consumer warp tells rank r.
+  auto release_w = [&](int ws) {
+    if constexpr (CM > 1) {
+      if (lane < CM) wgmma::mbar_arrive_cluster(wgmma::cluster_map(empty_w(ws), lane));
+    } else if (lane == 0) {
+      wgmma::mbar_arrive(empty_w(ws));
+    }
+  };
+  auto ld2 = [](unsigned (&v)[4], uint32_t addr0, uint32_t addr1) {
+    asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];\n" : "=r"(v[0]), "=r"(v[1]) : "r"(addr0));
+    asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];\n" : "=r"(v[2]), "=r"(v[3]) : "r"(addr1));
+  };
+  float* out = static_cast<float*>(a.out);
+  uint32_t u = 0;
+  for (int64_t i = g; i < items; i += G) {
+    const int cb = static_cast<int>(i % a.n_cb);
+    const TcWinoUnit t = tc_wino_unit(a, 2 * ((i / a.n_cb) * CM + rank) + cw);
+    float acc0[T::BN / 2], acc1[T::BN / 2];  // pass A's first products overwrite them (scale-d 0)
+    // Fragments of two K steps (8 channels each): [step & 1][accumulator][4]; a buffer is refilled once the
+    // products of the step before the last (wait<1>) are done.
+    unsigned af[2][2][4];
+    int prev_w = -1;  // the weight slot whose products may still be reading it
+    // One stage's K steps (4 in pass A, 2 in pass B) into both accumulators.
+    auto steps = [&](auto pass_b, int s, uint32_t xb, uint32_t wb) {
+      constexpr bool kB = decltype(pass_b)::value;
+      const uint64_t db0 = wgmma::desc_sw128(wb, 16, 1024);
+      // pass A: G3's rows in the slot's second block; pass B: G4's 16 channels 64 bytes into each row
+      const uint64_t db1 = kB ? db0 + (64 >> 4) : wgmma::desc_sw128(wb + T::mat_bytes, 16, 1024);
+      const int scale = kB || s > 0 ? 1 : 0;
+#pragma unroll
+      for (int kk = 0; kk < (kB ? 2 : 4); ++kk) {
+        const int B = kk & 1;
+        wgmma::wait<1>();  // the products that read buffer B (two steps back) are done
+        if (kk == 1 && prev_w >= 0) {  // and with them the previous stage's last: its weight slot goes back
+          release_w(prev_w);
+          prev_w = -1;
+        }
+        // frame f's 8-channel rows of K step kk: pass A frames d1, d2 of 32 channels; pass B d0..d3 of 16
+        auto at = [&](int f, int r) { return xb + f * (kB ? 2048 : 4096) + kk * 1024 + off[r]; };
+        if constexpr (!kB) {
+          ld2(af[B][0], at(0, 0), at(0, 1));  // d1
+          ld2(af[B][1], at(1, 0), at(1, 1));  // d2
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {  // d1 + d2 for G2, d2 - d1 for G3
+            const float p = __uint_as_float(af[B][0][e]), q = __uint_as_float(af[B][1][e]);
+            af[B][0][e] = __float_as_uint(p + q);
+            af[B][1][e] = __float_as_uint(q - p);
+          }
+        } else {
+          unsigned tmp[4];
+          ld2(af[B][0], at(0, 0), at(0, 1));  // d0
+          ld2(tmp, at(2, 0), at(2, 1));       // d2
+#pragma unroll
+          for (int e = 0; e < 4; ++e)  // d0 - d2 for G1
+            af[B][0][e] = __float_as_uint(__uint_as_float(af[B][0][e]) - __uint_as_float(tmp[e]));
+          ld2(af[B][1], at(3, 0), at(3, 1));  // d3
+          ld2(tmp, at(1, 0), at(1, 1));       // d1
+#pragma unroll
+          for (int e = 0; e < 4; ++e)  // d3 - d1 for G4 (-m4 into acc1)
+            af[B][1][e] = __float_as_uint(__uint_as_float(af[B][1][e]) - __uint_as_float(tmp[e]));
+        }
+        wgmma::fence_regs(af[B]);
+        wgmma::fence();  // the fragments' registers (and the accumulators) before the products read them
+        const uint64_t dk = (kk * 32) >> 4;
+        wgmma::mma_m64n160k8_tf32_rs(acc0, af[B][0], db0 + dk, scale | (kk > 0));
+        wgmma::mma_m64n160k8_tf32_rs(acc1, af[B][1], db1 + dk, scale | (kk > 0));
+        wgmma::commit();
+      }
+    };
+    auto stage = [&](auto pass_b, int s) {
+      const int xs = static_cast<int>(u % XS), ws = static_cast<int>(u % WS);
+      wgmma::mbar_wait(full_x(xs), (u / XS) & 1);
+      wgmma::mbar_wait(full_w(ws), (u / WS) & 1);
+      if (t.on) {
+        steps(pass_b, s, sX + xs * T::x_bytes, sW + ws * T::w_bytes);
+      } else if (prev_w >= 0) {
+        release_w(prev_w);
+        prev_w = -1;
+      }
+      __syncwarp();  // the warp's loads from the x slot are done
+      if (lane == 0) wgmma::mbar_arrive(empty_x(xs));
+      prev_w = ws;
+      ++u;
+    };
+    for (int s = 0; s < a.chunks; ++s) stage(std::false_type{}, s);
+    if (t.on) {  // pass A done: (m2, m3) -> (m2 + m3, m2 - m3)
+      wgmma::wait<0>();
+      wgmma::fence_regs(acc0);
+      wgmma::fence_regs(acc1);
+      // Each result written over an operand the other no longer needs: acc1 = p - m, then acc0 = 2 p - acc1
+      // (p + m within an ulp of p or m). Written as the plain pair, ptxas kept both old values live and spilled.
+#pragma unroll
+      for (int e = 0; e < T::BN / 2; ++e) {
+        acc1[e] = acc0[e] - acc1[e];
+        acc0[e] = fmaf(2.f, acc0[e], -acc1[e]);
+      }
+      wgmma::fence_regs(acc0);
+      wgmma::fence_regs(acc1);
+    }
+    for (int s = a.chunks; s < stages; ++s) stage(std::true_type{}, s);
+    wgmma::wait<0>();
+    wgmma::fence_regs(acc0);
+    wgmma::fence_regs(acc1);
+    release_w(prev_w);
+    if (!t.on) continue;  // an idle warpgroup stores nothing
+
+    // acc[4 j + 2 rr + e]: pixel p + rr, channel 8 j + 2 tig + e of the tile's BN; acc0 is frame 2q, acc1 2q + 1.
+    const int p = t.pb * 64 + wp;
+    if (p >= a.HW) continue;  // H * W is a multiple of 8: the pair is whole
+    const float* bias = static_cast<const float*>(a.bias);
+    const int f0 = 2 * t.q;
+    const int64_t obase = t.b * a.out_sb + f0 * a.out_sf + p;
+    const bool second = f0 + 1 < a.F_out;
+#pragma unroll
+    for (int j = 0; j < T::BN / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int co = cb * T::BN + 8 * j + 2 * tig + e;
+        if (co >= a.C_out) continue;
+        const float bv = bias != nullptr ? bias[co] : 0.f;
+        float* o = out + obase + co * a.out_sc;
+        *reinterpret_cast<float2*>(o) = make_float2(acc0[4 * j + e] + bv, acc0[4 * j + 2 + e] + bv);
+        if (second)
+          *reinterpret_cast<float2*>(o + a.out_sf) = make_float2(acc1[4 * j + e] + bv, acc1[4 * j + 2 + e] + bv);
+      }
+    }
+  }
+  if constexpr (CM > 1) {
+    wgmma::cluster_arrive();
+    wgmma::cluster_wait();
+  }
+#endif
+}
+
 #endif
 
 // tap_rows(weight) for the Hopper kernel, kept while the weight is unchanged (same tensor, version and
 // data; fold_cacheable's rules): the reorder is a launch and ~9 us a call at 1280 channels, 3 % of the
 // convolution. Not while a CUDA graph is captured (a replay would keep the captured copy after the weight
 // changes).
-// tf32_order: the TF32 kernel's copy, each 8 input channels of a row in the order 0, 2, 4, 6, 1, 3, 5, 7
-// (TcTf32Tile); cached apart from the natural order (the key's eps field tells them apart).
-at::Tensor cached_tap_rows(const at::Tensor& x, const at::Tensor& weight, bool tf32_order = false) {
+// The rows' layouts: kTapRows (C_out, k, C_in); kTf32Rows, the TF32 kernel's copy, each 8 input channels of a row in
+// the order 0, 2, 4, 6, 1, 3, 5, 7 (TcTf32Tile); kWinoRows, the Winograd kernel's (C_out, 4, C_in) rows G1..G4
+// (TcWinoTile, k = 3) in the TF32 order, rounded to the nearest TF32 value (the products would truncate them).
+// Each is cached apart from the others (the key's eps field tells them apart).
+enum TapRowsLayout { kTapRows = 0, kTf32Rows = 1, kWinoRows = 2 };
+
+at::Tensor cached_tap_rows(const at::Tensor& x, const at::Tensor& weight, TapRowsLayout layout = kTapRows) {
   auto make = [&] {
     at::Tensor w = tap_rows(weight);  // (C_out, k, C_in)
-    if (!tf32_order) return w;
+    if (layout == kTapRows) return w;
+    if (layout == kWinoRows) {  // temporal_conv_tf32_wino_kernel's rows: see its comment
+      const int64_t C_out = w.size(0), C = w.size(2), C32 = ceil_div(C, int64_t{32}) * 32;
+      w = at::constant_pad_nd(w, {0, C32 - C});
+      const at::Tensor w0 = w.select(1, 0), w1 = w.select(1, 1), w2 = w.select(1, 2);
+      const at::Tensor s02 = w0 + w2;
+      at::Tensor g = at::stack({(s02 + w1) * 0.5, (s02 - w1) * 0.5, w0, w2}, 1);  // G2, G3, G1, G4
+      // round to nearest TF32 (10 mantissa bits): add half of the dropped part, clear it; not where that overflows
+      const at::Tensor r = at::bitwise_and(g.view(at::kInt) + 0x1000, static_cast<int64_t>(~0x1FFF)).view(at::kFloat);
+      g = at::where(at::isfinite(r) & at::isfinite(g), r, g);
+      // channel 2 i + h of each 8 goes to position 4 h + i (TcTf32Tile)
+      g = g.view({C_out, 4, C32 / 8, 4, 2}).transpose(3, 4).reshape({C_out, 4, C32});
+      // G1 and G4 interleaved by 16 channels: (C_out, C32 / 16, 2, 16)
+      const at::Tensor b = at::stack({g.select(1, 2).view({C_out, C32 / 16, 16}), g.select(1, 3).view({C_out, C32 / 16, 16})}, 2);
+      return at::cat({g.select(1, 0), g.select(1, 1), b.reshape({C_out, 2 * C32})}, 1).contiguous();
+    }
     const int64_t C_out = w.size(0), k = w.size(1), C = w.size(2);
     // channel 2 i + h of each 8 goes to position 4 h + i
     return w.view({C_out, k, C / 8, 4, 2}).transpose(3, 4).contiguous().view({C_out, k, C});
@@ -583,7 +898,7 @@ at::Tensor cached_tap_rows(const at::Tensor& x, const at::Tensor& weight, bool t
   if (!fold_cacheable(x, ps, !capturing)) return make();
   const int64_t stream = static_cast<int64_t>(c10::cuda::getCurrentCUDAStream().id());
   return tap_rows_cache()
-      .find_or_insert(ps, weight.scalar_type(), weight.device(), at::MemoryFormat::Contiguous, tf32_order ? 1.0 : 0.0,
+      .find_or_insert(ps, weight.scalar_type(), weight.device(), at::MemoryFormat::Contiguous, static_cast<double>(layout),
                       stream, [&] { return FoldValue{keep_outside_pools(make()), at::Tensor()}; })
       .weight;
 }
@@ -655,6 +970,48 @@ void tf32_tile_order(TcArgs& a, int64_t G) {
   a = e;
 }
 
+// The Winograd kernel (temporal_conv_tf32_wino_kernel) for k = 3, padding 1, one CTA a cluster: clusters of two
+// multicasting the weight rows were 4-7 % slower at SVD's three UNet shapes (H200: 0.390 against 0.374 ms at 1280
+// channels, 18 x 32 pixels; L2 ran at 63 % without them). VD_TEMPORAL_CONV_WINO_CLUSTER=2 pins them (tests and
+// benchmarks compare them).
+bool temporal_conv_wino(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                        at::Tensor& out, const TemporalConvShape& s) {
+  using T = TcWinoTile;
+  const int64_t HW = s.H * s.W;
+  const at::Tensor w = cached_tap_rows(x, weight, kWinoRows);  // (C_out, 4 C32)
+  at::Tensor bias_x;
+  TcArgs a = tc_args(out, bias, s, bias_x);
+  a.n_cb = static_cast<int>(ceil_div(s.C_out, T::BN));
+  a.n_pb = static_cast<int>(ceil_div(HW, int64_t{64}));
+  a.chunks = static_cast<int>(ceil_div(s.C_in, int64_t{32}));  // pass A's stages (pass B: twice as many)
+  a.tiles = static_cast<int64_t>(a.n_pb) * ((s.F + 1) / 2) * s.B;  // units
+  const int64_t pairs = ceil_div(a.tiles, int64_t{2});
+  const std::string pin = env_str("VD_TEMPORAL_CONV_WINO_CLUSTER");
+  const int cm = pin == "2" ? 2 : 1;
+  a.full_tiles = a.n_cb * ceil_div(pairs, int64_t{cm});  // cluster items
+  CUtensorMap tw, tx2, tx4;
+  const int64_t cols = w.size(1);
+  if (!tensor_map_4d(&tw, w, {cols, 1, s.C_out, 1}, {cols, cols, s.C_out * cols}, {32, 1, static_cast<uint32_t>(T::BN / cm), 1}) ||
+      !tensor_map_4d(&tx2, x, {HW, s.C_in, s.F, s.B}, {x.stride(1), x.stride(2), x.stride(0)}, {32, 32, 2, 1}) ||
+      !tensor_map_4d(&tx4, x, {HW, s.C_in, s.F, s.B}, {x.stride(1), x.stride(2), x.stride(0)}, {32, 16, 4, 1}))
+    return false;
+  const auto stream = c10::cuda::getCurrentCUDAStream();
+  auto launch = [&](auto kernel, int K) {
+    const int clusters = resident_clusters(kernel, K, x.get_device(), T::threads, T::smem_bytes);
+    if (clusters == 0) return false;
+    launch_clusters(kTemporalConvOp, kernel, a, std::min<int64_t>(clusters, a.full_tiles), K, T::threads,
+                    T::smem_bytes, stream, tw, tx2, tx4);
+    return true;
+  };
+  return cm == 2 ? launch(temporal_conv_tf32_wino_kernel<2>, 2) : launch(temporal_conv_tf32_wino_kernel<1>, 1);
+}
+
+// VD_TEMPORAL_CONV_TF32_ALGO=direct keeps the direct TF32 kernel where the Winograd one applies (tests and
+// benchmarks compare them).
+bool temporal_wino_allowed(const TemporalConvShape& s) {
+  return s.k == 3 && s.padding == 1 && env_str("VD_TEMPORAL_CONV_TF32_ALGO") != "direct";
+}
+
 // temporal_conv_wgmma's float32 half (its checks done): temporal_conv_tf32_kernel at BN = 160 output channels a tile,
 // or 128 where that pads C_out to fewer channels (256, 512: the VAE's temporal decoder). 128 where it only fills the
 // persistent grid's last round better was 7 % slower (H200: 0.527 against 0.491 ms at 1280 channels, 18 x 32
@@ -662,7 +1019,7 @@ void tf32_tile_order(TcArgs& a, int64_t G) {
 bool temporal_conv_tf32(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                         at::Tensor& out, const TemporalConvShape& s) {
   const int64_t HW = s.H * s.W;
-  const at::Tensor w = cached_tap_rows(x, weight, /*tf32_order=*/true);  // (C_out, k, C_in)
+  const at::Tensor w = cached_tap_rows(x, weight, kTf32Rows);  // (C_out, k, C_in)
   at::Tensor bias_x;
   TcArgs a = tc_args(out, bias, s, bias_x);  // half_pb 0: the TF32 kernel has no short tiles
   auto padded = [&](int64_t BN) { return ceil_div(s.C_out, BN) * BN; };
@@ -714,6 +1071,7 @@ bool temporal_conv_wgmma(const at::Tensor& x, const at::Tensor& weight, const st
   if (HW > kMax - 256 || s.C_in > kMax - 128 || s.C_out > kMax - 256 || s.F > kMax || s.B > kMax ||
       s.F_out > kMax || s.k > kMax || s.padding > kMax / 2)
     return false;  // the copy engine's coordinates and the tile fields are 32-bit
+  if (tf32 && temporal_wino_allowed(s) && temporal_conv_wino(x, weight, bias, out, s)) return true;
   if (tf32) return temporal_conv_tf32(x, weight, bias, out, s);
   const at::Tensor w = cached_tap_rows(x, weight);  // (C_out, k, C_in) contiguous
   CUtensorMap tw, tx, to{};
