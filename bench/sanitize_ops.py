@@ -268,9 +268,9 @@ def main():
             x = torch.randn(2, 8, 7, 5, 6, device=dev, dtype=dtype)
             w = torch.randn(12, 8, 3, 1, 1, device=dev, dtype=dtype)
             _grad(lambda x, w: torch.ops.vd.temporal_conv(x, w, None, 1), x, w)
-            # the Hopper kernels (float32: the TF32 one, under cuDNN's TF32 switch, on by default): partial channel /
-            # pixel tiles, padding-only frames
-            with tf32_conv(dtype == torch.float32):
+            # the Hopper kernels (float32: the TF32 ones, under cuDNN's TF32 switch, on by default; the direct one
+            # pinned here, the Winograd one below): partial channel / pixel tiles, padding-only frames
+            with tf32_conv(dtype == torch.float32), env_var("VD_TEMPORAL_CONV_TF32_ALGO", "direct"):
                 xf = torch.randn(2, 5, 72, 4, 26, device=dev, dtype=dtype).transpose(1, 2)
                 torch.ops.vd.temporal_conv(xf, torch.randn(200, 72, 3, 1, 1, device=dev, dtype=dtype),
                                            torch.randn(200, device=dev, dtype=dtype), 1)
@@ -280,11 +280,13 @@ def main():
                 torch.ops.vd.temporal_conv(torch.randn(1, 64, 3, 12, 16, device=dev, dtype=dtype),
                                            torch.randn(200, 64, 3, 1, 1, device=dev, dtype=dtype),
                                            torch.randn(200, device=dev, dtype=dtype), 1)
+            with tf32_conv(dtype == torch.float32):
                 # float32: the direct TF32 kernel at both channel tiles (the rule picks 128 above, 160 at 320
                 # channels), 320 pixels (a second 192-pixel tile with its third warpgroup idle); the Winograd one
                 # (k = 3, padding 1) alone and in clusters of two: 10 units of 64 pixels (5 pairs: the last
                 # cluster's second CTA idle), an odd frame count, C_in 72 (a zero-filled chunk), 200 channels
-                # (weight rows past C_out) and a partial pixel block
+                # (weight rows past C_out), a partial pixel block, and 336 items (168 in clusters), more than a
+                # CTA each
                 xt = torch.randn(1, 64, 3, 16, 20, device=dev, dtype=dtype)
                 wt = torch.randn(320, 64, 3, 1, 1, device=dev, dtype=dtype)
                 for tile in ("128", "160"):
@@ -296,6 +298,8 @@ def main():
                             torch.ops.vd.temporal_conv(xt, wt, None, 1)
                             torch.ops.vd.temporal_conv(xf, torch.randn(200, 72, 3, 1, 1, device=dev, dtype=dtype),
                                                        torch.randn(200, device=dev, dtype=dtype), 1)
+                            torch.ops.vd.temporal_conv(torch.randn(2, 32, 14, 24, 32, device=dev, dtype=dtype),
+                                                       torch.randn(640, 32, 3, 1, 1, device=dev, dtype=dtype), None, 1)
                 # float32: more tiles than a round of the grid (192 at 132 SMs), in both tile orders
                 xo = torch.randn(32, 16, 3, 8, 24, device=dev, dtype=dtype)
                 wo = torch.randn(320, 16, 5, 1, 1, device=dev, dtype=dtype)

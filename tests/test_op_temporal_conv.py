@@ -405,7 +405,8 @@ def test_hopper_tf32_tile_orders(device, case, monkeypatch):
 # frames, two a CTA): even and odd frame counts (the last pair's second frame dropped), one and two frames, an odd
 # count of units (an idle warpgroup) and of unit pairs (the cluster's second CTA idle), a partial last pixel block,
 # C_out off 160 (weight rows past C_out zero-filled), C_in not a multiple of 16 or 32 (zero-filled chunks),
-# frames-major x and a channel slice.
+# frames-major x, a channel slice, and more items than an H100 / H200 has SMs (rings and accumulators carried from
+# one item to the next).
 WINO_CASES = [
     ((1, 64, 320, 6, 8, 24), "contiguous"),
     ((2, 72, 200, 5, 4, 26), "frames_major"),
@@ -413,6 +414,7 @@ WINO_CASES = [
     ((1, 16, 160, 2, 8, 48), "frames_major"),
     ((2, 136, 240, 7, 12, 16), "contiguous"),
     ((2, 64, 96, 4, 4, 8), "channel_slice"),
+    ((2, 32, 640, 14, 24, 32), "contiguous"),  # 336 items (168 in clusters of two)
 ]
 
 
@@ -438,6 +440,7 @@ def test_hopper_tf32_winograd_matches_reference(device, case, monkeypatch):
         outs = {}
         for cluster in ("1", "2"):
             monkeypatch.setenv("VD_TEMPORAL_CONV_WINO_CLUSTER", cluster)
+            # freed at once: the op's output, its first allocation of this size, reuses the NaN block
             torch.full((b, c_out, f, h, w), float("nan"), device=device)
             outs[cluster] = OP(x, weight, bias, 1)
             assert f"{WINO_KERNEL}<{cluster}>" in " ".join(cuda_kernels_run(lambda: OP(x, weight, bias, 1)))
@@ -470,13 +473,15 @@ def test_hopper_tf32_winograd_error_against_direct(device, monkeypatch):
 
 
 @pytest.mark.parametrize("device", CUDA)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_hopper_weight_copy_follows_weight_changes(device, dtype, monkeypatch):
-    """The kernel's tap-major weight copy (float32: the TF32 kernel's, channels reordered) is kept while the weight
-    is unchanged and rebuilt after an in-place update, a .data swap (no version bump) or for another weight; the
-    TMA and register epilogues of the 16-bit kernel agree bitwise."""
+@pytest.mark.parametrize("dtype,algo", [(torch.bfloat16, None), (torch.float32, "direct"), (torch.float32, "winograd")])
+def test_hopper_weight_copy_follows_weight_changes(device, dtype, algo, monkeypatch):
+    """The kernel's tap-major weight copy (float32: the direct TF32 kernel's, channels reordered, or the Winograd
+    kernel's G rows) is kept while the weight is unchanged and rebuilt after an in-place update, a .data swap (no
+    version bump) or for another weight; the TMA and register epilogues of the 16-bit kernel agree bitwise."""
     torch.manual_seed(0)
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
+    if algo is not None:
+        monkeypatch.setenv("VD_TEMPORAL_CONV_TF32_ALGO", algo)
     tol = torch.float16 if dtype == torch.float32 else dtype
     x = make_input("contiguous", 2, 64, 6, 8, 16, device, dtype)
     w = torch.nn.Parameter(make_weight(64, 96, 3, device, dtype))
@@ -490,6 +495,10 @@ def test_hopper_weight_copy_follows_weight_changes(device, dtype, monkeypatch):
         return out
 
     first = check(w)
+    if on_hopper(device):
+        want = {None: HOPPER_KERNEL, "direct": TF32_KERNEL, "winograd": WINO_KERNEL}[algo]
+        with torch.no_grad():
+            assert want in " ".join(cuda_kernels_run(lambda: OP(x, w, bias, 1)))
     assert torch.equal(check(w), first)
     with torch.no_grad():
         w.mul_(-0.5)

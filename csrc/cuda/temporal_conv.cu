@@ -84,6 +84,8 @@ struct TcArgs {
   void* out;
   const void* bias;                     // C_out elements in x's dtype, or null
   int64_t out_sb, out_sc, out_sf;       // output strides (elements) of b, channel, frame; pixels stride 1
+  // The Winograd kernel reads tiles as its units, full_tiles as its cluster items, and n_cb, n_pb and chunks in
+  // its own sizes (160 channels, 64 pixels, 32 input channels): see temporal_conv_tf32_wino_kernel.
   int64_t tiles, full_tiles;            // all tiles; those of 128 pixels (the rest: a last block of <= 64)
   int C_out, HW, F, F_out, k, pad;
   int n_cb, n_pb, chunks;               // channel blocks of 128, pixel blocks of 128, input chunks of 64
@@ -419,7 +421,7 @@ __global__ void __launch_bounds__(384, 1)
 // Logical column tig of an A fragment is channel 2 tig of the step's 8 (tig + 4: 2 tig + 1), so a warp's four rows
 // differ in their swizzle bits and its loads hit 32 banks (in natural order two rows share them: 2-way
 // conflicts); the cached weight copy holds its channels in that order within each 8 (cached_tap_rows'
-// tf32_order). A warpgroup whose 64 pixels lie past H * W skips its products.
+// kTf32Rows). A warpgroup whose 64 pixels lie past H * W skips its products.
 template <int BN_>
 struct TcTf32Tile {
   static constexpr int WG = 3, threads = 128 * (WG + 1);
@@ -574,7 +576,8 @@ __global__ void __launch_bounds__(TcTf32Tile<BN>::threads, 1)
 // acc1, then (acc0, acc1) = (acc0 + acc1, acc0 - acc1); pass B adds m1 into acc0 and -m4 into acc1. A stage of
 // pass A holds 32 input channels of d1 and d2 with the rows of G2 and G3; one of pass B 16 channels of d0..d3 with
 // the rows of G1 and G4 (one 128-byte row: 16 channels of each). Frames past either end are boxes outside x: the
-// copy engine fills them with zeros.
+// copy engine fills them with zeros. Non-finite x: an infinity can come out as NaN (the frames' sums and
+// differences and the butterfly below meet +inf and -inf) where a direct convolution gives an infinity.
 // A unit is 64 pixels x 160 output channels x 2 frames, one per consumer warpgroup, so both accumulators are
 // m64n160 (80 registers each): products as large as the direct kernel's (an earlier version with 80-channel
 // accumulators in 128 registers ran its tensor pipe at 41 %, latency-bound). 2 x 80 accumulators and the fragments
@@ -972,7 +975,7 @@ void tf32_tile_order(TcArgs& a, int64_t G) {
 
 // The Winograd kernel (temporal_conv_tf32_wino_kernel) for k = 3, padding 1, one CTA a cluster: clusters of two
 // multicasting the weight rows were 4-7 % slower at SVD's three UNet shapes (H200: 0.390 against 0.374 ms at 1280
-// channels, 18 x 32 pixels; L2 ran at 63 % without them). VD_TEMPORAL_CONV_WINO_CLUSTER=2 pins them (tests and
+// channels, 18 x 32 pixels; L2 at 63-66 % of its throughput either way). VD_TEMPORAL_CONV_WINO_CLUSTER=2 pins them (tests and
 // benchmarks compare them).
 bool temporal_conv_wino(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                         at::Tensor& out, const TemporalConvShape& s) {
@@ -1008,8 +1011,10 @@ bool temporal_conv_wino(const at::Tensor& x, const at::Tensor& weight, const std
 
 // VD_TEMPORAL_CONV_TF32_ALGO=direct keeps the direct TF32 kernel where the Winograd one applies (tests and
 // benchmarks compare them).
+// The weight rows' columns (4 C_in rounded up to 32) are 32-bit copy coordinates.
 bool temporal_wino_allowed(const TemporalConvShape& s) {
-  return s.k == 3 && s.padding == 1 && env_str("VD_TEMPORAL_CONV_TF32_ALGO") != "direct";
+  return s.k == 3 && s.padding == 1 && 4 * ceil_div(s.C_in, int64_t{32}) * 32 <= std::numeric_limits<int>::max() &&
+         env_str("VD_TEMPORAL_CONV_TF32_ALGO") != "direct";
 }
 
 // temporal_conv_wgmma's float32 half (its checks done): temporal_conv_tf32_kernel at BN = 160 output channels a tile,
