@@ -690,8 +690,9 @@ __global__ void __launch_bounds__(TcWinoTile::threads, 1)
           const uint32_t wdst = sW + ws * T::w_bytes + rank * RB * 128;
           const int row0 = cb * T::BN + rank * RB;
           auto load_w = [&](uint32_t dst, int col) {
+            constexpr uint16_t kAll = (1u << CM) - 1;  // every CTA of the cluster
             if constexpr (CM > 1)
-              wgmma::tma_load_4d_multicast(dst, &tw, full_w(ws), col, 0, row0, 0, static_cast<uint16_t>((1u << CM) - 1));
+              wgmma::tma_load_4d_multicast(dst, &tw, full_w(ws), col, 0, row0, 0, kAll);
             else
               wgmma::tma_load_4d(dst, &tw, full_w(ws), col, 0, row0, 0);
           };
@@ -874,35 +875,37 @@ __global__ void __launch_bounds__(TcWinoTile::threads, 1)
 enum TapRowsLayout { kTapRows = 0, kTf32Rows = 1, kWinoRows = 2 };
 
 at::Tensor cached_tap_rows(const at::Tensor& x, const at::Tensor& weight, TapRowsLayout layout = kTapRows) {
+  // (C_out, r, C) rows in the TF32 kernels' order: channel 2 i + h of each 8 goes to position 4 h + i
+  auto tf32_order = [](const at::Tensor& t) {
+    const int64_t C_out = t.size(0), r = t.size(1), C = t.size(2);
+    return t.view({C_out, r, C / 8, 4, 2}).transpose(3, 4).reshape({C_out, r, C});
+  };
   auto make = [&] {
     at::Tensor w = tap_rows(weight);  // (C_out, k, C_in)
     if (layout == kTapRows) return w;
-    if (layout == kWinoRows) {  // temporal_conv_tf32_wino_kernel's rows: see its comment
-      const int64_t C_out = w.size(0), C = w.size(2), C32 = ceil_div(C, int64_t{32}) * 32;
-      w = at::constant_pad_nd(w, {0, C32 - C});
-      const at::Tensor w0 = w.select(1, 0), w1 = w.select(1, 1), w2 = w.select(1, 2);
-      const at::Tensor s02 = w0 + w2;
-      at::Tensor g = at::stack({(s02 + w1) * 0.5, (s02 - w1) * 0.5, w0, w2}, 1);  // G2, G3, G1, G4
-      // round to nearest TF32 (10 mantissa bits): add half of the dropped part, clear it; not where that overflows
-      const at::Tensor r = at::bitwise_and(g.view(at::kInt) + 0x1000, static_cast<int64_t>(~0x1FFF)).view(at::kFloat);
-      g = at::where(at::isfinite(r) & at::isfinite(g), r, g);
-      // channel 2 i + h of each 8 goes to position 4 h + i (TcTf32Tile)
-      g = g.view({C_out, 4, C32 / 8, 4, 2}).transpose(3, 4).reshape({C_out, 4, C32});
-      // G1 and G4 interleaved by 16 channels: (C_out, C32 / 16, 2, 16)
-      const at::Tensor b = at::stack({g.select(1, 2).view({C_out, C32 / 16, 16}), g.select(1, 3).view({C_out, C32 / 16, 16})}, 2);
-      return at::cat({g.select(1, 0), g.select(1, 1), b.reshape({C_out, 2 * C32})}, 1).contiguous();
-    }
-    const int64_t C_out = w.size(0), k = w.size(1), C = w.size(2);
-    // channel 2 i + h of each 8 goes to position 4 h + i
-    return w.view({C_out, k, C / 8, 4, 2}).transpose(3, 4).contiguous().view({C_out, k, C});
+    if (layout == kTf32Rows) return tf32_order(w).contiguous();
+    // kWinoRows, temporal_conv_tf32_wino_kernel's rows: see its comment
+    const int64_t C_out = w.size(0), C = w.size(2), C32 = ceil_div(C, int64_t{32}) * 32;
+    w = at::constant_pad_nd(w, {0, C32 - C});
+    const at::Tensor w0 = w.select(1, 0), w1 = w.select(1, 1), w2 = w.select(1, 2);
+    const at::Tensor s02 = w0 + w2;
+    at::Tensor g = at::stack({(s02 + w1) * 0.5, (s02 - w1) * 0.5, w0, w2}, 1);  // G2, G3, G1, G4
+    // round to nearest TF32 (10 mantissa bits): add half of the dropped part, clear it; not where that overflows
+    const at::Tensor r = at::bitwise_and(g.view(at::kInt) + 0x1000, static_cast<int64_t>(~0x1FFF)).view(at::kFloat);
+    g = tf32_order(at::where(at::isfinite(r) & at::isfinite(g), r, g));
+    // G1 and G4 interleaved by 16 channels: (C_out, C32 / 16, 2, 16)
+    auto by16 = [&](int i) { return g.select(1, i).reshape({C_out, C32 / 16, 16}); };
+    const at::Tensor b = at::stack({by16(2), by16(3)}, 2);
+    return at::cat({g.select(1, 0), g.select(1, 1), b.reshape({C_out, 2 * C32})}, 1).contiguous();
   };
   const bool capturing = c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
   const std::array<const at::Tensor*, kFoldParams> ps{&weight, nullptr, nullptr, nullptr, nullptr, nullptr};
   if (!fold_cacheable(x, ps, !capturing)) return make();
   const int64_t stream = static_cast<int64_t>(c10::cuda::getCurrentCUDAStream().id());
   return tap_rows_cache()
-      .find_or_insert(ps, weight.scalar_type(), weight.device(), at::MemoryFormat::Contiguous, static_cast<double>(layout),
-                      stream, [&] { return FoldValue{keep_outside_pools(make()), at::Tensor()}; })
+      .find_or_insert(ps, weight.scalar_type(), weight.device(), at::MemoryFormat::Contiguous,
+                      static_cast<double>(layout), stream,
+                      [&] { return FoldValue{keep_outside_pools(make()), at::Tensor()}; })
       .weight;
 }
 
@@ -975,8 +978,8 @@ void tf32_tile_order(TcArgs& a, int64_t G) {
 
 // The Winograd kernel (temporal_conv_tf32_wino_kernel) for k = 3, padding 1, one CTA a cluster: clusters of two
 // multicasting the weight rows were 4-7 % slower at SVD's three UNet shapes (H200: 0.390 against 0.374 ms at 1280
-// channels, 18 x 32 pixels; L2 at 63-66 % of its throughput either way). VD_TEMPORAL_CONV_WINO_CLUSTER=2 pins them (tests and
-// benchmarks compare them).
+// channels, 18 x 32 pixels; L2 at 63-66 % of its throughput either way). VD_TEMPORAL_CONV_WINO_CLUSTER=2 pins them
+// (tests and benchmarks compare them).
 bool temporal_conv_wino(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                         at::Tensor& out, const TemporalConvShape& s) {
   using T = TcWinoTile;
@@ -994,7 +997,8 @@ bool temporal_conv_wino(const at::Tensor& x, const at::Tensor& weight, const std
   a.full_tiles = a.n_cb * ceil_div(pairs, int64_t{cm});  // cluster items
   CUtensorMap tw, tx2, tx4;
   const int64_t cols = w.size(1);
-  if (!tensor_map_4d(&tw, w, {cols, 1, s.C_out, 1}, {cols, cols, s.C_out * cols}, {32, 1, static_cast<uint32_t>(T::BN / cm), 1}) ||
+  const uint32_t rows = T::BN / cm;  // a CTA's share of a stage's weight rows
+  if (!tensor_map_4d(&tw, w, {cols, 1, s.C_out, 1}, {cols, cols, s.C_out * cols}, {32, 1, rows, 1}) ||
       !tensor_map_4d(&tx2, x, {HW, s.C_in, s.F, s.B}, {x.stride(1), x.stride(2), x.stride(0)}, {32, 32, 2, 1}) ||
       !tensor_map_4d(&tx4, x, {HW, s.C_in, s.F, s.B}, {x.stride(1), x.stride(2), x.stride(0)}, {32, 16, 4, 1}))
     return false;
@@ -1010,10 +1014,10 @@ bool temporal_conv_wino(const at::Tensor& x, const at::Tensor& weight, const std
 }
 
 // VD_TEMPORAL_CONV_TF32_ALGO=direct keeps the direct TF32 kernel where the Winograd one applies (tests and
-// benchmarks compare them).
-// The weight rows' columns (4 C_in rounded up to 32) are 32-bit copy coordinates.
+// benchmarks compare them). The weight rows' columns (4 C_in rounded up to 32) are 32-bit copy coordinates.
 bool temporal_wino_allowed(const TemporalConvShape& s) {
-  return s.k == 3 && s.padding == 1 && 4 * ceil_div(s.C_in, int64_t{32}) * 32 <= std::numeric_limits<int>::max() &&
+  const int64_t cols = 4 * ceil_div(s.C_in, int64_t{32}) * 32;
+  return s.k == 3 && s.padding == 1 && cols <= std::numeric_limits<int>::max() &&
          env_str("VD_TEMPORAL_CONV_TF32_ALGO") != "direct";
 }
 
