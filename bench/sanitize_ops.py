@@ -263,6 +263,20 @@ def main():
                     for cm, tile in (("0", "128"), ("2", "128"), ("0", "256"), ("0", "256x128"), ("2", "256x128")):
                         with env_var("VD_CONV_BN_SILU_CLUSTER", cm), env_var("VD_CONV_BN_SILU_TILE", tile):
                             torch.ops.vd.conv_bn_silu(xw, ww, None, *b256, 1e-5, [1, 1], [1, 1], [1, 1], 1, True)
+                # Winograd F(2x2, 3x3): odd H and W (outputs past them not stored, the patches' padding), tile
+                # rows padded to the GEMM's tiles (V's zero rows), 256-channel tiles alone and 256 x 128 tiles
+                # (C_out 384); 256 tile rows: 256-channel tiles in pairs; then 1920 tile rows a product: whole
+                # tiles, then stream-K
+                with torch.no_grad(), env_var("VD_CONV_BN_SILU_ALGO", "winograd"):
+                    xo = torch.randn(2, 64, 9, 13, device=dev, dtype=dtype).to(memory_format=cl)
+                    xp = torch.randn(2, 64, 16, 24, device=dev, dtype=dtype).to(memory_format=cl)
+                    for xi, c_out in ((xo, 256), (xo, 384), (xp, 256)):
+                        wo = torch.randn(c_out, 64, 3, 3, device=dev, dtype=dtype) / 24
+                        bo = [torch.rand(c_out, device=dev, dtype=dtype) + 0.5 for _ in range(4)]
+                        torch.ops.vd.conv_bn_silu(xi, wo, None, *bo, 1e-5, [1, 1], [1, 1], [1, 1], 1, True)
+                    xb = torch.randn(4, 128, 40, 48, device=dev, dtype=dtype).to(memory_format=cl)
+                    wb = torch.randn(256, 128, 3, 3, device=dev, dtype=dtype) / 32
+                    torch.ops.vd.conv_bn_silu(xb, wb, None, *b256, 1e-5, [1, 1], [1, 1], [1, 1], 1, True)
             ran.append("conv_bn_silu")
         if want("temporal_conv"):
             x = torch.randn(2, 8, 7, 5, 6, device=dev, dtype=dtype)

@@ -137,6 +137,8 @@ FoldCache& fold_cache();
 // The same cache kind for temporal_conv's tap-major weight copies (tap_rows; the key's first parameter is
 // the weight, the others absent).
 FoldCache& tap_rows_cache();
+// And for conv_bn_silu's Winograd weights U (16, C_out, C_in), keyed by the weight as the op reads it.
+FoldCache& conv_wino_cache();
 
 // Whether a call may use a cache of this kind: `allowed` by the device (see FoldCachePolicy), not the
 // training path (the kernel cannot see the caller's grad mode — an autograd.Function runs its forward under

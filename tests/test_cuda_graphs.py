@@ -80,6 +80,14 @@ CASES = {
     "conv_bn_silu_data_parallel": (lambda: [_rand(4, 16, 96, 96, channels_last=True),
                                             _rand(256, 16, 3, 3, channels_last=True) / 12],
                                    None),
+    # Winograd F(2x2, 3x3) on Hopper (pinned in the test): the weight transform runs in every replay (no cache
+    # under capture), the products in pairs of 256-channel tiles; odd H, tile rows padded (288 to 512).
+    "conv_bn_silu_winograd": (lambda: [_rand(2, 64, 17, 32, channels_last=True),
+                                       _rand(256, 64, 3, 3, channels_last=True) / 24],
+                              None),
+    "conv_bn_silu_winograd_fp32": (lambda: [_rand(2, 64, 17, 32, dtype=torch.float32, channels_last=True),
+                                            _rand(256, 64, 3, 3, dtype=torch.float32, channels_last=True) / 24],
+                                   None),
     "temporal_conv": (lambda: [_rand(2, 32, 7, 9, 10), _rand(48, 32, 3, 1, 1), _rand(48)],
                       lambda x, w, b: torch.ops.vd.temporal_conv(x, w, b, 1)),
     # The Hopper kernel's float32 build (TF32, where cuDNN's switch allows it: set in the test), frames-major x
@@ -111,8 +119,11 @@ def test_cuda_graph_capture_and_replay(case, monkeypatch):
     if case.endswith("_fp32"):
         monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
     make, fn = CASES[case]
+    if case.startswith("conv_bn_silu_winograd"):
+        monkeypatch.setenv("VD_CONV_BN_SILU_ALGO", "winograd")
     if case.startswith("conv_bn_silu"):
-        channels = {"conv_bn_silu": 48, "conv_bn_silu_cluster_fp32": 256, "conv_bn_silu_data_parallel": 256}
+        channels = {"conv_bn_silu": 48, "conv_bn_silu_cluster_fp32": 256, "conv_bn_silu_data_parallel": 256,
+                    "conv_bn_silu_winograd": 256, "conv_bn_silu_winograd_fp32": 256}
         bn = _bn(channels.get(case, 200))
         fn = lambda x, w: torch.ops.vd.conv_bn_silu(x, w, None, *bn, 1e-5, [1, 1], [1, 1], [1, 1], 1, True)  # noqa: E731
     static = make()
@@ -135,7 +146,7 @@ def test_cuda_graph_capture_and_replay(case, monkeypatch):
     for got, want in zip(captured, expected):
         # The Hopper conv kernels are vd's own (a fixed summation order); elsewhere those cases run cuDNN / cuBLAS.
         library = case in LIBRARY_GEMMS or (
-            (case.startswith("conv_bn_silu_stream_k")
+            (case.startswith("conv_bn_silu_stream_k") or case.startswith("conv_bn_silu_winograd")
              or case.startswith("temporal_conv") and case.endswith("_fp32"))
             and torch.cuda.get_device_capability() != (9, 0))
         if library:

@@ -789,6 +789,120 @@ def test_hopper_kernel_over_2_31_elements(device, dtype, monkeypatch):
     del x, out
 
 
+WINO_KERNEL = "wino_input_kernel"
+# (n, c_in, c_out, h, w): odd H and W (outputs past them not stored) with C_out 128 (256 x 128 tiles) and 384; 256
+# channels in pairs of tiles, tile rows padded (2 x 8 x 12 = 192 to 256); 1920 and 2560 tile rows a product (30
+# and 40 tiles of 128 rows: alone, in pairs; 16 x 2 channel tiles of each: whole tiles, then stream-K); C_in not a
+# multiple of the GEMM's K step (40).
+WINO_CASES = [(1, 40, 128, 9, 13), (3, 96, 384, 7, 10), (2, 64, 256, 16, 24), (4, 128, 512, 40, 48),
+              (4, 128, 512, 40, 64)]
+
+
+def wino_tol(dtype):
+    # F(2x2, 3x3)'s transformed operands are rounded to the operand type: about 2.5x the direct kernel's error
+    # (RMS; bench/winograd_error.py), so twice the direct kernel's bound on the max.
+    return tf32_tol(dtype), 2.0
+
+
+@pytest.mark.parametrize("device", CUDA)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("case", WINO_CASES, ids=lambda c: "x".join(map(str, c)))
+def test_winograd_matches_reference(device, dtype, case, monkeypatch):
+    """VD_CONV_BN_SILU_ALGO=winograd: Winograd F(2x2, 3x3) wherever it can run (3 x 3, padding 1, C_out a multiple
+    of 128), against float64, with and without bias and SiLU; repeatable bit for bit; float32 with TF32 allowed."""
+    n, c_in, c_out, h, w = case
+    monkeypatch.setenv("VD_CONV_BN_SILU_ALGO", "winograd")
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
+    torch.manual_seed(0)
+    x = torch.randn(n, c_in, h, w, device=device).to(dtype).contiguous(memory_format=torch.channels_last)
+    tol, factor = wino_tol(dtype)
+    for has_bias, silu in ((True, True), (False, False)):
+        params = make_params(c_in, c_out, 3, bias=has_bias, device=device, dtype=dtype)
+        args = (*params, 1e-5, [1, 1], [1, 1], [1, 1], 1, silu)
+        ref = reference_conv_bn_silu(x.double(), *(None if t is None else t.double() for t in params), *args[6:])
+        with torch.no_grad():
+            out = OP(x, *args)
+            ran = " ".join(cuda_kernels_run(lambda: OP(x, *args)))
+            assert (WINO_KERNEL in ran) == on_hopper(device), ran
+            assert out.is_contiguous(memory_format=torch.channels_last)
+            assert_close_to(out, ref, tol, factor, what=f"bias={has_bias} silu={silu}")
+            assert torch.equal(OP(x, *args), out)
+        # the training path (x requires grad: no weight cache) gives the same forward
+        xg = x.detach().requires_grad_()
+        assert torch.equal(OP(xg, *args).detach(), out)
+
+
+@pytest.mark.parametrize("device", CUDA)
+def test_winograd_choice_by_shape(device, monkeypatch):
+    """Unpinned: Winograd for 3 x 3 convolutions with padding 1, C_in and C_out >= 1024 and >= 1024 tiles of 2 x 2
+    outputs (float32: 2048); not below those, not at stride 2 or padding 0, not where a kernel is pinned
+    (VD_CONV_BN_SILU_KERNEL, VD_CONV_BN_SILU_TILE), never with VD_CONV_BN_SILU_ALGO=direct; float32 only with TF32
+    allowed."""
+    for var in ("VD_CONV_BN_SILU_KERNEL", "VD_CONV_BN_SILU_TILE", "VD_CONV_BN_SILU_ALGO"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
+    torch.manual_seed(0)
+    cl = torch.channels_last
+    x = torch.randn(4, 1024, 32, 32, device=device, dtype=torch.bfloat16).contiguous(memory_format=cl)  # 1024 tiles
+    x8 = torch.randn(8, 1024, 32, 32, device=device).contiguous(memory_format=cl)  # float32, 2048 tiles
+    cases = [  # (x, C_out, padding, stride, env, Winograd)
+        (x, 1024, 1, 1, {}, True), (x.float(), 1024, 1, 1, {}, False), (x8, 1024, 1, 1, {}, True),
+        (x[:3], 1024, 1, 1, {}, False), (x, 512, 1, 1, {}, False), (x[:, :768], 1024, 1, 1, {}, False),
+        (x, 1024, 0, 1, {}, False), (x, 1024, 1, 2, {}, False),
+        (x, 1024, 1, 1, {"VD_CONV_BN_SILU_ALGO": "direct"}, False),
+        (x, 1024, 1, 1, {"VD_CONV_BN_SILU_KERNEL": "wgmma"}, False),
+        (x, 1024, 1, 1, {"VD_CONV_BN_SILU_TILE": "256"}, False),
+        (x[:1], 256, 1, 1, {"VD_CONV_BN_SILU_ALGO": "winograd"}, True),
+        (x[:1], 200, 1, 1, {"VD_CONV_BN_SILU_ALGO": "winograd"}, False),  # C_out not a multiple of 128
+    ]
+    for xc, c_out, pad, stride, env, want in cases:
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        params = make_params(xc.shape[1], c_out, 3, device=device, dtype=xc.dtype)
+        args = (*params, 1e-5, [stride, stride], [pad, pad], [1, 1], 1, True)
+        with torch.no_grad():
+            ran = " ".join(cuda_kernels_run(lambda: OP(xc, *args)))
+            what = f"{tuple(xc.shape)} {xc.dtype} C_out {c_out} padding {pad} stride {stride} {env}"
+            assert (WINO_KERNEL in ran) == (want and on_hopper(device)), f"{what}: {ran}"
+            ref = reference_conv_bn_silu(xc.double(), *(t.double() for t in params), *args[6:])
+            tol, factor = wino_tol(xc.dtype)
+            assert_close_to(OP(xc, *args), ref, tol, factor, what=what)
+        for k in env:
+            monkeypatch.delenv(k)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    params = make_params(1024, 1024, 3, device=device)
+    with torch.no_grad():
+        assert WINO_KERNEL not in " ".join(cuda_kernels_run(
+            lambda: OP(x8, *params, 1e-5, [1, 1], [1, 1], [1, 1], 1, True)))
+
+
+@pytest.mark.parametrize("device", CUDA)
+def test_winograd_weight_cache_follows_the_weight(empty_cache, device, monkeypatch):
+    """The transformed weight U is kept across inference calls, keyed by the weight: an in-place update, a swap of
+    its data and a new weight tensor each give the result of the new weight."""
+    monkeypatch.setenv("VD_CONV_BN_SILU_ALGO", "winograd")
+    torch.manual_seed(0)
+    x = torch.randn(2, 64, 16, 24, device=device, dtype=torch.bfloat16).contiguous(memory_format=torch.channels_last)
+    params = list(make_params(64, 256, 3, device=device, dtype=torch.bfloat16))
+    params[0] = params[0].contiguous(memory_format=torch.channels_last)  # read as it is: the key is this tensor
+
+    def check(what):
+        args = (*params, 1e-5, [1, 1], [1, 1], [1, 1], 1, True)
+        ref = reference_conv_bn_silu(x.double(), *(t.double() for t in params), *args[6:])
+        tol, factor = wino_tol(x.dtype)
+        assert_close_to(OP(x, *args), ref, tol, factor, what=what)
+
+    with torch.no_grad():
+        check("first call")
+        check("cached")
+        params[0].mul_(-0.5)
+        check("in-place update")
+        params[0].data = torch.randn_like(params[0]) / 24
+        check("data swap")
+        params[0] = torch.randn_like(params[0]) / 24
+        check("new weight")
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_autograd_kernel(device):
     # With a gradient: one C++ node whose backward runs conv_bn_silu_backward; the running statistics' gradients

@@ -19,6 +19,11 @@ FoldCache& tap_rows_cache() {
   return *cache;
 }
 
+FoldCache& conv_wino_cache() {
+  static FoldCache* cache = new FoldCache();
+  return *cache;
+}
+
 namespace {
 std::vector<int64_t> fold_cache_stats(bool clear) {
   auto s = fold_cache().stats(clear);

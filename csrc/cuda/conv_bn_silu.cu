@@ -267,6 +267,7 @@ struct CbsArgs {
   int cm;      // CTAs a cluster (>= 2: one a pixel tile of a group of cm, the weight multicast to all; units
                // then count groups x channel tiles x iters) or 1 (no cluster)
   int bslices;  // CTAs of a cluster that load a slice of the weight stage each (BN / bslices rows)
+  int wbatch;   // 1: a weight for each image (the Winograd products: image n is product n, its own weight)
 };
 
 // BN: 128, 160 or 256 output channels a tile (256: m64n256k16 reads the warpgroup's pixel rows once for 256
@@ -426,6 +427,7 @@ __global__ void __launch_bounds__(384, 1)
         const int nt = static_cast<int>(t % a.n_nt);
         const CbsPix q = cbs_pix(a, (t / a.n_nt) * T::BM);  // the tile's first output pixel
         const int w0 = q.w - a.pad_w, h0 = q.h - a.pad_h;  // its position at tap (0, 0)
+        const int wb = a.wbatch ? q.n : 0;  // the weight's batch (a tile never spans two images there)
         int tap = k0 / a.chunks, c = k0 - tap * a.chunks;
         int r = tap / a.kW, s = tap - r * a.kW;
 #pragma unroll 1  // unrolled (by S where it is a power of 2), the producer's 40 registers spill
@@ -434,10 +436,10 @@ __global__ void __launch_bounds__(384, 1)
           wgmma::mbar_wait(empty(st), ((u / S) & 1) ^ 1u);
           wgmma::mbar_expect_tx(full(st), T::stage_bytes);
           if (cm == 1)
-            wgmma::tma_load_4d(sB(st), &tw, full(st), c * T::BK, tap, nt * T::BN, 0);
+            wgmma::tma_load_4d(sB(st), &tw, full(st), c * T::BK, tap, nt * T::BN, wb);
           else if (rank < a.bslices)  // this CTA's slice of the weight rows, into every CTA of the cluster
             wgmma::tma_load_4d_multicast(sB(st) + rank * slice_rows * 128, &tw, full(st), c * T::BK, tap,
-                                         nt * T::BN + rank * slice_rows, 0, static_cast<uint16_t>((1u << cm) - 1));
+                                         nt * T::BN + rank * slice_rows, wb, static_cast<uint16_t>((1u << cm) - 1));
           wgmma::tma_load_im2col_4d(sA(st), &tx, full(st), c * T::BK, w0, h0, q.n,
                                     static_cast<uint16_t>(s * a.dil_w), static_cast<uint16_t>(r * a.dil_h));
           if (++c == a.chunks) {
@@ -659,9 +661,11 @@ __global__ void __launch_bounds__(384, 1)
 
 #if defined(VD_SM90A)
 // cm >= 2: clusters of cm CTAs on cm consecutive pixel tiles, the weight stage loaded once a cluster.
+// wbatch > 1: f.weight holds wbatch weights, (wbatch, C_out, kH, kW, C_in), and image n of x is convolved with
+// weight n (s.N == wbatch; no tile may span two images: H_out * W_out a multiple of the pixel tiles in a cluster).
 template <int BN, int BM>
 bool launch_conv_wgmma(const at::Tensor& x, const Folded& f, const ConvShape& s, bool silu, at::Tensor& y,
-                       int cm = 1) {
+                       int cm = 1, int64_t wbatch = 1) {
   using T = CbsTile<BN, 2, BM>;  // the tile geometry is the same for all element sizes
   const int BK = 128 / static_cast<int>(x.element_size());
   const bool f32 = x.scalar_type() == at::kFloat;
@@ -676,7 +680,7 @@ bool launch_conv_wgmma(const at::Tensor& x, const Folded& f, const ConvShape& s,
   int bslices = cm >= 8 ? 8 : cm >= 4 ? 4 : cm >= 2 ? 2 : 1;
   while ((T::BN / 8) % bslices != 0) bslices /= 2;  // 160 channels: 20 atoms, 4 slices at most
   CUtensorMap tw, tx, to{}, to32{};
-  if (!tensor_map_4d(&tw, w, {s.C_in, taps, s.C_out, 1}, {s.C_in, taps * s.C_in, s.C_out * taps * s.C_in},
+  if (!tensor_map_4d(&tw, w, {s.C_in, taps, s.C_out, wbatch}, {s.C_in, taps * s.C_in, s.C_out * taps * s.C_in},
                      {static_cast<uint32_t>(BK), 1, static_cast<uint32_t>(T::BN / bslices), 1}) ||
       !im2col_map_4d(&tx, x, {s.C_in, s.W, s.H, s.N}, {x.stride(3), x.stride(2), x.stride(0)}, lower, upper,
                      BK, T::BM))
@@ -711,6 +715,8 @@ bool launch_conv_wgmma(const at::Tensor& x, const Folded& f, const ConvShape& s,
   a.dil_h = static_cast<int>(s.dilation[0]);
   a.dil_w = static_cast<int>(s.dilation[1]);
   a.silu = silu ? 1 : 0;
+  a.wbatch = wbatch > 1 ? 1 : 0;
+  TORCH_INTERNAL_ASSERT(wbatch == 1 || (wbatch == s.N && (s.H_out * s.W_out) % (cm * T::BM) == 0));
 
   auto stream = c10::cuda::getCurrentCUDAStream();
   auto launch = [&](auto kernel, size_t smem) {
@@ -750,6 +756,267 @@ bool launch_conv_wgmma(const at::Tensor& x, const Folded& f, const ConvShape& s,
 }
 #endif
 
+#if defined(VD_SM90A)
+// ---- Winograd F(2 x 2, 3 x 3) for 3 x 3 convolutions with padding 1 (stride and dilation 1) ----
+// Each 2 x 2 block of outputs ("tile" p = (n, th, tw), P = N ceil(H / 2) ceil(W / 2) of them) is
+// A^T [ (G g G^T) * (B^T d B) ] A summed over input channels, d the 4 x 4 input patch at (2 th - 1, 2 tw - 1) and g
+// the 3 x 3 weight: 16 products a tile where the direct convolution takes 36. The 16 positions k = 4 i + j of the
+// transformed patch are 16 independent GEMMs, M_k (P x C_out) = V_k (P x C_in) U_k^T, U_k (C_out x C_in), run
+// as one launch of the implicit-GEMM kernel above with the 16 as its images (a 1 x 1 convolution, each image with
+// its own weight). Three passes: V from x, the products, y = silu(s A^T M A + b') from M. The transforms are
+// additions (B, A: 0 / +-1; G: +-1/2, exact), in float32; V and U are rounded to the operand type (16-bit, or
+// TF32 to nearest in float32), M is written in x's dtype. The rows of each V_k and M_k are padded to Pb, a
+// multiple of the GEMM's pixel tiles, so no tile spans two products; V's padding rows are zeros.
+// Error: relative RMS about 2.5x the exactly rounded result's in bf16 / fp16 (bench/notes/conv.md).
+
+__device__ __forceinline__ float round_tf32(float f) {
+  uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(f));
+  return __uint_as_float(r);
+}
+template <typename scalar_t>
+__device__ __forceinline__ scalar_t to_operand(float f) {
+  if constexpr (std::is_same_v<scalar_t, float>) return round_tf32(f);
+  else return static_cast<scalar_t>(f);
+}
+
+// U (16, C_out, C_in) from w (C_out, C_in, 3, 3), any strides: u_k = (G g G^T)_ij with rows of G
+// (1, 0, 0), (1/2, 1/2, 1/2), (1/2, -1/2, 1/2), (0, 0, 1).
+template <typename scalar_t>
+__global__ void wino_weight_kernel(const scalar_t* __restrict__ w, int64_t s0, int64_t s1, int64_t s2, int64_t s3,
+                                   scalar_t* __restrict__ u, int64_t C_out, int64_t C_in) {
+  const int64_t n = C_out * C_in, stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
+    const int64_t co = i / C_in, ci = i - co * C_in;
+    const scalar_t* g = w + co * s0 + ci * s1;
+    float t[4][3];  // G g
+#pragma unroll
+    for (int c = 0; c < 3; ++c) {
+      const float g0 = static_cast<float>(g[c * s3]), g1 = static_cast<float>(g[s2 + c * s3]);
+      const float g2 = static_cast<float>(g[2 * s2 + c * s3]);
+      t[0][c] = g0, t[1][c] = 0.5f * (g0 + g1 + g2), t[2][c] = 0.5f * (g0 - g1 + g2), t[3][c] = g2;
+    }
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const float v[4] = {t[r][0], 0.5f * (t[r][0] + t[r][1] + t[r][2]), 0.5f * (t[r][0] - t[r][1] + t[r][2]),
+                          t[r][2]};
+#pragma unroll
+      for (int c = 0; c < 4; ++c) u[((4 * r + c) * C_out + co) * C_in + ci] = to_operand<scalar_t>(v[c]);
+    }
+  }
+}
+
+// V (16, Pb, C) from x (N, H, W, C) channels_last: a thread does 4 channels of one tile (8- or 16-byte loads
+// and stores, coalesced along the channels); B^T d B: (d0 - d2, d1 + d2, d2 - d1, d1 - d3) along each axis.
+// The 16 loads are issued together from clamped addresses and the padding zeroed after. This pass writes 4x
+// what it reads and runs at ~2.2 TB/s (bf16, H200); the output pass, reading 4x what it writes, at ~4.
+template <typename scalar_t>
+__global__ void wino_input_kernel(const scalar_t* __restrict__ x, scalar_t* __restrict__ v, int64_t P, int64_t Pb,
+                                  int64_t C, int H, int W, int TH, int TW) {
+  using V4 = Vec<scalar_t, 4>;
+  const int64_t cg = C / 4, n_items = Pb * cg, stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n_items; i += stride) {
+    const int64_t p = i / cg, c = (i - p * cg) * 4;
+    const bool live = p < P;  // rows past P: zeros (read from tile 0, then masked)
+    const int64_t pl = live ? p : 0;
+    const int64_t n = pl / (static_cast<int64_t>(TH) * TW);
+    const int r = static_cast<int>(pl - n * TH * TW), th = r / TW, tw = r - th * TW;
+    int rows[4], cols[4];
+    bool rv[4], cv[4];
+#pragma unroll
+    for (int a = 0; a < 4; ++a) {
+      const int h = 2 * th - 1 + a, w = 2 * tw - 1 + a;
+      rv[a] = live && h >= 0 && h < H, cv[a] = w >= 0 && w < W;
+      rows[a] = min(max(h, 0), H - 1), cols[a] = min(max(w, 0), W - 1);
+    }
+    V4 e[4][4];
+#pragma unroll
+    for (int a = 0; a < 4; ++a)
+#pragma unroll
+      for (int b = 0; b < 4; ++b)
+        e[a][b] = *reinterpret_cast<const V4*>(x + ((n * H + rows[a]) * W + cols[b]) * C + c);
+    float t[4][4][4];  // [row of the patch][column of B^T d B along the row][channel]
+#pragma unroll
+    for (int a = 0; a < 4; ++a)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        float d[4];
+#pragma unroll
+        for (int b = 0; b < 4; ++b) d[b] = rv[a] && cv[b] ? static_cast<float>(e[a][b].v[q]) : 0.f;
+        t[a][0][q] = d[0] - d[2], t[a][1][q] = d[1] + d[2], t[a][2][q] = d[2] - d[1], t[a][3][q] = d[1] - d[3];
+      }
+#pragma unroll
+    for (int b = 0; b < 4; ++b) {
+      V4 o[4];
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const float t0 = t[0][b][q], t1 = t[1][b][q], t2 = t[2][b][q], t3 = t[3][b][q];
+        o[0].v[q] = to_operand<scalar_t>(t0 - t2), o[1].v[q] = to_operand<scalar_t>(t1 + t2);
+        o[2].v[q] = to_operand<scalar_t>(t2 - t1), o[3].v[q] = to_operand<scalar_t>(t1 - t3);
+      }
+#pragma unroll
+      for (int a = 0; a < 4; ++a) *reinterpret_cast<V4*>(v + ((4 * a + b) * Pb + p) * C + c) = o[a];
+    }
+  }
+}
+
+// y (N, H, W, C) channels_last from M (16, Pb, C): A^T m A with A^T rows (1, 1, 1, 0), (0, 1, -1, -1), then
+// s, b' and SiLU (scale_shift: (s, b') pairs by channel); outputs past H or W (odd sizes) are not stored.
+template <typename scalar_t>
+__global__ void wino_output_kernel(const scalar_t* __restrict__ m, scalar_t* __restrict__ y,
+                                   const float4* __restrict__ scale_shift, int64_t P, int64_t Pb, int64_t C, int H,
+                                   int W, int TH, int TW, bool silu) {
+  using V4 = Vec<scalar_t, 4>;
+  const int64_t cg = C / 4, n_items = P * cg, stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n_items; i += stride) {
+    const int64_t p = i / cg, c = (i - p * cg) * 4;
+    float s[2][4][4];  // A^T m: [output row][column of m][channel]
+#pragma unroll
+    for (int b = 0; b < 4; ++b) {
+      float e[4][4];
+#pragma unroll
+      for (int a = 0; a < 4; ++a) {
+        const V4 v = *reinterpret_cast<const V4*>(m + ((4 * a + b) * Pb + p) * C + c);
+#pragma unroll
+        for (int q = 0; q < 4; ++q) e[a][q] = static_cast<float>(v.v[q]);
+      }
+#pragma unroll
+      for (int q = 0; q < 4; ++q) s[0][b][q] = e[0][q] + e[1][q] + e[2][q], s[1][b][q] = e[1][q] - e[2][q] - e[3][q];
+    }
+    const float4 ss01 = scale_shift[c / 2], ss23 = scale_shift[c / 2 + 1];
+    const float sc[4] = {ss01.x, ss01.z, ss23.x, ss23.z}, sh[4] = {ss01.y, ss01.w, ss23.y, ss23.w};
+    const int64_t n = p / (static_cast<int64_t>(TH) * TW);
+    const int r = static_cast<int>(p - n * TH * TW), th = r / TW, tw = r - th * TW;
+#pragma unroll
+    for (int a = 0; a < 2; ++a) {
+      const int h = 2 * th + a;
+      if (h >= H) break;
+#pragma unroll
+      for (int b = 0; b < 2; ++b) {
+        const int wc = 2 * tw + b;
+        if (wc >= W) break;
+        V4 o;
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const float z = b == 0 ? s[a][0][q] + s[a][1][q] + s[a][2][q] : s[a][1][q] - s[a][2][q] - s[a][3][q];
+          const float zz = fmaf(z, sc[q], sh[q]);
+          o.v[q] = static_cast<scalar_t>(silu ? silu_fast(zz) : zz);
+        }
+        *reinterpret_cast<V4*>(y + ((n * H + h) * W + wc) * C + c) = o;
+      }
+    }
+  }
+}
+
+// fn(scalar_t()) for the Winograd path's types: fp16, bf16, float32 (TF32).
+template <typename Fn>
+void wino_dispatch(at::ScalarType t, Fn&& fn) {
+  if (t == at::kHalf) fn(at::Half());
+  else if (t == at::kBFloat16) fn(at::BFloat16());
+  else if (t == at::kFloat) fn(float());
+  else TORCH_INTERNAL_ASSERT(false, "conv_bn_silu: the Winograd path takes fp16, bf16 or float32");
+}
+
+// Pb: the tile rows of each product padded to whole GEMM tiles: 128 rows where C_out is a multiple of 256
+// (tiles of 128 x 256, run in pairs where Pb is a multiple of 256), else 256 (tiles of 256 x 128).
+inline int64_t wino_rows(const ConvShape& s) {
+  const int64_t unit = s.C_out % 256 == 0 ? 128 : 256;
+  return ceil_div(s.N * ceil_div(s.H_out, 2) * ceil_div(s.W_out, 2), unit) * unit;
+}
+
+// Whether the Winograd path can run: 3 x 3, padding 1, stride and dilation 1 (the caller has checked groups,
+// layout, dtype and alignment), C_out a multiple of 128 (the GEMM's channel tiles), the counts within the
+// GEMM's 32-bit coordinates, and V and M (16 Pb (C_in + C_out) elements) under 8 GiB.
+inline bool wino_possible(const ConvShape& s, int64_t es) {
+  if (s.kH != 3 || s.kW != 3 || s.padding[0] != 1 || s.padding[1] != 1 || s.dilation[0] != 1 ||
+      s.dilation[1] != 1 || s.H_out != s.H || s.W_out != s.W || s.C_out % 128 != 0 || s.C_in % 8 != 0)
+    return false;
+  const int64_t Pb = wino_rows(s), kMax = std::numeric_limits<int>::max() / 2;
+  return Pb <= kMax && s.H <= kMax && s.W <= kMax && 16 * Pb * (s.C_in + s.C_out) * es <= (int64_t{8} << 30);
+}
+
+// By shape (unpinned): where the products are most of the work (the transforms move ~16 (C_in + C_out) bytes a
+// tile for 32 C_in C_out products) and fill the GPU: C_in and C_out of 1024 or more and at least 1024 tiles (2048
+// in float32). H200, device us, Winograd against the direct path (conv_tiles_*_20261129T0656*): bf16
+// 28 x 1280 x 18 x 32 (4032 tiles) 476 against 594, 28 x 1280 x 9 x 16 (1120) 165 against 167, 28 x 640 x 36 x 64
+// 667 against 608; float32 (TF32) 1013 against 1345, 339 against 302, 1340 against 1223.
+inline bool wino_wanted(const ConvShape& s, bool fp32) {
+  const int64_t tiles = s.N * ceil_div(s.H_out, 2) * ceil_div(s.W_out, 2);
+  return s.C_in >= 1024 && s.C_out >= 1024 && tiles >= (fp32 ? 2048 : 1024);
+}
+
+// U for f.weight (cached like the fold: by the weight's identity and version, not under capture or where the
+// call may be training) and the GEMM's (s, b') = (1, 0) pairs.
+std::pair<at::Tensor, at::Tensor> wino_weight(const at::Tensor& x, const at::Tensor& w) {
+  auto make = [&] {
+    const int64_t C_out = w.size(0), C_in = w.size(1);
+    at::Tensor u = at::empty({16, C_out, C_in}, w.options().memory_format(at::MemoryFormat::Contiguous));
+    at::Tensor ones = at::stack({at::ones({C_out}, x.options().dtype(at::kFloat)),
+                                 at::zeros({C_out}, x.options().dtype(at::kFloat))}, 1);
+    auto stream = c10::cuda::getCurrentCUDAStream();
+    wino_dispatch(w.scalar_type(), [&](auto z) {
+      using scalar_t = decltype(z);
+      wino_weight_kernel<scalar_t><<<grid_for(C_out * C_in, 256), 256, 0, stream>>>(
+          w.const_data_ptr<scalar_t>(), w.stride(0), w.stride(1), w.stride(2), w.stride(3),
+          u.mutable_data_ptr<scalar_t>(), C_out, C_in);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+    return FoldValue{u, at::Tensor(), at::Tensor(), ones.contiguous()};
+  };
+  const bool capturing = c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
+  const std::array<const at::Tensor*, kFoldParams> ps{&w, nullptr, nullptr, nullptr, nullptr, nullptr};
+  FoldValue v;
+  if (!fold_cacheable(x, ps, !capturing)) {
+    v = make();
+  } else {
+    v = conv_wino_cache().find_or_insert(ps, w.scalar_type(), w.device(), at::MemoryFormat::Contiguous, 0.0,
+                                         static_cast<int64_t>(c10::cuda::getCurrentCUDAStream().id()), [&] {
+                                           FoldValue m = make();
+                                           return FoldValue{keep_outside_pools(m.weight), at::Tensor(), at::Tensor(),
+                                                            keep_outside_pools(m.scale_shift)};
+                                         });
+  }
+  return {v.weight, v.scale_shift};
+}
+
+at::Tensor conv_bn_silu_winograd(const at::Tensor& x, const Folded& f, const ConvShape& s, bool silu) {
+  const int64_t TH = ceil_div(s.H, 2), TW = ceil_div(s.W, 2), P = s.N * TH * TW, Pb = wino_rows(s);
+  const auto [u, ones] = wino_weight(x, f.weight);
+  at::Tensor v = at::empty({16, Pb, s.C_in}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor m = at::empty({16, Pb, s.C_out}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  // The products as a 1 x 1 convolution of 16 images of 1 x Pb pixels (V and M as channels_last NCHW views).
+  ConvShape g = s;
+  g.N = 16, g.H = g.H_out = 1, g.W = g.W_out = Pb, g.kH = g.kW = 1;
+  g.padding = {0, 0}, g.stride = {1, 1}, g.dilation = {1, 1};
+  const at::Tensor vx = v.as_strided({16, s.C_in, 1, Pb}, {Pb * s.C_in, 1, Pb * s.C_in, s.C_in});
+  at::Tensor my = m.as_strided({16, s.C_out, 1, Pb}, {Pb * s.C_out, 1, Pb * s.C_out, s.C_out});
+  Folded fg;
+  fg.weight = u;
+  fg.scale_shift = ones;
+  at::Tensor y = at::empty({s.N, s.C_out, s.H, s.W}, x.options().memory_format(at::MemoryFormat::ChannelsLast));
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  bool ok = true;
+  wino_dispatch(x.scalar_type(), [&](auto z) {
+    using scalar_t = decltype(z);
+    wino_input_kernel<scalar_t><<<grid_for(Pb * (s.C_in / 4), 256), 256, 0, stream>>>(
+        x.const_data_ptr<scalar_t>(), v.mutable_data_ptr<scalar_t>(), P, Pb, s.C_in, static_cast<int>(s.H),
+        static_cast<int>(s.W), static_cast<int>(TH), static_cast<int>(TW));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    // 256-channel tiles where C_out fills them, in pairs (the direct kernel's choice at 28 x 1280) where Pb
+    // allows; else tiles of 256 pixels x 128 channels.
+    ok = s.C_out % 256 == 0 ? launch_conv_wgmma<256, 128>(vx, fg, g, false, my, Pb % 256 == 0 ? 2 : 1, 16)
+                            : launch_conv_wgmma<128, 256>(vx, fg, g, false, my, 1, 16);
+    if (!ok) return;
+    wino_output_kernel<scalar_t><<<grid_for(P * (s.C_out / 4), 256), 256, 0, stream>>>(
+        m.const_data_ptr<scalar_t>(), y.mutable_data_ptr<scalar_t>(),
+        reinterpret_cast<const float4*>(f.scale_shift.const_data_ptr<float>()), P, Pb, s.C_out,
+        static_cast<int>(s.H), static_cast<int>(s.W), static_cast<int>(TH), static_cast<int>(TW), silu);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return ok ? y : at::Tensor();
+}
+#endif
+
 // The Hopper kernel for fp16 / bf16 channels_last x, or float32 where cuDNN's convolutions may run TF32
 // (torch.backends.cudnn.allow_tf32, on by default: eager's float32 convolution runs TF32 then too), groups
 // 1, stride 1, C_in and C_out multiples of 8 (16-byte rows for the copy engine) and W_out a multiple of 8
@@ -760,14 +1027,23 @@ at::Tensor conv_bn_silu_wgmma(const at::Tensor& x, const Folded& f, const ConvSh
   const std::string choice = env_str("VD_CONV_BN_SILU_KERNEL");
   const bool tf32 = dt == at::kFloat && at::globalContext().allowTF32CuDNN();
   if ((dt != at::kHalf && dt != at::kBFloat16 && !tf32) || !s.channels_last || s.groups != 1 || s.stride[0] != 1 ||
-      s.stride[1] != 1 || s.C_in % 8 != 0 || s.C_out % 8 != 0 || s.W_out % 8 != 0 || choice == "cudnn" ||
-      !device_is_sm90a())
+      s.stride[1] != 1 || s.C_in % 8 != 0 || s.C_out % 8 != 0 || choice == "cudnn" || !device_is_sm90a())
     return {};
   const at::Tensor& w = f.weight;
   if (!x.is_contiguous(at::MemoryFormat::ChannelsLast) || !w.is_contiguous(at::MemoryFormat::ChannelsLast) ||
       w.scalar_type() != dt || !aligned16(x.const_data_ptr()) || !aligned16(w.const_data_ptr()) ||
       !f.scale_shift.defined() || !aligned16(f.scale_shift.const_data_ptr()))
     return {};
+  const std::string tile = env_str("VD_CONV_BN_SILU_TILE"), cluster = env_str("VD_CONV_BN_SILU_CLUSTER");
+  // Winograd F(2 x 2, 3 x 3) by shape where nothing is pinned (VD_CONV_BN_SILU_ALGO=winograd: wherever it can
+  // run; =direct: never).
+  const std::string algo = env_str("VD_CONV_BN_SILU_ALGO");
+  if (algo != "direct" && wino_possible(s, x.element_size()) &&
+      (algo == "winograd" || (choice.empty() && tile.empty() && wino_wanted(s, tf32)))) {
+    at::Tensor y = conv_bn_silu_winograd(x, f, s, silu);
+    if (y.defined()) return y;
+  }
+  if (s.W_out % 8 != 0) return {};  // the direct kernel stores whole boxes of 8 pixels or more
   const int64_t kMax = std::numeric_limits<int>::max() / 2;
   if (s.W + s.W_out > kMax || s.H + s.H_out > kMax || s.N > kMax || s.C_in > kMax || s.C_out > kMax ||
       s.kH * s.kW * ceil_div(s.C_in, 32) > kMax || s.padding[0] > kMax || s.padding[1] > kMax ||
@@ -803,7 +1079,6 @@ at::Tensor conv_bn_silu_wgmma(const at::Tensor& x, const Folded& f, const ConvSh
   // 28 x 640 x 36 x 64 bf16 619.5 against 652.5 us for 160-channel tiles, float32 1218.0 against 1305.8;
   // 14 x 640 x 36 x 64 317.8 against 339.1, float32 625.9 against 672.5; at 320 channels (a last tile of 64
   // channels) behind, at 1280 behind 128 x 256 pairs.
-  const std::string tile = env_str("VD_CONV_BN_SILU_TILE"), cluster = env_str("VD_CONV_BN_SILU_CLUSTER");
   const int64_t tiles128 = ceil_div(s.N * s.H_out * s.W_out, 128), tiles64 = ceil_div(s.N * s.H_out * s.W_out, 64);
   const bool few = tiles128 < 8, clusters = cluster != "0";
   const bool take_few = s.C_out % 256 == 0 && (tf32       ? clusters && tiles64 >= 3 && tiles64 <= 5
