@@ -809,7 +809,10 @@ __global__ void wino_weight_kernel(const scalar_t* __restrict__ w, int64_t s0, i
 // V (16, Pb, C) from x (N, H, W, C) channels_last: a thread does 4 channels of one tile (8- or 16-byte loads
 // and stores, coalesced along the channels); B^T d B: (d0 - d2, d1 + d2, d2 - d1, d1 - d3) along each axis.
 // The 16 loads are issued together from clamped addresses and the padding zeroed after. This pass writes 4x
-// what it reads and runs at ~2.2 TB/s (bf16, H200); the output pass, reading 4x what it writes, at ~4.
+// what it reads: with plain stores it ran at ~2.2 TB/s (bf16, H200; the output pass, reading 4x what it writes,
+// at ~4); streaming stores (st.global.cs) took 7-9 % off the whole call (conv_tiles_*_20261129T0721*:
+// 28 x 1280 x 18 x 32 bf16 469 -> 437 us, float32 1043 -> 946; 9 x 16 bf16 150 -> 138). V stored tile-major
+// (Pb, 16, C_in), each thread's 16 stores contiguous, gained nothing there (470, 1040, 152).
 template <typename scalar_t>
 __global__ void wino_input_kernel(const scalar_t* __restrict__ x, scalar_t* __restrict__ v, int64_t P, int64_t Pb,
                                   int64_t C, int H, int W, int TH, int TW) {
@@ -855,7 +858,11 @@ __global__ void wino_input_kernel(const scalar_t* __restrict__ x, scalar_t* __re
         o[2].v[q] = to_operand<scalar_t>(t2 - t1), o[3].v[q] = to_operand<scalar_t>(t1 - t3);
       }
 #pragma unroll
-      for (int a = 0; a < 4; ++a) *reinterpret_cast<V4*>(v + ((4 * a + b) * Pb + p) * C + c) = o[a];
+      for (int a = 0; a < 4; ++a) {  // streaming stores (evict first): see above
+        scalar_t* dst = v + ((4 * a + b) * Pb + p) * C + c;
+        if constexpr (sizeof(V4) == 16) __stcs(reinterpret_cast<uint4*>(dst), *reinterpret_cast<const uint4*>(&o[a]));
+        else __stcs(reinterpret_cast<uint2*>(dst), *reinterpret_cast<const uint2*>(&o[a]));
+      }
     }
   }
 }
