@@ -57,6 +57,8 @@ TORCH_LIBRARY(vd, m) {
   // Inference calls reuse the BatchNorm fold while the parameters are unchanged; returns the cache's
   // [hits, misses, entries], then empties it and zeroes the counters if clear.
   m.def("conv_bn_silu_fold_cache(bool clear=False) -> int[]");
+  // The same for the Winograd path's transformed weights (CUDA, Hopper; empty elsewhere).
+  m.def("conv_bn_silu_winograd_cache(bool clear=False) -> int[]");
 
   m.set_python_module("vdcompile.ops.norm");
   // SiLU(GroupNorm(x)) for (N, C, *) with 1 to 3 trailing dims; silu=False gives GroupNorm only.

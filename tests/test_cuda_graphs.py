@@ -81,7 +81,7 @@ CASES = {
                                             _rand(256, 16, 3, 3, channels_last=True) / 12],
                                    None),
     # Winograd F(2x2, 3x3) on Hopper (pinned in the test): the weight transform runs in every replay (no cache
-    # under capture), the products in pairs of 256-channel tiles; odd H, tile rows padded (288 to 512).
+    # under capture), the products in 256-channel tiles (alone: 288 tile rows padded to 384); odd H.
     "conv_bn_silu_winograd": (lambda: [_rand(2, 64, 17, 32, channels_last=True),
                                        _rand(256, 64, 3, 3, channels_last=True) / 24],
                               None),

@@ -791,9 +791,9 @@ def test_hopper_kernel_over_2_31_elements(device, dtype, monkeypatch):
 
 WINO_KERNEL = "wino_input_kernel"
 # (n, c_in, c_out, h, w): odd H and W (outputs past them not stored) with C_out 128 (256 x 128 tiles) and 384; 256
-# channels in pairs of tiles, tile rows padded (2 x 8 x 12 = 192 to 256); 1920 and 2560 tile rows a product (30
-# and 40 tiles of 128 rows: alone, in pairs; 16 x 2 channel tiles of each: whole tiles, then stream-K); C_in not a
-# multiple of the GEMM's K step (40).
+# channels in pairs of tiles, tile rows padded (2 x 8 x 12 = 192 to 256); 1920 and 2560 tile rows a product (15
+# and 20 tiles of 128 rows: alone, in pairs; x 16 products x 2 channel tiles, 480 and 640 tiles: whole tiles, then
+# stream-K); C_in not a multiple of the GEMM's K step (40).
 WINO_CASES = [(1, 40, 128, 9, 13), (3, 96, 384, 7, 10), (2, 64, 256, 16, 24), (4, 128, 512, 40, 48),
               (4, 128, 512, 40, 64)]
 
@@ -845,15 +845,16 @@ def test_winograd_choice_by_shape(device, monkeypatch):
     cl = torch.channels_last
     x = torch.randn(4, 1024, 32, 32, device=device, dtype=torch.bfloat16).contiguous(memory_format=cl)  # 1024 tiles
     x8 = torch.randn(8, 1024, 32, 32, device=device).contiguous(memory_format=cl)  # float32, 2048 tiles
+    pin = {"VD_CONV_BN_SILU_ALGO": "winograd"}
     cases = [  # (x, C_out, padding, stride, env, Winograd)
         (x, 1024, 1, 1, {}, True), (x.float(), 1024, 1, 1, {}, False), (x8, 1024, 1, 1, {}, True),
-        (x[:3], 1024, 1, 1, {}, False), (x, 512, 1, 1, {}, False), (x[:, :768], 1024, 1, 1, {}, False),
-        (x, 1024, 0, 1, {}, False), (x, 1024, 1, 2, {}, False),
+        (x[:3], 1024, 1, 1, {}, False), (x, 512, 1, 1, {}, False),
+        (x[:, :768].contiguous(memory_format=cl), 1024, 1, 1, {}, False),
+        (x, 1024, 0, 1, pin, False), (x, 1024, 1, 2, pin, False),  # not even where pinned
         (x, 1024, 1, 1, {"VD_CONV_BN_SILU_ALGO": "direct"}, False),
         (x, 1024, 1, 1, {"VD_CONV_BN_SILU_KERNEL": "wgmma"}, False),
         (x, 1024, 1, 1, {"VD_CONV_BN_SILU_TILE": "256"}, False),
-        (x[:1], 256, 1, 1, {"VD_CONV_BN_SILU_ALGO": "winograd"}, True),
-        (x[:1], 200, 1, 1, {"VD_CONV_BN_SILU_ALGO": "winograd"}, False),  # C_out not a multiple of 128
+        (x[:1], 256, 1, 1, pin, True), (x[:1], 200, 1, 1, pin, False),  # C_out not a multiple of 128
     ]
     for xc, c_out, pad, stride, env, want in cases:
         for k, v in env.items():
@@ -879,8 +880,11 @@ def test_winograd_choice_by_shape(device, monkeypatch):
 @pytest.mark.parametrize("device", CUDA)
 def test_winograd_weight_cache_follows_the_weight(empty_cache, device, monkeypatch):
     """The transformed weight U is kept across inference calls, keyed by the weight: an in-place update, a swap of
-    its data and a new weight tensor each give the result of the new weight."""
+    its data and a new weight tensor each give the result of the new weight (a miss each; the entries of the old
+    versions and of the dead tensor dropped)."""
     monkeypatch.setenv("VD_CONV_BN_SILU_ALGO", "winograd")
+    stats = torch.ops.vd.conv_bn_silu_winograd_cache
+    stats(True)
     torch.manual_seed(0)
     x = torch.randn(2, 64, 16, 24, device=device, dtype=torch.bfloat16).contiguous(memory_format=torch.channels_last)
     params = list(make_params(64, 256, 3, device=device, dtype=torch.bfloat16))
@@ -894,13 +898,19 @@ def test_winograd_weight_cache_follows_the_weight(empty_cache, device, monkeypat
 
     with torch.no_grad():
         check("first call")
+        assert list(stats()) == [0, 1, 1]
         check("cached")
+        assert list(stats()) == [1, 1, 1]
         params[0].mul_(-0.5)
         check("in-place update")
+        assert list(stats()) == [1, 2, 1]
         params[0].data = torch.randn_like(params[0]) / 24
         check("data swap")
+        assert list(stats()) == [1, 3, 1]
         params[0] = torch.randn_like(params[0]) / 24
         check("new weight")
+        assert list(stats()) == [1, 4, 1]
+    stats(True)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -1,5 +1,6 @@
 // The process-wide fold cache of csrc/fold_cache.h (one instance for the CPU and CUDA kernels) and
-// vd::conv_bn_silu_fold_cache, its counters as seen from Python.
+// vd::conv_bn_silu_fold_cache, its counters as seen from Python (vd::conv_bn_silu_winograd_cache: the Winograd
+// weights' cache's).
 #include <torch/library.h>
 
 #include <vector>
@@ -29,11 +30,16 @@ std::vector<int64_t> fold_cache_stats(bool clear) {
   auto s = fold_cache().stats(clear);
   return {s[0], s[1], s[2]};
 }
+std::vector<int64_t> wino_cache_stats(bool clear) {
+  auto s = conv_wino_cache().stats(clear);
+  return {s[0], s[1], s[2]};
+}
 }  // namespace
 
 // No tensor arguments: the composite key is the one every call dispatches to.
 TORCH_LIBRARY_IMPL(vd, CompositeImplicitAutograd, m) {
   m.impl("conv_bn_silu_fold_cache", &fold_cache_stats);
+  m.impl("conv_bn_silu_winograd_cache", &wino_cache_stats);
 }
 
 }  // namespace vd

@@ -947,9 +947,13 @@ inline bool wino_possible(const ConvShape& s, int64_t es) {
 // in float32). H200, device us, Winograd against the direct path (conv_tiles_*_20261129T0656*): bf16
 // 28 x 1280 x 18 x 32 (4032 tiles) 476 against 594, 28 x 1280 x 9 x 16 (1120) 165 against 167, 28 x 640 x 36 x 64
 // 667 against 608; float32 (TF32) 1013 against 1345, 339 against 302, 1340 against 1223.
-inline bool wino_wanted(const ConvShape& s, bool fp32) {
+// Under CUDA-graph capture nothing is cached and every replay transforms the weight again (~20 us at 1280
+// channels in bf16), so 16-bit needs 2048 tiles there too: graphs of 28 x 1280 x 9 x 16 (1120 tiles) bf16 ran
+// 0.1959 ms against inductor's 0.1871 (ops_bf16_…T071226), the direct kernel 0.1924 against 0.1911 (version 8's
+// run); at 4032 tiles 0.5624 against 0.7123.
+inline bool wino_wanted(const ConvShape& s, bool fp32, bool capturing) {
   const int64_t tiles = s.N * ceil_div(s.H_out, 2) * ceil_div(s.W_out, 2);
-  return s.C_in >= 1024 && s.C_out >= 1024 && tiles >= (fp32 ? 2048 : 1024);
+  return s.C_in >= 1024 && s.C_out >= 1024 && tiles >= (fp32 || capturing ? 2048 : 1024);
 }
 
 // U for f.weight (cached like the fold: by the weight's identity and version, not under capture or where the
@@ -1010,8 +1014,9 @@ at::Tensor conv_bn_silu_winograd(const at::Tensor& x, const Folded& f, const Con
         static_cast<int>(s.W), static_cast<int>(TH), static_cast<int>(TW));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     // 256-channel tiles where C_out fills them, in pairs (the direct kernel's choice at 28 x 1280) where Pb
-    // allows; else tiles of 256 pixels x 128 channels.
-    ok = s.C_out % 256 == 0 ? launch_conv_wgmma<256, 128>(vx, fg, g, false, my, Pb % 256 == 0 ? 2 : 1, 16)
+    // allows and clusters are not turned off (VD_CONV_BN_SILU_CLUSTER=0); else tiles of 256 pixels x 128 channels.
+    const bool pairs = Pb % 256 == 0 && env_str("VD_CONV_BN_SILU_CLUSTER") != "0";
+    ok = s.C_out % 256 == 0 ? launch_conv_wgmma<256, 128>(vx, fg, g, false, my, pairs ? 2 : 1, 16)
                             : launch_conv_wgmma<128, 256>(vx, fg, g, false, my, 1, 16);
     if (!ok) return;
     wino_output_kernel<scalar_t><<<grid_for(P * (s.C_out / 4), 256), 256, 0, stream>>>(
@@ -1046,7 +1051,9 @@ at::Tensor conv_bn_silu_wgmma(const at::Tensor& x, const Folded& f, const ConvSh
   // run; =direct: never).
   const std::string algo = env_str("VD_CONV_BN_SILU_ALGO");
   if (algo != "direct" && wino_possible(s, x.element_size()) &&
-      (algo == "winograd" || (choice.empty() && tile.empty() && wino_wanted(s, tf32)))) {
+      (algo == "winograd" || (choice.empty() && tile.empty() &&
+                              wino_wanted(s, tf32, c10::cuda::currentStreamCaptureStatusMayInitCtx() !=
+                                                       c10::cuda::CaptureStatus::None)))) {
     at::Tensor y = conv_bn_silu_winograd(x, f, s, silu);
     if (y.defined()) return y;
   }
