@@ -18,12 +18,9 @@ import torch
 import torch.nn.functional as F
 
 from common import DTYPES, environment, measure_ceilings, print_table, time_cuda, write_json
+from winograd_error import AT, BT, G  # F(2x2, 3x3)'s transforms
 
 SHAPES = [(28, 1280, 18, 32), (28, 1280, 9, 16), (28, 640, 36, 64), (2, 1280, 18, 32)]
-
-BT = torch.tensor([[1, 0, -1, 0], [0, 1, 1, 0], [0, -1, 1, 0], [0, 1, 0, -1]], dtype=torch.float64)
-G = torch.tensor([[1, 0, 0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0, 0, 1]], dtype=torch.float64)
-AT = torch.tensor([[1, 1, 1, 0], [0, 1, -1, -1]], dtype=torch.float64)
 
 
 def wino_prototype(x: torch.Tensor, w: torch.Tensor, op_dtype: torch.dtype) -> torch.Tensor:

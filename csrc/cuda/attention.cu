@@ -1338,15 +1338,6 @@ __global__ void __launch_bounds__(ShortTmaTile<LP>::warps * 32, 1)
 // of the TF32 tensor-core rate, still several times fp32 FMA on the CUDA cores. Two kernels share the
 // 16-row tile step below: a flash loop for long sequences and a warp-per-problem one for short ones.
 
-__device__ __forceinline__ unsigned tf32_of(float x) {
-  unsigned r;
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
-  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
-#else
-  r = __float_as_uint(x);
-#endif
-  return r;
-}
 // Known edge, left on purpose: above the largest TF32 value (2^128 - 2^118) rounding turns a finite x
 // into an infinite head whose tail x - hi is NaN. Clamping x first costs 7-11 % of every fp32 call
 // (the B-operand splits sit in the inner loops), for inputs within 0.05 % of FLT_MAX.

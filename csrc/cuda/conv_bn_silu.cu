@@ -769,14 +769,9 @@ bool launch_conv_wgmma(const at::Tensor& x, const Folded& f, const ConvShape& s,
 // multiple of the GEMM's pixel tiles, so no tile spans two products; V's padding rows are zeros.
 // Error: relative RMS about 2.5x the exactly rounded result's in bf16 / fp16 (bench/notes/conv.md).
 
-__device__ __forceinline__ float round_tf32(float f) {
-  uint32_t r;
-  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(f));
-  return __uint_as_float(r);
-}
 template <typename scalar_t>
 __device__ __forceinline__ scalar_t to_operand(float f) {
-  if constexpr (std::is_same_v<scalar_t, float>) return round_tf32(f);
+  if constexpr (std::is_same_v<scalar_t, float>) return __uint_as_float(tf32_of(f));
   else return static_cast<scalar_t>(f);
 }
 
@@ -974,19 +969,7 @@ std::pair<at::Tensor, at::Tensor> wino_weight(const at::Tensor& x, const at::Ten
     });
     return FoldValue{u, at::Tensor(), at::Tensor(), ones.contiguous()};
   };
-  const bool capturing = c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
-  const std::array<const at::Tensor*, kFoldParams> ps{&w, nullptr, nullptr, nullptr, nullptr, nullptr};
-  FoldValue v;
-  if (!fold_cacheable(x, ps, !capturing)) {
-    v = make();
-  } else {
-    v = conv_wino_cache().find_or_insert(ps, w.scalar_type(), w.device(), at::MemoryFormat::Contiguous, 0.0,
-                                         static_cast<int64_t>(c10::cuda::getCurrentCUDAStream().id()), [&] {
-                                           FoldValue m = make();
-                                           return FoldValue{keep_outside_pools(m.weight), at::Tensor(), at::Tensor(),
-                                                            keep_outside_pools(m.scale_shift)};
-                                         });
-  }
+  const FoldValue v = cached_weight_copy(conv_wino_cache(), x, w, 0.0, make);
   return {v.weight, v.scale_shift};
 }
 

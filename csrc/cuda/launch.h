@@ -3,6 +3,8 @@
 #pragma once
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
 #include <cuda_bf16.h>
@@ -16,6 +18,8 @@
 #include <string>
 #include <type_traits>
 
+#include "../fold_cache.h"
+
 namespace vd {
 
 constexpr unsigned kFullMask = 0xffffffffu;
@@ -24,6 +28,18 @@ template <typename T, int N>
 struct alignas(sizeof(T) * N) Vec {
   T v[N];
 };
+
+// x rounded to the nearest TF32 value (10 mantissa bits, ties away from zero), as 32 bits: what the tensor
+// cores' TF32 products read, which would otherwise truncate. Before sm_80: x unchanged.
+__device__ __forceinline__ unsigned tf32_of(float x) {
+  unsigned r;
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
+#else
+  r = __float_as_uint(x);
+#endif
+  return r;
+}
 
 // Two floats as one 32-bit word of scalar_t (bf16 or fp16; lo in the low half), rounded to nearest.
 template <typename scalar_t>
@@ -79,6 +95,23 @@ inline at::Tensor keep_outside_pools(const at::Tensor& t) {
   at::Tensor out = at::from_blob(p, src.sizes(), src.strides(), [](void* q) { (void)cudaFree(q); }, src.options());
   out.copy_(src);
   return out;
+}
+
+// A copy derived from a weight (make(): a FoldValue), kept in `cache` while the weight is unchanged (the same
+// tensor, version and data; fold_cacheable's rules) under key `tag`, its tensors outside the caching
+// allocator's pools. Made afresh while a CUDA graph is captured: a replay would keep reading the captured copy
+// after the weight changes.
+template <typename Make>
+FoldValue cached_weight_copy(FoldCache& cache, const at::Tensor& x, const at::Tensor& weight, double tag, Make make) {
+  const bool capturing = c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
+  const std::array<const at::Tensor*, kFoldParams> ps{&weight, nullptr, nullptr, nullptr, nullptr, nullptr};
+  if (!fold_cacheable(x, ps, !capturing)) return make();
+  return cache.find_or_insert(ps, weight.scalar_type(), weight.device(), at::MemoryFormat::Contiguous, tag,
+                              static_cast<int64_t>(c10::cuda::getCurrentCUDAStream().id()), [&] {
+                                const FoldValue v = make();
+                                return FoldValue{keep_outside_pools(v.weight), keep_outside_pools(v.shift),
+                                                 keep_outside_pools(v.out_scale), keep_outside_pools(v.scale_shift)};
+                              });
 }
 
 }  // namespace vd

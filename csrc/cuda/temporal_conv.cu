@@ -898,14 +898,7 @@ at::Tensor cached_tap_rows(const at::Tensor& x, const at::Tensor& weight, TapRow
     const at::Tensor b = at::stack({by16(2), by16(3)}, 2);
     return at::cat({g.select(1, 0), g.select(1, 1), b.reshape({C_out, 2 * C32})}, 1).contiguous();
   };
-  const bool capturing = c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
-  const std::array<const at::Tensor*, kFoldParams> ps{&weight, nullptr, nullptr, nullptr, nullptr, nullptr};
-  if (!fold_cacheable(x, ps, !capturing)) return make();
-  const int64_t stream = static_cast<int64_t>(c10::cuda::getCurrentCUDAStream().id());
-  return tap_rows_cache()
-      .find_or_insert(ps, weight.scalar_type(), weight.device(), at::MemoryFormat::Contiguous,
-                      static_cast<double>(layout), stream,
-                      [&] { return FoldValue{keep_outside_pools(make()), at::Tensor()}; })
+  return cached_weight_copy(tap_rows_cache(), x, weight, static_cast<double>(layout), [&] { return FoldValue{make()}; })
       .weight;
 }
 
