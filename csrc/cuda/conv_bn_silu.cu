@@ -942,8 +942,8 @@ inline bool wino_possible(const ConvShape& s, int64_t es) {
 // in float32). H200, device us, Winograd against the direct path (conv_tiles_*_20261129T0656*): bf16
 // 28 x 1280 x 18 x 32 (4032 tiles) 476 against 594, 28 x 1280 x 9 x 16 (1120) 165 against 167, 28 x 640 x 36 x 64
 // 667 against 608; float32 (TF32) 1013 against 1345, 339 against 302, 1340 against 1223.
-// Under CUDA-graph capture nothing is cached and every replay transforms the weight again (~20 us at 1280
-// channels in bf16), so 16-bit needs 2048 tiles there too: graphs of 28 x 1280 x 9 x 16 (1120 tiles) bf16 ran
+// Under CUDA-graph capture nothing is cached and every replay transforms the weight again (reads the weight,
+// writes 16/9 of it: 82 MB at 1280 channels in bf16), so 16-bit needs 2048 tiles there too: graphs of 28 x 1280 x 9 x 16 (1120 tiles) bf16 ran
 // 0.1959 ms against inductor's 0.1871 (ops_bf16_…T071226), the direct kernel 0.1924 against 0.1911 (version 8's
 // run); at 4032 tiles 0.5624 against 0.7123.
 inline bool wino_wanted(const ConvShape& s, bool fp32, bool capturing) {
