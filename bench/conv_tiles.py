@@ -8,7 +8,8 @@ them. Square 3x3 convolutions, C_in = C_out.
                                [--tiles 128,160,256,64x128,64x256,256x128,256-c3]
 
 A tile "T-cN" runs T in clusters of N pixel tiles (VD_CONV_BN_SILU_CLUSTER=N; "-c0": outside clusters).
---env NAME=VALUE (repeatable) adds each variant again with that variable set, e.g. VD_CONV_BN_SILU_DP=0.
+--env NAME=VALUE (repeatable) adds each variant again with that variable set, e.g. VD_CONV_BN_SILU_DP=0
+(several at once: NAME=VALUE;NAME2=VALUE2).
 """
 from __future__ import annotations
 
@@ -42,13 +43,14 @@ def main():
     ceil = measure_ceilings(dev)
     rate = ceil["tf32_matmul_TFLOPs" if dtype == torch.float32 else "bf16_matmul_TFLOPs"]
     variants = [("auto", {}), ("cudnn", {"VD_CONV_BN_SILU_KERNEL": "cudnn"})]
-    for t in args.tiles.split(","):
+    for t in filter(None, args.tiles.split(",")):  # --tiles "": the op's choice and cuDNN only
         tile, _, cm = t.partition("-c")
         env = {"VD_CONV_BN_SILU_KERNEL": "wgmma", "VD_CONV_BN_SILU_TILE": tile}
         variants.append((t, {**env, "VD_CONV_BN_SILU_CLUSTER": cm} if cm else env))
-    for assignment in args.env:
-        k, v = assignment.split("=", 1)
-        variants += [(f"{name}+{assignment}", {**env, k: v}) for name, env in variants if "+" not in name]
+    for assignment in args.env:  # NAME=VALUE, or several joined by ";"
+        extra = dict(a.split("=", 1) for a in assignment.split(";"))
+        variants += [(f"{name}+{assignment}", {**env, **extra}) for name, env in variants
+                     if "+" not in name and name != "cudnn"]
     rows = []
     for shape in args.shapes.split(","):
         n, c, h, w = map(int, shape.split("x"))
@@ -82,6 +84,8 @@ def main():
         rows.append(row)
     print_table(rows, [("shape", "shape", "")] + [(f"{v}_us", f"{v} us", ".1f") for v, _ in variants])
     print_table(rows, [("shape", "shape", "")] + [(f"{v}_mhz", f"{v} MHz", ".0f") for v, _ in variants])
+    if not args.no_check:
+        print_table(rows, [("shape", "shape", "")] + [(f"{v}_err", f"{v} max err", ".1e") for v, _ in variants])
     payload = {"environment": environment(dev), "ceilings": ceil, "dtype": args.dtype, "conv_tiles": rows}
     print("wrote", write_json(f"conv_tiles_{args.dtype}", payload))
 

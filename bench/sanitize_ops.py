@@ -277,6 +277,15 @@ def main():
                     xb = torch.randn(4, 128, 40, 48, device=dev, dtype=dtype).to(memory_format=cl)
                     wb = torch.randn(256, 128, 3, 3, device=dev, dtype=dtype) / 32
                     torch.ops.vd.conv_bn_silu(xb, wb, None, *b256, 1e-5, [1, 1], [1, 1], [1, 1], 1, True)
+                # the fused variant: odd H and W, a partial last tile; 320 channels (5 channel tiles: no clusters),
+                # 384 (6: pairs), 256 (4: clusters of 4, and pinned to 1 and 2); C_in not a multiple of the K step
+                with torch.no_grad(), env_var("VD_CONV_BN_SILU_ALGO", "winograd_fused"):
+                    for xi, c_out, cm in ((xo, 320, ""), (xo, 384, ""), (xp, 256, ""), (xp, 256, "1"), (xp, 256, "2"),
+                                          (xo[:, :40].contiguous(memory_format=cl), 256, "")):
+                        wo = torch.randn(c_out, xi.shape[1], 3, 3, device=dev, dtype=dtype) / 24
+                        bo = [torch.rand(c_out, device=dev, dtype=dtype) + 0.5 for _ in range(4)]
+                        with env_var("VD_CONV_WINO_FUSED_CLUSTER", cm):
+                            torch.ops.vd.conv_bn_silu(xi, wo, None, *bo, 1e-5, [1, 1], [1, 1], [1, 1], 1, True)
             ran.append("conv_bn_silu")
         if want("temporal_conv"):
             x = torch.randn(2, 8, 7, 5, 6, device=dev, dtype=dtype)

@@ -804,14 +804,12 @@ def wino_tol(dtype):
     return tf32_tol(dtype), 2.0
 
 
-@pytest.mark.parametrize("device", CUDA)
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("case", WINO_CASES, ids=lambda c: "x".join(map(str, c)))
-def test_winograd_matches_reference(device, dtype, case, monkeypatch):
-    """VD_CONV_BN_SILU_ALGO=winograd: Winograd F(2x2, 3x3) wherever it can run (3 x 3, padding 1, C_out a multiple
-    of 128), against float64, with and without bias and SiLU; repeatable bit for bit; float32 with TF32 allowed."""
+def check_winograd(device, dtype, case, monkeypatch, algo, kernel, absent):
+    """Pinned to VD_CONV_BN_SILU_ALGO=algo: `kernel` runs on Hopper and no kernel named in `absent`; the output
+    against float64, with and without bias and SiLU; repeatable bit for bit; float32 with TF32 allowed; the training
+    path (x requires grad: no weight cache) gives the same forward."""
     n, c_in, c_out, h, w = case
-    monkeypatch.setenv("VD_CONV_BN_SILU_ALGO", "winograd")
+    monkeypatch.setenv("VD_CONV_BN_SILU_ALGO", algo)
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
     torch.manual_seed(0)
     x = torch.randn(n, c_in, h, w, device=device).to(dtype).contiguous(memory_format=torch.channels_last)
@@ -822,39 +820,75 @@ def test_winograd_matches_reference(device, dtype, case, monkeypatch):
         ref = reference_conv_bn_silu(x.double(), *(None if t is None else t.double() for t in params), *args[6:])
         with torch.no_grad():
             out = OP(x, *args)
-            ran = " ".join(cuda_kernels_run(lambda: OP(x, *args)))
-            assert (WINO_KERNEL in ran) == on_hopper(device), ran
+            ran = cuda_kernels_run(lambda: OP(x, *args))
+            names = " ".join(ran)
+            assert (kernel in names) == on_hopper(device), names
+            assert not any(a in k for a in absent for k in ran), names
             assert out.is_contiguous(memory_format=torch.channels_last)
             assert_close_to(out, ref, tol, factor, what=f"bias={has_bias} silu={silu}")
             assert torch.equal(OP(x, *args), out)
-        # the training path (x requires grad: no weight cache) gives the same forward
         xg = x.detach().requires_grad_()
         assert torch.equal(OP(xg, *args).detach(), out)
 
 
 @pytest.mark.parametrize("device", CUDA)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("case", WINO_CASES, ids=lambda c: "x".join(map(str, c)))
+def test_winograd_matches_reference(device, dtype, case, monkeypatch):
+    """VD_CONV_BN_SILU_ALGO=winograd: the three-pass Winograd F(2x2, 3x3) wherever it can run (3 x 3, padding 1,
+    C_out a multiple of 128): see check_winograd."""
+    check_winograd(device, dtype, case, monkeypatch, "winograd", WINO_KERNEL, ["wino_fused_kernel"])
+
+
+WINO_FUSED_KERNEL = "wino_fused_kernel"
+# The fused variant's cases: WINO_CASES (channel tiles of 64: 2, 6, 4, 8 and 8, clusters of 2, 2, 4, 4, 4) and
+# 320 channels (5 tiles: no clusters) with one partial tile of 128 tile rows (2 x 6 x 9 = 108) and C_in 48 (one and a
+# half K steps in float32).
+WINO_FUSED_CASES = WINO_CASES + [(2, 48, 320, 11, 17)]
+
+
+@pytest.mark.parametrize("device", CUDA)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("case", WINO_FUSED_CASES, ids=lambda c: "x".join(map(str, c)))
+@pytest.mark.parametrize("cluster", ["4", "1"])
+def test_winograd_fused_matches_reference(device, dtype, case, cluster, monkeypatch):
+    """VD_CONV_BN_SILU_ALGO=winograd_fused: the products and the output transform in one kernel (no M written, no
+    GEMM or output-transform kernel), in clusters of up to 4 channel tiles (2 where their count is not a multiple
+    of 4, none where it is odd) and alone (VD_CONV_WINO_FUSED_CLUSTER=1): see check_winograd."""
+    monkeypatch.setenv("VD_CONV_WINO_FUSED_CLUSTER", cluster)
+    check_winograd(device, dtype, case, monkeypatch, "winograd_fused", WINO_FUSED_KERNEL,
+                   ["conv_bn_silu_wgmma_kernel", "wino_output_kernel"])
+
+
+@pytest.mark.parametrize("device", CUDA)
 def test_winograd_choice_by_shape(device, monkeypatch):
-    """Unpinned: Winograd for 3 x 3 convolutions with padding 1, C_in and C_out >= 1024 and >= 1024 tiles of 2 x 2
-    outputs (float32: 2048); not below those, not at stride 2 or padding 0, not where a kernel is pinned
-    (VD_CONV_BN_SILU_KERNEL, VD_CONV_BN_SILU_TILE), never with VD_CONV_BN_SILU_ALGO=direct; float32 only with TF32
-    allowed."""
-    for var in ("VD_CONV_BN_SILU_KERNEL", "VD_CONV_BN_SILU_TILE", "VD_CONV_BN_SILU_ALGO"):
+    """Unpinned: 16-bit takes the three-pass Winograd path for 3 x 3 convolutions with padding 1, C_in and C_out >=
+    1024 and >= 1024 tiles of 2 x 2 outputs; float32 (TF32 allowed) the fused one from C_in and C_out >= 640, 1024
+    tiles and a grid of one CTA an SM; neither below those, at stride 2 or padding 0, where a kernel is pinned
+    (VD_CONV_BN_SILU_KERNEL, VD_CONV_BN_SILU_TILE) or with VD_CONV_BN_SILU_ALGO=direct; float32 never without TF32."""
+    for var in ("VD_CONV_BN_SILU_KERNEL", "VD_CONV_BN_SILU_TILE", "VD_CONV_BN_SILU_ALGO", "VD_CONV_WINO_FUSED_CLUSTER"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
     torch.manual_seed(0)
     cl = torch.channels_last
     x = torch.randn(4, 1024, 32, 32, device=device, dtype=torch.bfloat16).contiguous(memory_format=cl)  # 1024 tiles
-    x8 = torch.randn(8, 1024, 32, 32, device=device).contiguous(memory_format=cl)  # float32, 2048 tiles
-    pin = {"VD_CONV_BN_SILU_ALGO": "winograd"}
-    cases = [  # (x, C_out, padding, stride, env, Winograd)
-        (x, 1024, 1, 1, {}, True), (x.float(), 1024, 1, 1, {}, False), (x8, 1024, 1, 1, {}, True),
-        (x[:3], 1024, 1, 1, {}, False), (x, 512, 1, 1, {}, False),
-        (x[:, :768].contiguous(memory_format=cl), 1024, 1, 1, {}, False),
-        (x, 1024, 0, 1, pin, False), (x, 1024, 1, 2, pin, False),  # not even where pinned
-        (x, 1024, 1, 1, {"VD_CONV_BN_SILU_ALGO": "direct"}, False),
-        (x, 1024, 1, 1, {"VD_CONV_BN_SILU_KERNEL": "wgmma"}, False),
-        (x, 1024, 1, 1, {"VD_CONV_BN_SILU_TILE": "256"}, False),
-        (x[:1], 256, 1, 1, pin, True), (x[:1], 200, 1, 1, pin, False),  # C_out not a multiple of 128
+    x8 = torch.randn(8, 1024, 32, 32, device=device).contiguous(memory_format=cl)  # float32, 2048 tiles, 256 CTAs
+    pin, fused = {"VD_CONV_BN_SILU_ALGO": "winograd"}, {"VD_CONV_BN_SILU_ALGO": "winograd_fused"}
+    cases = [  # (x, C_out, padding, stride, env, path: "three" / "fused" / None)
+        (x, 1024, 1, 1, {}, "three"), (x8, 1024, 1, 1, {}, "fused"), (x8, 640, 1, 1, {}, "fused"),
+        (x[:2].float(), 1024, 1, 1, {}, None),  # float32, 512 tiles
+        (x8[:, :512].contiguous(memory_format=cl), 1024, 1, 1, {}, None),  # float32, C_in 512
+        (x[:3], 1024, 1, 1, {}, None), (x, 512, 1, 1, {}, None),
+        (x[:, :768].contiguous(memory_format=cl), 1024, 1, 1, {}, None),
+        (x, 1024, 0, 1, pin, None), (x, 1024, 1, 2, pin, None),  # not even where pinned
+        (x8, 1024, 0, 1, fused, None), (x8, 1024, 1, 2, fused, None),
+        (x, 1024, 1, 1, {"VD_CONV_BN_SILU_ALGO": "direct"}, None),
+        (x8, 1024, 1, 1, {"VD_CONV_BN_SILU_ALGO": "direct"}, None),
+        (x, 1024, 1, 1, {"VD_CONV_BN_SILU_KERNEL": "wgmma"}, None),
+        (x8, 1024, 1, 1, {"VD_CONV_BN_SILU_TILE": "256"}, None),
+        (x8, 1024, 1, 1, pin, "three"), (x, 1024, 1, 1, fused, "fused"),
+        (x[:1], 256, 1, 1, pin, "three"), (x[:1], 200, 1, 1, pin, None),  # C_out not a multiple of 128
+        (x[:1], 320, 1, 1, fused, "fused"), (x[:1], 200, 1, 1, fused, None),  # (the fused one: of 64)
     ]
     for xc, c_out, pad, stride, env, want in cases:
         for k, v in env.items():
@@ -864,7 +898,9 @@ def test_winograd_choice_by_shape(device, monkeypatch):
         with torch.no_grad():
             ran = " ".join(cuda_kernels_run(lambda: OP(xc, *args)))
             what = f"{tuple(xc.shape)} {xc.dtype} C_out {c_out} padding {pad} stride {stride} {env}"
-            assert (WINO_KERNEL in ran) == (want and on_hopper(device)), f"{what}: {ran}"
+            got = None if not on_hopper(device) or WINO_KERNEL not in ran else \
+                "fused" if WINO_FUSED_KERNEL in ran else "three" if "wino_output_kernel" in ran else "?"
+            assert got == (want if on_hopper(device) else None), f"{what}: {ran}"
             ref = reference_conv_bn_silu(xc.double(), *(t.double() for t in params), *args[6:])
             tol, factor = wino_tol(xc.dtype)
             assert_close_to(OP(xc, *args), ref, tol, factor, what=what)
@@ -873,8 +909,11 @@ def test_winograd_choice_by_shape(device, monkeypatch):
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     params = make_params(1024, 1024, 3, device=device)
     with torch.no_grad():
-        assert WINO_KERNEL not in " ".join(cuda_kernels_run(
-            lambda: OP(x8, *params, 1e-5, [1, 1], [1, 1], [1, 1], 1, True)))
+        for env in ({}, fused):
+            for k, v in env.items():
+                monkeypatch.setenv(k, v)
+            assert WINO_KERNEL not in " ".join(cuda_kernels_run(
+                lambda: OP(x8, *params, 1e-5, [1, 1], [1, 1], [1, 1], 1, True)))
 
 
 @pytest.mark.parametrize("device", CUDA)

@@ -18,6 +18,8 @@
 #include <cstdlib>
 #include <limits>
 #include <string>
+#include <type_traits>
+#include <utility>
 
 #include "../activation.h"
 #include "../conv_gemm.h"
@@ -929,9 +931,9 @@ inline int64_t wino_rows(const ConvShape& s) {
 // Whether the Winograd path can run: 3 x 3, padding 1, stride and dilation 1 (the caller has checked groups,
 // layout, dtype and alignment), C_out a multiple of 128 (the GEMM's channel tiles), the counts within the
 // GEMM's 32-bit coordinates, and V and M (16 Pb (C_in + C_out) elements) under 8 GiB.
-inline bool wino_possible(const ConvShape& s, int64_t es) {
+inline bool wino_possible(const ConvShape& s, int64_t es, int64_t c_out_unit = 128) {
   if (s.kH != 3 || s.kW != 3 || s.padding[0] != 1 || s.padding[1] != 1 || s.dilation[0] != 1 ||
-      s.dilation[1] != 1 || s.H_out != s.H || s.W_out != s.W || s.C_out % 128 != 0 || s.C_in % 8 != 0)
+      s.dilation[1] != 1 || s.H_out != s.H || s.W_out != s.W || s.C_out % c_out_unit != 0 || s.C_in % 8 != 0)
     return false;
   const int64_t Pb = wino_rows(s), kMax = std::numeric_limits<int>::max() / 2;
   return Pb <= kMax && s.H <= kMax && s.W <= kMax && 16 * Pb * (s.C_in + s.C_out) * es <= (int64_t{8} << 30);
@@ -1010,6 +1012,271 @@ at::Tensor conv_bn_silu_winograd(const at::Tensor& x, const Folded& f, const Con
   });
   return ok ? y : at::Tensor();
 }
+
+// ---- Winograd F(2 x 2, 3 x 3) with the output transform in the products' kernel ----
+// The three-pass path above writes M (16 products a tile, 4x y's bytes) and reads it back: in float32 that is
+// 2 x 335 MB at 28 x 1280 x 18 x 32, and its GEMM's epilogue (K = C_in only) is not overlapped. Here one CTA
+// computes all 16 products of its 128 tiles x 64 output channels in turn, each into a temporary accumulator
+// (K = C_in), and adds it with the signs of A^T (.) A into the four outputs' accumulators, kept in registers
+// (4 x 32 + 32 floats a thread); then s, b' and SiLU, and y is stored. M never leaves the SM. The 64-channel
+// tiles (m64n64 products) read A (V's tile rows) twice as often a product as 128-channel ones; V's stage is
+// loaded once a cluster of cm CTAs on neighbouring channel tiles (multicast), so a CTA reads 128 / cm + 64 rows
+// from L2 a K step.
+struct WfArgs {
+  const float2* scale_shift;  // (s, b') of each output channel
+  void* out;                  // y (N, H, W, C_out) channels_last, x's dtype
+  int64_t P;                  // tiles of 2 x 2 outputs
+  int H, W, TH, TW;           // output size and tiles along each
+  int C_out, n_nt, chunks, cm;
+  int silu;
+};
+
+template <typename scalar_t>
+struct WfTile {
+  static constexpr int BM = 128, BN = 64, BK = 128 / static_cast<int>(sizeof(scalar_t));
+  static constexpr int a_bytes = BM * 128, b_bytes = BN * 128, stage_bytes = a_bytes + b_bytes;
+  static constexpr int kStages = 8;
+  static constexpr int bar_off = kStages * stage_bytes;
+  static constexpr size_t smem_bytes = bar_off + 16 * kStages + 1024;  // + slack to align to 1024
+};
+
+// fn(std::integral_constant<int, 0>), ..., fn(std::integral_constant<int, N - 1>): a loop whose index is a
+// compile-time constant in each copy.
+template <typename Fn, int... I>
+__device__ __forceinline__ void static_for_(Fn&& fn, std::integer_sequence<int, I...>) {
+  (fn(std::integral_constant<int, I>()), ...);
+}
+template <int N, typename Fn>
+__device__ __forceinline__ void static_for(Fn&& fn) {
+  static_for_(fn, std::make_integer_sequence<int, N>());
+}
+
+// A^T's rows (1, 1, 1, 0) and (0, 1, -1, -1): the sign product k = 4 i + j adds to output (r, c) with.
+__host__ __device__ constexpr int wf_sign(int r, int c, int k) {
+  constexpr int at[2][4] = {{1, 1, 1, 0}, {0, 1, -1, -1}};
+  return at[r][k / 4] * at[c][k % 4];
+}
+
+template <typename scalar_t, bool MC>
+__global__ void __launch_bounds__(384, 1)
+    wino_fused_kernel(const WfArgs a, const __grid_constant__ CUtensorMap tv, const __grid_constant__ CUtensorMap tu) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using T = WfTile<scalar_t>;
+  constexpr int S = T::kStages;
+  constexpr bool kBf16 = std::is_same_v<scalar_t, at::BFloat16>, kTf32 = std::is_same_v<scalar_t, float>;
+  extern __shared__ __align__(16) unsigned char wf_smem[];
+  const uint32_t base = (static_cast<uint32_t>(__cvta_generic_to_shared(wf_smem)) + 1023u) & ~1023u;
+  const uint32_t bar = base + T::bar_off;
+  auto sA = [&](int st) { return base + st * T::stage_bytes; };
+  auto sB = [&](int st) { return base + st * T::stage_bytes + T::a_bytes; };
+  auto full = [&](int st) { return bar + 8 * st; };
+  auto empty = [&](int st) { return bar + 8 * (S + st); };
+  // CTA b: pixel tile b / n_nt, channel tile b % n_nt; a cluster is cm neighbouring channel tiles (n_nt % cm == 0).
+  const int tid = threadIdx.x, wg = tid / 128, cm = MC ? a.cm : 1, rank = MC ? blockIdx.x % cm : 0;
+  const int64_t pt = blockIdx.x / a.n_nt;
+  const int nt = static_cast<int>(blockIdx.x % a.n_nt);
+  if (tid == 0) wgmma::init_stage_ring(bar, S, 8 * cm);  // empty: every consumer warp of the cluster
+  if (cm > 1) {
+    wgmma::cluster_arrive();
+    wgmma::cluster_wait();
+  } else {
+    __syncthreads();
+  }
+
+  if (wg == 0) {
+    wgmma::setmaxnreg_dec<40>();
+    if (tid == 0) {
+      const int arows = T::BM / cm;  // the rows of V's stage this CTA loads for the cluster
+      uint32_t u = 0;
+#pragma unroll 1
+      for (int k = 0; k < 16; ++k)
+#pragma unroll 1
+        for (int c = 0; c < a.chunks; ++c, ++u) {
+          const int st = static_cast<int>(u % S);
+          wgmma::mbar_wait(empty(st), ((u / S) & 1) ^ 1u);
+          wgmma::mbar_expect_tx(full(st), T::stage_bytes);
+          wgmma::tma_load_4d(sB(st), &tu, full(st), c * T::BK, nt * T::BN, k, 0);
+          if (cm == 1)
+            wgmma::tma_load_4d(sA(st), &tv, full(st), c * T::BK, static_cast<int>(pt * T::BM), k, 0);
+          else
+            wgmma::tma_load_4d_multicast(sA(st) + rank * arows * 128, &tv, full(st), c * T::BK,
+                                         static_cast<int>(pt * T::BM) + rank * arows, k, 0,
+                                         static_cast<uint16_t>((1u << cm) - 1));
+        }
+    }
+    if (cm > 1) {  // no CTA leaves while the cluster's copies and arrivals may still target its shared memory
+      wgmma::cluster_arrive();
+      wgmma::cluster_wait();
+    }
+    return;
+  }
+
+  wgmma::setmaxnreg_inc<232>();
+  const int cw = __shfl_sync(kFullMask, wg - 1, 0), warp = (tid / 32) % 4, lane = tid % 32;
+  const int gq = lane >> 2, tig = lane & 3;
+  auto release = [&](int st) {
+    if (cm == 1) {
+      if (lane == 0) wgmma::mbar_arrive(empty(st));
+    } else if (lane < cm) {
+      wgmma::mbar_arrive_cluster(wgmma::cluster_map(empty(st), lane));
+    }
+  };
+  float y[4][32], acc[32];  // y[2 r + c]: output (r, c) of each tile; acc: the current product
+#pragma unroll
+  for (int q = 0; q < 4; ++q)
+#pragma unroll
+    for (int e = 0; e < 32; ++e) y[q][e] = 0.f;
+  uint32_t u = 0;
+  static_for<16>([&](auto kc) {
+    constexpr int k = decltype(kc)::value;
+    int prev = -1;
+#pragma unroll 1
+    for (int c = 0; c < a.chunks; ++c, ++u) {
+      const int st = static_cast<int>(u % S);
+      wgmma::mbar_wait(full(st), (u / S) & 1);
+      const uint64_t da = wgmma::desc_sw128(sA(st) + cw * 64 * 128, 16, 1024);
+      const uint64_t db = wgmma::desc_sw128(sB(st), 16, 1024);
+      wgmma::fence();
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {  // 32-byte K steps of the 128-byte rows
+        const uint64_t dak = da + ((kk * 32) >> 4), dbk = db + ((kk * 32) >> 4);
+        const int scale = c > 0 || kk > 0;
+        if constexpr (kTf32) wgmma::mma_m64n64k8_tf32_ss(acc, dak, dbk, scale);
+        else wgmma::mma_m64n64k16_ss<kBf16>(acc, dak, dbk, scale);
+      }
+      wgmma::commit();
+      wgmma::wait<1>();
+      if (prev >= 0) release(prev);
+      prev = st;
+    }
+    wgmma::wait<0>();
+    wgmma::fence_regs(acc);
+    if (prev >= 0) release(prev);
+    static_for<4>([&](auto qc) {
+      constexpr int q = decltype(qc)::value, sg = wf_sign(q / 2, q % 2, k);
+#pragma unroll
+      for (int e = 0; e < 32; ++e) {
+        if constexpr (sg > 0) y[q][e] += acc[e];
+        else if constexpr (sg < 0) y[q][e] -= acc[e];
+      }
+    });
+  });
+
+  // Epilogue: thread (warp, gq, tig) holds tiles warp * 16 + gq + 8 rr of the warpgroup's 64 and channels
+  // 8 j + 2 tig (+ 1) of the 64; each quad's 8 channels are contiguous in a pixel's row.
+  const int64_t t0 = pt * T::BM + cw * 64 + warp * 16 + gq;
+  int64_t pix[2][4];  // the row (element offset / C_out) of output (r, c) of each of the thread's two tiles; -1: none
+#pragma unroll
+  for (int rr = 0; rr < 2; ++rr) {
+    const int64_t t = t0 + 8 * rr;
+    const int64_t n = t / (static_cast<int64_t>(a.TH) * a.TW);
+    const int rem = static_cast<int>(t - n * a.TH * a.TW), th = rem / a.TW, tw = rem - th * a.TW;
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const int h = 2 * th + q / 2, w = 2 * tw + q % 2;
+      pix[rr][q] = t < a.P && h < a.H && w < a.W ? (n * a.H + h) * a.W + w : -1;
+    }
+  }
+  scalar_t* out = static_cast<scalar_t*>(a.out);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const int co = nt * T::BN + 8 * j + 2 * tig;
+    const float4 e = *reinterpret_cast<const float4*>(a.scale_shift + co);  // (s, b') of co and co + 1
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        if (pix[rr][q] < 0) continue;
+        float x0 = fmaf(y[q][4 * j + 2 * rr], e.x, e.y), x1 = fmaf(y[q][4 * j + 2 * rr + 1], e.z, e.w);
+        if (a.silu) x0 = silu_fast(x0), x1 = silu_fast(x1);
+        scalar_t* dst = out + pix[rr][q] * a.C_out + co;
+        if constexpr (kTf32) *reinterpret_cast<float2*>(dst) = make_float2(x0, x1);
+        else *reinterpret_cast<uint32_t*>(dst) = pack_pair<scalar_t>(x0, x1);
+      }
+  }
+  if (cm > 1) {
+    wgmma::cluster_arrive();
+    wgmma::cluster_wait();
+  }
+#endif
+}
+
+// Clusters of the fused kernel: VD_CONV_WINO_FUSED_CLUSTER=1|2|4 pins (where the channel tiles divide into them,
+// else the next smaller); by shape pairs where the channel tiles are even and there are 16 or more pixel tiles,
+// else none. H200, float32, us a call (conv_tiles_fp32_…T083047), clusters of 4 / 2 / 1: 28 x 1280 x 18 x 32 (32
+// pixel tiles) 987 / 918 / 984; 28 x 640 x 36 x 64 (126) - / 1033 / 1125; 28 x 1280 x 9 x 16 (9) 326 / 332 / 281.
+inline int wf_cluster(int64_t n_pt, int64_t n_nt) {
+  const std::string pin = env_str("VD_CONV_WINO_FUSED_CLUSTER");
+  const int want = pin == "1" ? 1 : pin == "2" ? 2 : pin == "4" ? 4 : n_pt >= 16 ? 2 : 1;
+  for (int cm = want; cm > 1; cm /= 2)
+    if (n_nt % cm == 0) return cm;
+  return 1;
+}
+
+// By shape (unpinned; float32 as TF32): C_in and C_out of 640 or more, 1024 tiles of 2 x 2 outputs or more (2048
+// under CUDA-graph capture, where the weight is transformed in every replay) and a grid of at least one CTA an SM.
+// H200, us a call against the op's previous choice (conv_tiles_fp32_…T083047): 28 x 640 x 36 x 64 1033 against the
+// direct kernel's 1228; 28 x 1280 x 18 x 32 918 against the three-pass path's 954; 28 x 1280 x 9 x 16 281 against
+// cuDNN's 302. 16-bit stays on the three-pass path: m64n64k16 products ask shared memory for twice the bytes a
+// clock that it delivers (bf16, conv_tiles_bf16_…T083102, clusters of 4 / 2 / 1 against the op's choice: 558 / 497
+// / 513 against 438; - / 616 / 625 against 611; 180 / 183 / 152 against 138).
+inline bool wf_wanted(const ConvShape& s, bool capturing) {
+  const int64_t tiles = s.N * ceil_div(s.H_out, 2) * ceil_div(s.W_out, 2);
+  return s.C_in >= 640 && s.C_out >= 640 && tiles >= (capturing ? 2048 : 1024) &&
+         ceil_div(tiles, 128) * (s.C_out / 64) >= sm_count();
+}
+
+// The fused path (see above): V from x, then one kernel for the products, the output transform, s, b' and SiLU.
+// Needs C_out a multiple of 64. Returns an undefined tensor where a cluster cannot be placed.
+at::Tensor conv_bn_silu_winograd_fused(const at::Tensor& x, const Folded& f, const ConvShape& s, bool silu) {
+  using T = WfTile<float>;  // BM and BN are the same for all element sizes
+  const int64_t TH = ceil_div(s.H, 2), TW = ceil_div(s.W, 2), P = s.N * TH * TW, Pb = ceil_div(P, T::BM) * T::BM;
+  const int64_t n_nt = s.C_out / T::BN, es = x.element_size(), BK = 128 / es;
+  const auto [u, ones] = wino_weight(x, f.weight);
+  (void)ones;
+  at::Tensor v = at::empty({16, Pb, s.C_in}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor y = at::empty({s.N, s.C_out, s.H, s.W}, x.options().memory_format(at::MemoryFormat::ChannelsLast));
+  const int cm = wf_cluster(Pb / T::BM, n_nt);
+  CUtensorMap tv, tu;
+  if (!tensor_map_4d(&tv, v, {s.C_in, Pb, 16, 1}, {s.C_in, Pb * s.C_in, 16 * Pb * s.C_in},
+                     {static_cast<uint32_t>(BK), static_cast<uint32_t>(T::BM / cm), 1, 1}) ||
+      !tensor_map_4d(&tu, u, {s.C_in, s.C_out, 16, 1}, {s.C_in, s.C_out * s.C_in, 16 * s.C_out * s.C_in},
+                     {static_cast<uint32_t>(BK), static_cast<uint32_t>(T::BN), 1, 1}))
+    return {};
+  WfArgs a{};
+  a.scale_shift = reinterpret_cast<const float2*>(f.scale_shift.const_data_ptr<float>());
+  a.out = y.mutable_data_ptr();
+  a.P = P;
+  a.H = static_cast<int>(s.H), a.W = static_cast<int>(s.W), a.TH = static_cast<int>(TH), a.TW = static_cast<int>(TW);
+  a.C_out = static_cast<int>(s.C_out);
+  a.n_nt = static_cast<int>(n_nt);
+  a.chunks = static_cast<int>(ceil_div(s.C_in, BK));
+  a.cm = cm;
+  a.silu = silu ? 1 : 0;
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  bool ok = true;
+  wino_dispatch(x.scalar_type(), [&](auto z) {
+    using scalar_t = decltype(z);
+    auto launch = [&](auto kernel) {
+      const size_t smem = WfTile<scalar_t>::smem_bytes;
+      if (cm > 1) {
+        int device = 0;
+        C10_CUDA_CHECK(cudaGetDevice(&device));
+        if (resident_clusters(kernel, cm, device, 384, smem) == 0) return false;
+      } else {
+        C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+      }
+      launch_clusters(kConvBnSiluOp, kernel, a, Pb / T::BM * n_nt / cm, cm, 384, smem, stream, tv, tu);
+      return true;
+    };
+    wino_input_kernel<scalar_t><<<grid_for(Pb * (s.C_in / 4), 256), 256, 0, stream>>>(
+        x.const_data_ptr<scalar_t>(), v.mutable_data_ptr<scalar_t>(), P, Pb, s.C_in, static_cast<int>(s.H),
+        static_cast<int>(s.W), static_cast<int>(TH), static_cast<int>(TW));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    ok = cm > 1 ? launch(wino_fused_kernel<scalar_t, true>) : launch(wino_fused_kernel<scalar_t, false>);
+  });
+  return ok ? y : at::Tensor();
+}
 #endif
 
 // The Hopper kernel for fp16 / bf16 channels_last x, or float32 where cuDNN's convolutions may run TF32
@@ -1032,11 +1299,17 @@ at::Tensor conv_bn_silu_wgmma(const at::Tensor& x, const Folded& f, const ConvSh
   const std::string tile = env_str("VD_CONV_BN_SILU_TILE"), cluster = env_str("VD_CONV_BN_SILU_CLUSTER");
   // Winograd F(2 x 2, 3 x 3) by shape where nothing is pinned (VD_CONV_BN_SILU_ALGO=winograd: wherever it can
   // run; =direct: never).
+  // =winograd_fused: its fused variant wherever that can run (C_out a multiple of 64); by shape, float32 only.
   const std::string algo = env_str("VD_CONV_BN_SILU_ALGO");
-  if (algo != "direct" && wino_possible(s, x.element_size()) &&
-      (algo == "winograd" || (choice.empty() && tile.empty() &&
-                              wino_wanted(s, tf32, c10::cuda::currentStreamCaptureStatusMayInitCtx() !=
-                                                       c10::cuda::CaptureStatus::None)))) {
+  const bool by_shape = choice.empty() && tile.empty() && algo.empty();
+  const bool capturing = c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
+  if ((algo == "winograd_fused" || (by_shape && tf32 && wf_wanted(s, capturing))) &&
+      wino_possible(s, x.element_size(), 64)) {
+    at::Tensor y = conv_bn_silu_winograd_fused(x, f, s, silu);
+    if (y.defined()) return y;
+  }
+  if (algo != "direct" && algo != "winograd_fused" && wino_possible(s, x.element_size()) &&
+      (algo == "winograd" || (by_shape && wino_wanted(s, tf32, capturing)))) {
     at::Tensor y = conv_bn_silu_winograd(x, f, s, silu);
     if (y.defined()) return y;
   }
