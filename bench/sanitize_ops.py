@@ -278,10 +278,11 @@ def main():
                     wb = torch.randn(256, 128, 3, 3, device=dev, dtype=dtype) / 32
                     torch.ops.vd.conv_bn_silu(xb, wb, None, *b256, 1e-5, [1, 1], [1, 1], [1, 1], 1, True)
                 # the fused variant: odd H and W, a partial last tile; 320 channels (5 channel tiles: no clusters),
-                # 384 (6: pairs), 256 (4: clusters of 4, and pinned to 1 and 2); C_in not a multiple of the K step
+                # 384 (6: clusters of 4 asked, pairs run), 256 (4: clusters of 4, 2 and none); C_in not a multiple of
+                # the K step (in clusters of 4)
                 with torch.no_grad(), env_var("VD_CONV_BN_SILU_ALGO", "winograd_fused"):
-                    for xi, c_out, cm in ((xo, 320, ""), (xo, 384, ""), (xp, 256, ""), (xp, 256, "1"), (xp, 256, "2"),
-                                          (xo[:, :40].contiguous(memory_format=cl), 256, "")):
+                    for xi, c_out, cm in ((xo, 320, "4"), (xo, 384, "4"), (xp, 256, "4"), (xp, 256, "1"),
+                                          (xp, 256, "2"), (xo[:, :40].contiguous(memory_format=cl), 256, "4")):
                         wo = torch.randn(c_out, xi.shape[1], 3, 3, device=dev, dtype=dtype) / 24
                         bo = [torch.rand(c_out, device=dev, dtype=dtype) + 0.5 for _ in range(4)]
                         with env_var("VD_CONV_WINO_FUSED_CLUSTER", cm):
