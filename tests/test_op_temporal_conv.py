@@ -309,6 +309,8 @@ def test_hopper_kernel_matches_reference(device, dtype, case, monkeypatch):
 
 TF32_KERNEL = "temporal_conv_tf32_kernel"
 WINO_KERNEL = "temporal_conv_tf32_wino_kernel"
+# The kernel each (dtype, VD_TEMPORAL_CONV_TF32_ALGO) case below runs on Hopper: bf16 (None), float32 direct / Winograd.
+KERNEL_OF_ALGO = {None: HOPPER_KERNEL, "direct": TF32_KERNEL, "winograd": WINO_KERNEL}
 
 
 @pytest.mark.parametrize("device", CUDA)
@@ -496,7 +498,7 @@ def test_hopper_weight_copy_follows_weight_changes(device, dtype, algo, monkeypa
 
     first = check(w)
     if on_hopper(device):
-        want = {None: HOPPER_KERNEL, "direct": TF32_KERNEL, "winograd": WINO_KERNEL}[algo]
+        want = KERNEL_OF_ALGO[algo]
         with torch.no_grad():
             assert want in " ".join(cuda_kernels_run(lambda: OP(x, w, bias, 1)))
     assert torch.equal(check(w), first)
@@ -557,7 +559,7 @@ def test_over_2_31_elements(device, layout, dtype, algo, monkeypatch):
     bias = torch.randn(c, device=device, dtype=dtype)
     ran = " ".join(cuda_kernels_run(lambda: OP(x, weight, bias, 1)))
     if on_hopper(device):
-        want = {None: HOPPER_KERNEL, "direct": TF32_KERNEL, "winograd": WINO_KERNEL}[algo]
+        want = KERNEL_OF_ALGO[algo]
         assert want in ran, ran
     out = OP(x, weight, bias, 1)
     for rows in (slice(0, 1), slice(h - 1, h)):

@@ -26,14 +26,12 @@ FoldCache& conv_wino_cache() {
 }
 
 namespace {
-std::vector<int64_t> fold_cache_stats(bool clear) {
-  auto s = fold_cache().stats(clear);
+std::vector<int64_t> stats_of(FoldCache& cache, bool clear) {
+  auto s = cache.stats(clear);
   return {s[0], s[1], s[2]};
 }
-std::vector<int64_t> wino_cache_stats(bool clear) {
-  auto s = conv_wino_cache().stats(clear);
-  return {s[0], s[1], s[2]};
-}
+std::vector<int64_t> fold_cache_stats(bool clear) { return stats_of(fold_cache(), clear); }
+std::vector<int64_t> wino_cache_stats(bool clear) { return stats_of(conv_wino_cache(), clear); }
 }  // namespace
 
 // No tensor arguments: the composite key is the one every call dispatches to.

@@ -975,10 +975,25 @@ std::pair<at::Tensor, at::Tensor> wino_weight(const at::Tensor& x, const at::Ten
   return {v.weight, v.scale_shift};
 }
 
+// V (16, Pb, C_in) from x by wino_input_kernel on the current stream (both Winograd paths' first pass).
+at::Tensor wino_input(const at::Tensor& x, const ConvShape& s, int64_t Pb) {
+  const int64_t TH = ceil_div(s.H, 2), TW = ceil_div(s.W, 2);
+  at::Tensor v = at::empty({16, Pb, s.C_in}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  wino_dispatch(x.scalar_type(), [&](auto z) {
+    using scalar_t = decltype(z);
+    wino_input_kernel<scalar_t><<<grid_for(Pb * (s.C_in / 4), 256), 256, 0, stream>>>(
+        x.const_data_ptr<scalar_t>(), v.mutable_data_ptr<scalar_t>(), s.N * TH * TW, Pb, s.C_in,
+        static_cast<int>(s.H), static_cast<int>(s.W), static_cast<int>(TH), static_cast<int>(TW));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return v;
+}
+
 at::Tensor conv_bn_silu_winograd(const at::Tensor& x, const Folded& f, const ConvShape& s, bool silu) {
   const int64_t TH = ceil_div(s.H, 2), TW = ceil_div(s.W, 2), P = s.N * TH * TW, Pb = wino_rows(s);
   const auto [u, ones] = wino_weight(x, f.weight);
-  at::Tensor v = at::empty({16, Pb, s.C_in}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  const at::Tensor v = wino_input(x, s, Pb);
   at::Tensor m = at::empty({16, Pb, s.C_out}, x.options().memory_format(at::MemoryFormat::Contiguous));
   // The products as a 1 x 1 convolution of 16 images of 1 x Pb pixels (V and M as channels_last NCHW views).
   ConvShape g = s;
@@ -994,10 +1009,6 @@ at::Tensor conv_bn_silu_winograd(const at::Tensor& x, const Folded& f, const Con
   bool ok = true;
   wino_dispatch(x.scalar_type(), [&](auto z) {
     using scalar_t = decltype(z);
-    wino_input_kernel<scalar_t><<<grid_for(Pb * (s.C_in / 4), 256), 256, 0, stream>>>(
-        x.const_data_ptr<scalar_t>(), v.mutable_data_ptr<scalar_t>(), P, Pb, s.C_in, static_cast<int>(s.H),
-        static_cast<int>(s.W), static_cast<int>(TH), static_cast<int>(TW));
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
     // 256-channel tiles where C_out fills them, in pairs (the direct kernel's choice at 28 x 1280) where Pb
     // allows and clusters are not turned off (VD_CONV_BN_SILU_CLUSTER=0); else tiles of 256 pixels x 128 channels.
     const bool pairs = Pb % 256 == 0 && env_str("VD_CONV_BN_SILU_CLUSTER") != "0";
@@ -1232,9 +1243,8 @@ at::Tensor conv_bn_silu_winograd_fused(const at::Tensor& x, const Folded& f, con
   using T = WfTile<float>;  // BM and BN are the same for all element sizes
   const int64_t TH = ceil_div(s.H, 2), TW = ceil_div(s.W, 2), P = s.N * TH * TW, Pb = ceil_div(P, T::BM) * T::BM;
   const int64_t n_nt = s.C_out / T::BN, es = x.element_size(), BK = 128 / es;
-  const auto [u, ones] = wino_weight(x, f.weight);
-  (void)ones;
-  at::Tensor v = at::empty({16, Pb, s.C_in}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  const at::Tensor u = wino_weight(x, f.weight).first;
+  const at::Tensor v = wino_input(x, s, Pb);
   at::Tensor y = at::empty({s.N, s.C_out, s.H, s.W}, x.options().memory_format(at::MemoryFormat::ChannelsLast));
   const int cm = wf_cluster(Pb / T::BM, n_nt);
   CUtensorMap tv, tu;
@@ -1269,10 +1279,6 @@ at::Tensor conv_bn_silu_winograd_fused(const at::Tensor& x, const Folded& f, con
       launch_clusters(kConvBnSiluOp, kernel, a, Pb / T::BM * n_nt / cm, cm, 384, smem, stream, tv, tu);
       return true;
     };
-    wino_input_kernel<scalar_t><<<grid_for(Pb * (s.C_in / 4), 256), 256, 0, stream>>>(
-        x.const_data_ptr<scalar_t>(), v.mutable_data_ptr<scalar_t>(), P, Pb, s.C_in, static_cast<int>(s.H),
-        static_cast<int>(s.W), static_cast<int>(TH), static_cast<int>(TW));
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
     ok = cm > 1 ? launch(wino_fused_kernel<scalar_t, true>) : launch(wino_fused_kernel<scalar_t, false>);
   });
   return ok ? y : at::Tensor();
