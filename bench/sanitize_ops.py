@@ -287,6 +287,14 @@ def main():
                         bo = [torch.rand(c_out, device=dev, dtype=dtype) + 0.5 for _ in range(4)]
                         with env_var("VD_CONV_WINO_FUSED_CLUSTER", cm):
                             torch.ops.vd.conv_bn_silu(xi, wo, None, *bo, 1e-5, [1, 1], [1, 1], [1, 1], 1, True)
+                            with env_var("VD_CONV_WINO_FUSED_SPLIT", "0"):  # whole tiles (the above: halves of K)
+                                torch.ops.vd.conv_bn_silu(xi, wo, None, *bo, 1e-5, [1, 1], [1, 1], [1, 1], 1, True)
+                    # 160 tiles: a round of whole tiles, then halves of K (in pairs)
+                    xw = torch.randn(4, 128, 40, 64, device=dev, dtype=dtype).to(memory_format=cl)
+                    ww = torch.randn(512, 128, 3, 3, device=dev, dtype=dtype) / 32
+                    bw = [torch.rand(512, device=dev, dtype=dtype) + 0.5 for _ in range(4)]
+                    with env_var("VD_CONV_WINO_FUSED_CLUSTER", "2"):
+                        torch.ops.vd.conv_bn_silu(xw, ww, None, *bw, 1e-5, [1, 1], [1, 1], [1, 1], 1, True)
             ran.append("conv_bn_silu")
         if want("temporal_conv"):
             x = torch.randn(2, 8, 7, 5, 6, device=dev, dtype=dtype)

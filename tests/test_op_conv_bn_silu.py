@@ -851,13 +851,48 @@ WINO_FUSED_CASES = WINO_CASES + [(2, 48, 320, 11, 17)]
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("case", WINO_FUSED_CASES, ids=lambda c: "x".join(map(str, c)))
 @pytest.mark.parametrize("cluster", ["4", "1"])
-def test_winograd_fused_matches_reference(device, dtype, case, cluster, monkeypatch):
+@pytest.mark.parametrize("split", ["auto", "0"])
+def test_winograd_fused_matches_reference(device, dtype, case, cluster, split, monkeypatch):
     """VD_CONV_BN_SILU_ALGO=winograd_fused: the products and the output transform in one kernel (no M written, no
     GEMM or output-transform kernel), in clusters of up to 4 channel tiles (2 where their count is not a multiple
-    of 4, none where it is odd) and alone (VD_CONV_WINO_FUSED_CLUSTER=1): see check_winograd."""
+    of 4, none where it is odd) and alone (VD_CONV_WINO_FUSED_CLUSTER=1); the last round's tiles in halves of K
+    (by default where they fill at most half the SMs: every case here but the 120-tile one, the 160-tile one after
+    a round of whole tiles) or whole (VD_CONV_WINO_FUSED_SPLIT=0): see check_winograd."""
     monkeypatch.setenv("VD_CONV_WINO_FUSED_CLUSTER", cluster)
+    if split == "0":
+        monkeypatch.setenv("VD_CONV_WINO_FUSED_SPLIT", "0")
+    else:
+        monkeypatch.delenv("VD_CONV_WINO_FUSED_SPLIT", raising=False)
     check_winograd(device, dtype, case, monkeypatch, "winograd_fused", WINO_FUSED_KERNEL,
                    ["conv_bn_silu_wgmma_kernel", "wino_output_kernel"])
+
+
+@pytest.mark.parametrize("device", CUDA)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("cluster", ["2", "1"])
+def test_winograd_fused_tail_in_halves(device, dtype, cluster, monkeypatch):
+    """160 tiles (20 pixel tiles x 8 channel tiles): a round of whole tiles, then the rest in halves of K, whose
+    sums meet in the second half to finish. The halves change the order of the sums, so the output differs from
+    whole tiles' (VD_CONV_WINO_FUSED_SPLIT=0) in some bits: that shows they ran. Both are repeatable bit for bit
+    and close to float64."""
+    n, c_in, c_out, h, w = 4, 128, 512, 40, 64
+    monkeypatch.setenv("VD_CONV_BN_SILU_ALGO", "winograd_fused")
+    monkeypatch.setenv("VD_CONV_WINO_FUSED_CLUSTER", cluster)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
+    torch.manual_seed(0)
+    x = torch.randn(n, c_in, h, w, device=device).to(dtype).contiguous(memory_format=torch.channels_last)
+    params = make_params(c_in, c_out, 3, device=device, dtype=dtype)
+    args = (*params, 1e-5, [1, 1], [1, 1], [1, 1], 1, True)
+    ref = reference_conv_bn_silu(x.double(), *(t.double() for t in params), *args[6:])
+    tol, factor = wino_tol(dtype)
+    outs = {}
+    with torch.no_grad():
+        for split in ("auto", "0"):
+            monkeypatch.setenv("VD_CONV_WINO_FUSED_SPLIT", split)
+            outs[split] = OP(x, *args)
+            assert torch.equal(OP(x, *args), outs[split]), split
+            assert_close_to(outs[split], ref, tol, factor, what=f"split {split}")
+    assert not torch.equal(outs["auto"], outs["0"]) or not on_hopper(device)
 
 
 @pytest.mark.parametrize("device", CUDA)

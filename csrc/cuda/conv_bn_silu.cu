@@ -1040,7 +1040,19 @@ struct WfArgs {
   int H, W, TH, TW;           // output size and tiles along each
   int C_out, n_nt, chunks, cm;
   int silu;
+  // The tail: CTAs from `whole` on take the last `rem` tiles in two halves of K (CTA whole + h * rem + r: half h
+  // of tile whole + r). Each half stores its sums (part_sums) and counts itself (part_count, zeroed); the second
+  // to finish adds the other's and runs the epilogue.
+  int64_t whole;
+  int rem;
+  float4* part_sums;
+  int* part_count;
 };
+__device__ __forceinline__ int atom_add_acq_rel(int* p, int v) {
+  int old;
+  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;\n" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
+}
 
 template <typename scalar_t>
 struct WfTile {
@@ -1048,7 +1060,7 @@ struct WfTile {
   static constexpr int a_bytes = BM * 128, b_bytes = BN * 128, stage_bytes = a_bytes + b_bytes;
   static constexpr int kStages = 8;
   static constexpr int bar_off = kStages * stage_bytes;
-  static constexpr size_t smem_bytes = bar_off + 16 * kStages + 1024;  // + slack to align to 1024
+  static constexpr size_t smem_bytes = bar_off + 16 * kStages + 16 + 1024;  // + the halves' flags, + slack to align
 };
 
 // fn(std::integral_constant<int, 0>), ..., fn(std::integral_constant<int, N - 1>): a loop whose index is a
@@ -1076,16 +1088,27 @@ __global__ void __launch_bounds__(384, 1)
   constexpr int S = T::kStages;
   constexpr bool kBf16 = std::is_same_v<scalar_t, at::BFloat16>, kTf32 = std::is_same_v<scalar_t, float>;
   extern __shared__ __align__(16) unsigned char wf_smem[];
-  const uint32_t base = (static_cast<uint32_t>(__cvta_generic_to_shared(wf_smem)) + 1023u) & ~1023u;
+  const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(wf_smem)), base = (raw + 1023u) & ~1023u;
   const uint32_t bar = base + T::bar_off;
   auto sA = [&](int st) { return base + st * T::stage_bytes; };
   auto sB = [&](int st) { return base + st * T::stage_bytes + T::a_bytes; };
   auto full = [&](int st) { return bar + 8 * st; };
   auto empty = [&](int st) { return bar + 8 * (S + st); };
-  // CTA b: pixel tile b / n_nt, channel tile b % n_nt; a cluster is cm neighbouring channel tiles (n_nt % cm == 0).
+  // CTA b < whole: tile b; else half h of tile whole + r (see WfArgs). Tile t: pixel tile t / n_nt, channel tile
+  // t % n_nt; a cluster is cm neighbouring channel tiles (n_nt, whole and rem multiples of cm).
   const int tid = threadIdx.x, wg = tid / 128, cm = MC ? a.cm : 1, rank = MC ? blockIdx.x % cm : 0;
-  const int64_t pt = blockIdx.x / a.n_nt;
-  const int nt = static_cast<int>(blockIdx.x % a.n_nt);
+  // (half, r) are found again where needed: kept live through the products, they spilled.
+  auto tail = [&](int& half, int& r) {
+    half = -1, r = 0;
+    if (blockIdx.x < a.whole) return;
+    half = static_cast<int>((blockIdx.x - a.whole) / a.rem), r = static_cast<int>((blockIdx.x - a.whole) % a.rem);
+  };
+  int half, r;
+  tail(half, r);
+  const int64_t tile = half < 0 ? blockIdx.x : a.whole + r;
+  const int c0 = half == 1 ? a.chunks / 2 : 0, c1 = half == 0 ? a.chunks / 2 : a.chunks;
+  const int64_t pt = tile / a.n_nt;
+  const int nt = static_cast<int>(tile % a.n_nt);
   if (tid == 0) wgmma::init_stage_ring(bar, S, 8 * cm);  // empty: every consumer warp of the cluster
   if (cm > 1) {
     wgmma::cluster_arrive();
@@ -1102,7 +1125,7 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll 1
       for (int k = 0; k < 16; ++k)
 #pragma unroll 1
-        for (int c = 0; c < a.chunks; ++c, ++u) {
+        for (int c = c0; c < c1; ++c, ++u) {
           const int st = static_cast<int>(u % S);
           wgmma::mbar_wait(empty(st), ((u / S) & 1) ^ 1u);
           wgmma::mbar_expect_tx(full(st), T::stage_bytes);
@@ -1132,6 +1155,7 @@ __global__ void __launch_bounds__(384, 1)
       wgmma::mbar_arrive_cluster(wgmma::cluster_map(empty(st), lane));
     }
   };
+  const int n_c = c1 - c0;  // the K steps of each product
   float y[4][32], acc[32];  // y[2 r + c]: output (r, c) of each tile; acc: the current product
 #pragma unroll
   for (int q = 0; q < 4; ++q)
@@ -1142,7 +1166,7 @@ __global__ void __launch_bounds__(384, 1)
     constexpr int k = decltype(kc)::value;
     int prev = -1;
 #pragma unroll 1
-    for (int c = 0; c < a.chunks; ++c, ++u) {
+    for (int c = 0; c < n_c; ++c, ++u) {
       const int st = static_cast<int>(u % S);
       wgmma::mbar_wait(full(st), (u / S) & 1);
       const uint64_t da = wgmma::desc_sw128(sA(st) + cw * 64 * 128, 16, 1024);
@@ -1173,9 +1197,38 @@ __global__ void __launch_bounds__(384, 1)
     });
   });
 
+  // A half of a tail tile: store this warpgroup's sums, count; the second half to get here adds the other's
+  // (x + y == y + x: the result does not depend on which) and runs the epilogue, the first is done.
+  bool finish = true;
+  tail(half, r);
+  if (half >= 0) {
+    const int tw = tid % 128;
+    auto sums = [&](int h) { return a.part_sums + ((static_cast<int64_t>(r) * 2 + h) * 2 + cw) * 32 * 128 + tw; };
+    float4* mine = sums(half);
+#pragma unroll
+    for (int j = 0; j < 32; ++j)  // float4 j: y[j / 8][4 (j % 8) ...]
+      __stcg(mine + j * 128, make_float4(y[j / 8][4 * (j % 8)], y[j / 8][4 * (j % 8) + 1], y[j / 8][4 * (j % 8) + 2],
+                                         y[j / 8][4 * (j % 8) + 3]));
+    __threadfence();
+    wgmma::named_sync(1 + cw, 128);
+    volatile int* flag = reinterpret_cast<volatile int*>(wf_smem + (bar + 16 * S - raw)) + cw;
+    if (tw == 0) *flag = atom_add_acq_rel(a.part_count + 2 * r + cw, 1);
+    wgmma::named_sync(1 + cw, 128);
+    finish = *flag == 1;
+    if (finish) {
+      const float4* other = sums(1 - half);
+#pragma unroll
+      for (int j = 0; j < 32; ++j) {
+        const float4 o = __ldcg(other + j * 128);
+        y[j / 8][4 * (j % 8)] += o.x, y[j / 8][4 * (j % 8) + 1] += o.y;
+        y[j / 8][4 * (j % 8) + 2] += o.z, y[j / 8][4 * (j % 8) + 3] += o.w;
+      }
+    }
+  }
+
   // Epilogue: thread (warp, gq, tig) holds tiles warp * 16 + gq + 8 rr of the warpgroup's 64 and channels
   // 8 j + 2 tig (+ 1) of the 64; each quad's 8 channels are contiguous in a pixel's row.
-  const int64_t t0 = pt * T::BM + cw * 64 + warp * 16 + gq;
+  const int64_t t0 = ((half < 0 ? blockIdx.x : a.whole + r) / a.n_nt) * T::BM + cw * 64 + warp * 16 + gq;
   int64_t pix[2][4];  // the row (element offset / C_out) of output (r, c) of each of the thread's two tiles; -1: none
 #pragma unroll
   for (int rr = 0; rr < 2; ++rr) {
@@ -1190,7 +1243,7 @@ __global__ void __launch_bounds__(384, 1)
   }
   scalar_t* out = static_cast<scalar_t*>(a.out);
 #pragma unroll
-  for (int j = 0; j < 8; ++j) {
+  for (int j = 0; j < 8 && finish; ++j) {
     const int co = nt * T::BN + 8 * j + 2 * tig;
     const float4 e = *reinterpret_cast<const float4*>(a.scale_shift + co);  // (s, b') of co and co + 1
 #pragma unroll
@@ -1269,14 +1322,26 @@ at::Tensor conv_bn_silu_winograd_fused(const at::Tensor& x, const Folded& f, con
     using scalar_t = decltype(z);
     auto launch = [&](auto kernel) {
       const size_t smem = WfTile<scalar_t>::smem_bytes;
-      if (cm > 1) {
-        int device = 0;
-        C10_CUDA_CHECK(cudaGetDevice(&device));
-        if (resident_clusters(kernel, cm, device, 384, smem) == 0) return false;
-      } else {
-        C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+      int device = 0;
+      C10_CUDA_CHECK(cudaGetDevice(&device));
+      const int64_t resident = resident_clusters(kernel, cm, device, 384, smem) * cm, tiles = Pb / T::BM * n_nt;
+      if (resident == 0) return false;
+      // The last round's tiles in halves of K where they fill at most half the resident CTAs. At 28 x 1280 x 9 x 16
+      // (180 tiles on 132 SMs) a whole tile took 130 us in the first round and 108 in the second, of 48 tiles: the
+      // halves cut the call from 271 to 239 us (H200, conv_tiles_fp32_…T095803). VD_CONV_WINO_FUSED_SPLIT=0: whole.
+      const int64_t rem = tiles % resident;
+      const bool split = env_str("VD_CONV_WINO_FUSED_SPLIT") != "0" && rem > 0 && 2 * rem <= resident &&
+                         rem % cm == 0 && a.chunks >= 2;
+      at::Tensor sums, count;
+      a.whole = split ? tiles - rem : tiles;
+      a.rem = split ? static_cast<int>(rem) : 1;
+      if (split) {
+        sums = at::empty({rem * 2 * 2 * 32 * 128 * 4}, x.options().dtype(at::kFloat));
+        count = at::zeros({rem * 2}, x.options().dtype(at::kInt));
+        a.part_sums = reinterpret_cast<float4*>(sums.data_ptr<float>());
+        a.part_count = count.data_ptr<int>();
       }
-      launch_clusters(kConvBnSiluOp, kernel, a, Pb / T::BM * n_nt / cm, cm, 384, smem, stream, tv, tu);
+      launch_clusters(kConvBnSiluOp, kernel, a, (tiles + (split ? rem : 0)) / cm, cm, 384, smem, stream, tv, tu);
       return true;
     };
     ok = cm > 1 ? launch(wino_fused_kernel<scalar_t, true>) : launch(wino_fused_kernel<scalar_t, false>);
