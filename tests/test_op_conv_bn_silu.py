@@ -898,9 +898,10 @@ def test_winograd_fused_tail_in_halves(device, dtype, cluster, monkeypatch):
 @pytest.mark.parametrize("device", CUDA)
 def test_winograd_choice_by_shape(device, monkeypatch):
     """Unpinned: 16-bit takes the three-pass Winograd path for 3 x 3 convolutions with padding 1, C_in and C_out >=
-    1024 and >= 1024 tiles of 2 x 2 outputs; float32 (TF32 allowed) the fused one from C_in and C_out >= 640, 1024
-    tiles and a grid of one CTA an SM; neither below those, at stride 2 or padding 0, where a kernel is pinned
-    (VD_CONV_BN_SILU_KERNEL, VD_CONV_BN_SILU_TILE) or with VD_CONV_BN_SILU_ALGO=direct; float32 never without TF32."""
+    1024 and >= 1024 tiles of 2 x 2 outputs; float32 (TF32 allowed) the fused one from C_in and C_out >= 640 and a
+    grid (the last round in halves) of half the SMs; neither below those, at stride 2 or padding 0, where a kernel is
+    pinned (VD_CONV_BN_SILU_KERNEL, VD_CONV_BN_SILU_TILE) or with VD_CONV_BN_SILU_ALGO=direct; float32 never without
+    TF32."""
     for var in ("VD_CONV_BN_SILU_KERNEL", "VD_CONV_BN_SILU_TILE", "VD_CONV_BN_SILU_ALGO", "VD_CONV_WINO_FUSED_CLUSTER"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
@@ -911,7 +912,8 @@ def test_winograd_choice_by_shape(device, monkeypatch):
     pin, fused = {"VD_CONV_BN_SILU_ALGO": "winograd"}, {"VD_CONV_BN_SILU_ALGO": "winograd_fused"}
     cases = [  # (x, C_out, padding, stride, env, path: "three" / "fused" / None)
         (x, 1024, 1, 1, {}, "three"), (x8, 1024, 1, 1, {}, "fused"), (x8, 640, 1, 1, {}, "fused"),
-        (x[:2].float(), 1024, 1, 1, {}, None),  # float32, 512 tiles
+        (x[:2].float(), 1024, 1, 1, {}, "fused"),  # float32, 512 tiles: 64 CTA tiles, 128 CTAs with the halves
+        (x[:1, :, :16, :16].float().contiguous(memory_format=cl), 1024, 1, 1, {}, None),  # 16 CTA tiles, 32 CTAs
         (x8[:, :512].contiguous(memory_format=cl), 1024, 1, 1, {}, None),  # float32, C_in 512
         (x[:3], 1024, 1, 1, {}, None), (x, 512, 1, 1, {}, None),
         (x[:, :768].contiguous(memory_format=cl), 1024, 1, 1, {}, None),

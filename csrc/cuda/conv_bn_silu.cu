@@ -1277,17 +1277,21 @@ inline int wf_cluster(int64_t n_pt, int64_t n_nt) {
   return 1;
 }
 
-// By shape (unpinned; float32 as TF32): C_in and C_out of 640 or more, 1024 tiles of 2 x 2 outputs or more (2048
-// under CUDA-graph capture, where the weight is transformed in every replay) and a grid of at least one CTA an SM.
-// H200, us a call against the op's previous choice (conv_tiles_fp32_…T083047): 28 x 640 x 36 x 64 1033 against the
-// direct kernel's 1228; 28 x 1280 x 18 x 32 918 against the three-pass path's 954; 28 x 1280 x 9 x 16 281 against
-// cuDNN's 302. 16-bit stays on the three-pass path: m64n64k16 products ask shared memory for twice the bytes a
-// clock that it delivers (bf16, conv_tiles_bf16_…T083102, clusters of 4 / 2 / 1 against the op's choice: 558 / 497
-// / 513 against 438; - / 616 / 625 against 611; 180 / 183 / 152 against 138).
+// By shape (unpinned; float32 as TF32): C_in and C_out of 640 or more and a grid, the last round in halves of K
+// (see conv_bn_silu_winograd_fused), of at least half the SMs; under CUDA-graph capture, where the weight is
+// transformed in every replay, also 1024 tiles of 2 x 2 outputs or more. H200, us a call against the op's choice
+// without it (conv_tiles_fp32_…T100233): 2 x 1280 x 18 x 32 (60 tiles, 120 CTAs) 89.7 against the direct kernel's
+// 111.1; 2 x 640 x 36 x 64 (90) 80.6 against 105.3; 14 x 1280 x 9 x 16 (100) 132.2 against cuDNN's 163.6; but 2 x 1280
+// x 9 x 16 (20 tiles, 40 CTAs) 78.8 against 49.1 (ops_fp32_…T100318). Graphs (same JSON): 28 x 1280 x 9 x 16 (1120
+// tiles of 2 x 2) 0.3085 ms against cuDNN's 0.3415; 2 x 1280 x 18 x 32 (288) 0.1466 against the direct kernel's
+// 0.1175. 16-bit stays on the three-pass path: m64n64k16 products ask shared memory for twice the bytes a clock that
+// it delivers (bf16, conv_tiles_bf16_…T083102, clusters of 4 / 2 / 1 against the op's choice: 558 / 497 / 513
+// against 438; - / 616 / 625 against 611; 180 / 183 / 152 against 138).
 inline bool wf_wanted(const ConvShape& s, bool capturing) {
-  const int64_t tiles = s.N * ceil_div(s.H_out, 2) * ceil_div(s.W_out, 2);
-  return s.C_in >= 640 && s.C_out >= 640 && tiles >= (capturing ? 2048 : 1024) &&
-         ceil_div(tiles, 128) * (s.C_out / 64) >= sm_count();
+  const int64_t blocks = s.N * ceil_div(s.H_out, 2) * ceil_div(s.W_out, 2), sms = sm_count();
+  const int64_t tiles = ceil_div(blocks, 128) * (s.C_out / 64), rem = tiles % sms;
+  const int64_t ctas = tiles + (2 * rem <= sms ? rem : 0);
+  return s.C_in >= 640 && s.C_out >= 640 && 2 * ctas >= sms && (!capturing || blocks >= 1024);
 }
 
 // The fused path (see above): V from x, then one kernel for the products, the output transform, s, b' and SiLU.
