@@ -856,8 +856,9 @@ def test_winograd_fused_matches_reference(device, dtype, case, cluster, split, m
     """VD_CONV_BN_SILU_ALGO=winograd_fused: the products and the output transform in one kernel (no M written, no
     GEMM or output-transform kernel), in clusters of up to 4 channel tiles (2 where their count is not a multiple
     of 4, none where it is odd) and alone (VD_CONV_WINO_FUSED_CLUSTER=1); the last round's tiles in halves of K
-    (by default where they fill at most half the SMs: every case here but the 120-tile one, the 160-tile one after
-    a round of whole tiles) or whole (VD_CONV_WINO_FUSED_SPLIT=0): see check_winograd."""
+    (by default where they fill at most half the SMs and C_in has two K steps or more: every case here but the
+    120-tile one and, in 16-bit, C_in 40 and 48; the 160-tile one after a round of whole tiles) or whole
+    (VD_CONV_WINO_FUSED_SPLIT=0): see check_winograd."""
     monkeypatch.setenv("VD_CONV_WINO_FUSED_CLUSTER", cluster)
     if split == "0":
         monkeypatch.setenv("VD_CONV_WINO_FUSED_SPLIT", "0")
