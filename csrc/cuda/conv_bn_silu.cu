@@ -921,11 +921,14 @@ void wino_dispatch(at::ScalarType t, Fn&& fn) {
   else TORCH_INTERNAL_ASSERT(false, "conv_bn_silu: the Winograd path takes fp16, bf16 or float32");
 }
 
+// P: the 2 x 2 blocks of outputs (the Winograd tiles).
+inline int64_t wino_blocks(const ConvShape& s) { return s.N * ceil_div(s.H_out, 2) * ceil_div(s.W_out, 2); }
+
 // Pb: the tile rows of each product padded to whole GEMM tiles: 128 rows where C_out is a multiple of 256
 // (tiles of 128 x 256, run in pairs where Pb is a multiple of 256), else 256 (tiles of 256 x 128).
 inline int64_t wino_rows(const ConvShape& s) {
   const int64_t unit = s.C_out % 256 == 0 ? 128 : 256;
-  return ceil_div(s.N * ceil_div(s.H_out, 2) * ceil_div(s.W_out, 2), unit) * unit;
+  return ceil_div(wino_blocks(s), unit) * unit;
 }
 
 // Whether the Winograd path can run: 3 x 3, padding 1, stride and dilation 1 (the caller has checked groups,
@@ -949,7 +952,7 @@ inline bool wino_possible(const ConvShape& s, int64_t es, int64_t c_out_unit = 1
 // 0.1959 ms against inductor's 0.1871 (ops_bf16_…T071226), the direct kernel 0.1924 against 0.1911 (version 8's
 // run); at 4032 tiles 0.5624 against 0.7123.
 inline bool wino_wanted(const ConvShape& s, bool fp32, bool capturing) {
-  const int64_t tiles = s.N * ceil_div(s.H_out, 2) * ceil_div(s.W_out, 2);
+  const int64_t tiles = wino_blocks(s);
   return s.C_in >= 1024 && s.C_out >= 1024 && tiles >= (fp32 || capturing ? 2048 : 1024);
 }
 
@@ -983,7 +986,7 @@ at::Tensor wino_input(const at::Tensor& x, const ConvShape& s, int64_t Pb) {
   wino_dispatch(x.scalar_type(), [&](auto z) {
     using scalar_t = decltype(z);
     wino_input_kernel<scalar_t><<<grid_for(Pb * (s.C_in / 4), 256), 256, 0, stream>>>(
-        x.const_data_ptr<scalar_t>(), v.mutable_data_ptr<scalar_t>(), s.N * TH * TW, Pb, s.C_in,
+        x.const_data_ptr<scalar_t>(), v.mutable_data_ptr<scalar_t>(), wino_blocks(s), Pb, s.C_in,
         static_cast<int>(s.H), static_cast<int>(s.W), static_cast<int>(TH), static_cast<int>(TW));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
@@ -991,7 +994,7 @@ at::Tensor wino_input(const at::Tensor& x, const ConvShape& s, int64_t Pb) {
 }
 
 at::Tensor conv_bn_silu_winograd(const at::Tensor& x, const Folded& f, const ConvShape& s, bool silu) {
-  const int64_t TH = ceil_div(s.H, 2), TW = ceil_div(s.W, 2), P = s.N * TH * TW, Pb = wino_rows(s);
+  const int64_t TH = ceil_div(s.H, 2), TW = ceil_div(s.W, 2), P = wino_blocks(s), Pb = wino_rows(s);
   const auto [u, ones] = wino_weight(x, f.weight);
   const at::Tensor v = wino_input(x, s, Pb);
   at::Tensor m = at::empty({16, Pb, s.C_out}, x.options().memory_format(at::MemoryFormat::Contiguous));
@@ -1234,7 +1237,7 @@ __global__ void __launch_bounds__(384, 1)
   for (int rr = 0; rr < 2; ++rr) {
     const int64_t t = t0 + 8 * rr;
     const int64_t n = t / (static_cast<int64_t>(a.TH) * a.TW);
-    const int rem = static_cast<int>(t - n * a.TH * a.TW), th = rem / a.TW, tw = rem - th * a.TW;
+    const int ti = static_cast<int>(t - n * a.TH * a.TW), th = ti / a.TW, tw = ti - th * a.TW;  // in the image
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
       const int h = 2 * th + q / 2, w = 2 * tw + q % 2;
@@ -1277,6 +1280,14 @@ inline int wf_cluster(int64_t n_pt, int64_t n_nt) {
   return 1;
 }
 
+// The fused kernel's last round in halves of K: its tiles (tiles mod resident) where they fill at most half the
+// resident CTAs, else 0. At 28 x 1280 x 9 x 16 (180 tiles on 132 SMs) a whole tile took 130 us in the first round
+// and 108 in the second, of 48 tiles: the halves cut the call from 271 to 239 us (H200, conv_tiles_fp32_…T095803).
+inline int64_t wf_halved(int64_t tiles, int64_t resident) {
+  const int64_t rem = tiles % resident;
+  return 2 * rem <= resident ? rem : 0;
+}
+
 // By shape (unpinned; float32 as TF32): C_in and C_out of 640 or more and a grid, the last round in halves of K
 // (see conv_bn_silu_winograd_fused), of at least half the SMs; under CUDA-graph capture, where the weight is
 // transformed in every replay, also 1024 tiles of 2 x 2 outputs or more. H200, us a call against the op's choice
@@ -1288,17 +1299,17 @@ inline int wf_cluster(int64_t n_pt, int64_t n_nt) {
 // it delivers (bf16, conv_tiles_bf16_…T083102, clusters of 4 / 2 / 1 against the op's choice: 558 / 497 / 513
 // against 438; - / 616 / 625 against 611; 180 / 183 / 152 against 138).
 inline bool wf_wanted(const ConvShape& s, bool capturing) {
-  const int64_t blocks = s.N * ceil_div(s.H_out, 2) * ceil_div(s.W_out, 2), sms = sm_count();
-  const int64_t tiles = ceil_div(blocks, 128) * (s.C_out / 64), rem = tiles % sms;
-  const int64_t ctas = tiles + (2 * rem <= sms ? rem : 0);
-  return s.C_in >= 640 && s.C_out >= 640 && 2 * ctas >= sms && (!capturing || blocks >= 1024);
+  const int64_t blocks = wino_blocks(s), sms = sm_count();
+  const int64_t tiles = ceil_div(blocks, 128) * (s.C_out / 64);
+  return s.C_in >= 640 && s.C_out >= 640 && 2 * (tiles + wf_halved(tiles, sms)) >= sms &&
+         (!capturing || blocks >= 1024);
 }
 
 // The fused path (see above): V from x, then one kernel for the products, the output transform, s, b' and SiLU.
 // Needs C_out a multiple of 64. Returns an undefined tensor where a cluster cannot be placed.
 at::Tensor conv_bn_silu_winograd_fused(const at::Tensor& x, const Folded& f, const ConvShape& s, bool silu) {
   using T = WfTile<float>;  // BM and BN are the same for all element sizes
-  const int64_t TH = ceil_div(s.H, 2), TW = ceil_div(s.W, 2), P = s.N * TH * TW, Pb = ceil_div(P, T::BM) * T::BM;
+  const int64_t TH = ceil_div(s.H, 2), TW = ceil_div(s.W, 2), P = wino_blocks(s), Pb = ceil_div(P, T::BM) * T::BM;
   const int64_t n_nt = s.C_out / T::BN, es = x.element_size(), BK = 128 / es;
   const at::Tensor u = wino_weight(x, f.weight).first;
   const at::Tensor v = wino_input(x, s, Pb);
@@ -1330,12 +1341,10 @@ at::Tensor conv_bn_silu_winograd_fused(const at::Tensor& x, const Folded& f, con
       C10_CUDA_CHECK(cudaGetDevice(&device));
       const int64_t resident = resident_clusters(kernel, cm, device, 384, smem) * cm, tiles = Pb / T::BM * n_nt;
       if (resident == 0) return false;
-      // The last round's tiles in halves of K where they fill at most half the resident CTAs. At 28 x 1280 x 9 x 16
-      // (180 tiles on 132 SMs) a whole tile took 130 us in the first round and 108 in the second, of 48 tiles: the
-      // halves cut the call from 271 to 239 us (H200, conv_tiles_fp32_…T095803). VD_CONV_WINO_FUSED_SPLIT=0: whole.
-      const int64_t rem = tiles % resident;
-      const bool split = env_str("VD_CONV_WINO_FUSED_SPLIT") != "0" && rem > 0 && 2 * rem <= resident &&
-                         rem % cm == 0 && a.chunks >= 2;
+      // The last round in halves (wf_halved) where its tiles make whole clusters and C_in two K steps or more;
+      // VD_CONV_WINO_FUSED_SPLIT=0: whole.
+      const int64_t rem = wf_halved(tiles, resident);
+      const bool split = env_str("VD_CONV_WINO_FUSED_SPLIT") != "0" && rem > 0 && rem % cm == 0 && a.chunks >= 2;
       at::Tensor sums, count;
       a.whole = split ? tiles - rem : tiles;
       a.rem = split ? static_cast<int>(rem) : 1;
@@ -1377,7 +1386,7 @@ at::Tensor conv_bn_silu_wgmma(const at::Tensor& x, const Folded& f, const ConvSh
   // =winograd_fused: its fused variant wherever that can run (C_out a multiple of 64); by shape, float32 only.
   const std::string algo = env_str("VD_CONV_BN_SILU_ALGO");
   const bool by_shape = choice.empty() && tile.empty() && algo.empty();
-  const bool capturing = c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
+  const bool capturing = stream_capturing();
   if ((algo == "winograd_fused" || (by_shape && tf32 && wf_wanted(s, capturing))) &&
       wino_possible(s, x.element_size(), 64)) {
     at::Tensor y = conv_bn_silu_winograd_fused(x, f, s, silu);
@@ -1479,9 +1488,8 @@ at::Tensor conv_bn_silu_cuda(const at::Tensor& x, const at::Tensor& weight,
                              bool silu) {
   c10::cuda::CUDAGuard guard(x.device());
   const auto stream = c10::cuda::getCurrentCUDAStream();
-  const FoldCachePolicy policy{c10::cuda::currentStreamCaptureStatusMayInitCtx() ==
-                                   c10::cuda::CaptureStatus::None,
-                               static_cast<int64_t>(stream.id()), keep_outside_pools, bn_vectors_cuda};
+  const FoldCachePolicy policy{!stream_capturing(), static_cast<int64_t>(stream.id()), keep_outside_pools,
+                               bn_vectors_cuda};
   return conv_bn_silu_forward(x, weight, bias, bn_weight, bn_bias, bn_mean, bn_var, eps, stride,
                               padding, dilation, groups, silu, bias_act_cuda_, conv_bn_silu_wgmma, policy);
 }

@@ -97,13 +97,18 @@ inline at::Tensor keep_outside_pools(const at::Tensor& t) {
   return out;
 }
 
+// Whether the current stream is capturing a CUDA graph.
+inline bool stream_capturing() {
+  return c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
+}
+
 // A copy derived from a weight (make(): a FoldValue), kept in `cache` while the weight is unchanged (the same
 // tensor, version and data; fold_cacheable's rules) under key `tag`, its tensors outside the caching
 // allocator's pools. Made afresh while a CUDA graph is captured: a replay would keep reading the captured copy
 // after the weight changes.
 template <typename Make>
 FoldValue cached_weight_copy(FoldCache& cache, const at::Tensor& x, const at::Tensor& weight, double tag, Make make) {
-  const bool capturing = c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
+  const bool capturing = stream_capturing();
   const std::array<const at::Tensor*, kFoldParams> ps{&weight, nullptr, nullptr, nullptr, nullptr, nullptr};
   if (!fold_cacheable(x, ps, !capturing)) return make();
   return cache.find_or_insert(ps, weight.scalar_type(), weight.device(), at::MemoryFormat::Contiguous, tag,
