@@ -7,7 +7,8 @@ FAMILY (attention, group_norm_silu, conv_bn_silu, temporal_conv, scheduler_step)
 families; default: all. attention_backward (not in the default set) is a small masked bf16 backward at head
 dims 64 and 128 (the default kernels and the deterministic pair), small enough for racecheck (the full
 attention set takes it several minutes). group_norm_silu_three_ctas (not in the default set either) is version 8 at
-three CTAs an SM alone (the whole group_norm_silu set outlasts racecheck's time on a device call).
+three CTAs an SM alone (the whole group_norm_silu set outlasts racecheck's time on a device call);
+group_norm_silu_stream is version 12 alone (also run with group_norm_silu).
 """
 from __future__ import annotations
 
@@ -189,6 +190,17 @@ def main():
                         w, b = torch.randn(shape[1], device=dev, dtype=dtype), torch.randn(shape[1], device=dev, dtype=dtype)
                         torch.ops.vd.group_norm_silu_forward(x, groups, w, b, 1e-5, True)
             ran.append("group_norm_silu")
+        if (want("group_norm_silu") or "group_norm_silu_stream" in only) and has_cuda_kernels("group_norm_silu"):
+            # Version 12 pinned: one tile a group, short last tiles of frames-major segments, more tiles than
+            # the rings hold (stages and channel tables reused), without SiLU, statistics written.
+            with env_var("VD_GROUP_NORM_KERNEL", "stream"):
+                for shape, groups in [((2, 64, 16, 16), 32), ((4, 64, 128, 256), 8)]:
+                    x = torch.randn(shape, device=dev, dtype=dtype)
+                    torch.ops.vd.group_norm_silu_forward(x, groups, None, None, 1e-5, True)
+                    torch.ops.vd.group_norm_silu(x, groups, None, None, 1e-5, False)
+                x = torch.randn(1, 6, 32, 30, 40, device=dev, dtype=dtype).transpose(1, 2)
+                torch.ops.vd.group_norm_silu_forward(x, 4, None, None, 1e-5, True)
+            ran.append("group_norm_silu_stream")
         if "group_norm_silu_three_ctas" in only and has_cuda_kernels("group_norm_silu"):
             # Version 8 at three CTAs an SM (one stage of <= ~72 KB, group states folded over warps): a last rank
             # with fewer rows and a box partly past the sample; 64 KB parts in two boxes with more blocks than

@@ -49,6 +49,10 @@ CASES = {
     # sm_90: version 8 (tensor copies into a ring of stages, clusters of 4 exchanging through st.async).
     "group_norm_silu_channels_last_on_chip": (lambda: [_rand(4, 320, 18, 32, channels_last=True)],
                                               lambda x: torch.ops.vd.group_norm_silu(x, 32, None, None, 1e-5, True)),
+    # sm_90: version 12 (float32 groups over 1.5 MB: a tile counter and the tiles' slots zeroed on the stream, a
+    # cooperative launch).
+    "group_norm_silu_stream": (lambda: [_rand(1, 64, 256, 256, dtype=torch.float32)],
+                               lambda x: torch.ops.vd.group_norm_silu(x, 8, None, None, 1e-5, True)),
     # The backward on chip: version 7 (NCHW, bulk copies, two cluster exchanges a group) and version 10
     # (channels_last, tensor copies), each with grad_params_kernel after it.
     "group_norm_silu_backward_on_chip": (lambda: [_rand(4, 320, 18, 32), _rand(4, 320, 18, 32), _rand(320)],

@@ -174,9 +174,9 @@ FORWARD_CASES = [
     ((2, 640, 36, 64), 32),      # M 46080: cluster of 4 (16-bit), 8 (fp32)
     ((2, 320, 72, 128), 32),     # M 92160: cluster of 8 with 8 (16-bit) or 12 (fp32) vectors a thread
     ((1, 512, 72, 128), 32),     # M 147456: cluster of 4 (16-bit), 8 (fp32)
-    ((1, 64, 256, 256), 8),      # M 524288: cluster of 16 (16-bit); two-pass (fp32)
+    ((1, 64, 256, 256), 8),      # M 524288: cluster of 16 (16-bit); version 12 (fp32: 2 MB groups)
     ((1, 960, 72, 128), 32),     # M 276480: version 6 on a cluster of 16 (16-bit, 553 KB; fp32 at M 147456 above)
-    ((1, 64, 512, 512), 16),     # M 1048576: over 1.5 MB, two-pass
+    ((1, 64, 512, 512), 16),     # M 1048576: over 1.5 MB, two-pass (16-bit), version 12 (fp32)
     ((2, 24, 5, 7), 3),          # M 280, S 35: vectors straddle two channels
     ((2, 16, 3), 2),             # M 24, S 3: a vector spans several channels
     ((2, 40, 4, 4, 3), 4),       # 5-D, M 480
@@ -279,7 +279,7 @@ def test_forward_paths(device, shape, groups, cl, dtype):
 
 # Each forward kernel family on its own (VD_GROUP_NORM_KERNEL; a family that does not apply to a
 # shape leaves it to the two-pass path), on the cases above.
-FAMILIES = ["smem", "l2", "onchip", "twopass"]
+FAMILIES = ["smem", "stream", "l2", "onchip", "twopass"]
 
 
 @pytest.fixture(params=FAMILIES)
@@ -472,6 +472,63 @@ def test_version_6_persistent_loop(device, dtype, smem_family):
             x = (torch.randn(shape, device=device) * 3 + 1).to(dtype)
         w, b = torch.randn(C, device=device, dtype=dtype), torch.randn(C, device=device, dtype=dtype)
         check_kernel_serves("smem_rows_kernel", want, x, groups, w, b, what=f"{shape}")
+
+
+def stream_family_ok(device):
+    if torch.cuda.get_device_capability(device)[0] < 9:
+        pytest.skip("version 12 needs the bulk copy engine (sm_90+)")
+
+
+@pytest.mark.parametrize("device", CUDA)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_version_12_stream(device, dtype):
+    # Version 12 (sm_90): tiles of 32 KB taken from a device-wide counter, statistics per tile in global slots,
+    # merged per group by every CTA holding a tile of it. Taken by default for float32 groups over 1.5 MB; pinned
+    # ("stream") for 16-bit and for smaller groups. Pins where it runs, and that its output matches the reference
+    # and is the same bit for bit on every call (tiles go to whichever CTA asks first).
+    stream_family_ok(device)
+    torch.manual_seed(0)
+    fp32 = dtype == torch.float32
+    for shape, groups, frames, want in [
+        ((2, 64, 256, 256), 8, 0, fp32),          # 2 MB fp32 groups: 64 tiles a group, 16 groups
+        ((1, 32, 6, 90, 100), 4, 6, fp32),        # frames-major, segments of 72000: nine tiles of 8000 each
+        ((1, 64, 512, 512), 16, 0, fp32),         # 4 MB groups (fp32): 128 tiles, more than a round of CTAs
+        ((1, 128, 300, 400), 2, 0, False),        # cpg 64 in 30 MB (fp32) groups: over 512 tiles, two-pass
+        ((1, 256, 256, 256), 2, 0, False),        # cpg 128: two-pass
+        ((2, 320, 72, 128), 32, 0, False),        # 1.2 MB groups: version 6
+    ]:
+        C = shape[1]
+        x = layout_input(shape, "frames-major" if frames else "contiguous", dtype, device)
+        w, b = torch.randn(C, device=device, dtype=dtype), torch.randn(C, device=device, dtype=dtype)
+        out = check_kernel_serves("stream_rows_kernel", want, x, groups, w, b, what=f"{shape}")
+        if want:
+            for _ in range(3):
+                assert torch.equal(group_norm_silu(x, groups, w, b, 1e-5, True), out), f"{shape}: not repeatable"
+
+
+@pytest.mark.parametrize("device", CUDA)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_version_12_stream_pinned(device, dtype, monkeypatch):
+    # Pinned, version 12 also takes small groups: one tile a group, more CTAs than tiles, several tiles a segment,
+    # frames-major segments, S of one vector; without SiLU or affine; statistics written. (A tile shorter than the
+    # segment's others: (1, 960, 72, 128) of the family-pinned tests, 34 tiles of 8132 floats, the last of 8124.)
+    stream_family_ok(device)
+    monkeypatch.setenv("VD_GROUP_NORM_KERNEL", "stream")
+    torch.manual_seed(0)
+    for shape, groups, frames in [((2, 64, 16, 16), 32, 0), ((3, 40, 5, 4, 12), 4, 5), ((1, 8, 8, 1), 2, 0),
+                                  ((2, 128, 100, 100), 32, 0), ((2, 64, 14, 36, 64), 8, 14)]:
+        C = shape[1]
+        x = layout_input(shape, "frames-major" if frames else "contiguous", dtype, device, scale=2, shift=-1)
+        w, b = torch.randn(C, device=device, dtype=dtype), torch.randn(C, device=device, dtype=dtype)
+        vec = 16 // dtype.itemsize
+        want = torch.Size(shape[2 + bool(frames):]).numel() % vec == 0
+        for silu in (True, False):
+            check_kernel_serves("stream_rows_kernel", want, x, groups, w, b, silu, what=f"{shape} silu={silu}")
+        out = group_norm_silu(x, groups)
+        assert_close_to(out, reference_group_norm_silu(x.double(), groups), dtype, what=f"{shape} no affine")
+        out, stats = FORWARD_WITH_STATS(x, groups, w, b, 1e-5, True)
+        assert torch.equal(out, group_norm_silu(x, groups, w, b, 1e-5, True)), shape
+        check_stats(stats, x, groups, 1e-5, f"{shape} {dtype}")
 
 
 @pytest.mark.parametrize("device", CUDA)

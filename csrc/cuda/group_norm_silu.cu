@@ -1738,6 +1738,322 @@ __global__ void __launch_bounds__(kSmemThreads, 2) smem_rows_kernel(const SmemAr
 }
 
 // ---------------------------------------------------------------------------------------------
+// Version 12 forward ("stream"), NC* and frames-major groups past version 6's clusters, sm_90: x read once from
+// DRAM, y written once, in one launch. The two-pass kernels read x twice (67 % of the copy figure at best), and
+// the designs that held a whole group on chip (version 9: the grid as one cluster; version 11: a lag through L2)
+// coupled every CTA to the slowest one at each group. Here a group's segments are cut into tiles of
+// kStreamTileBytes, numbered group by group, and one CTA an SM runs with specialised warps:
+//   producer (one thread): whenever a stage of its ring is free, takes the next tile number from a device-wide
+//     counter and bulk-copies the tile into the stage. A slow SM takes fewer tiles instead of holding back the
+//     groups it has a part of (the prototype's best fixed round robin ran 2-25 % slower);
+//   reducers (4 warps): each tile's statistics (each thread's sums about its first element, taken as offsets from
+//     the tile's first element and merged with Chan's formula), written to the tile's slot in global memory: four
+//     words (pivot, mean offset, m2, n), each nonzero once written (a zero is stored as -0), so no fence is needed;
+//   merger (1 warp): at each new group of the CTA's tiles, waits for the group's slots, merges them in tile order
+//     about the first tile's pivot (the same bits in every CTA) and fills a channel table (scale, shift) and the
+//     group's statistics (written by the CTA holding the group's first tile);
+//   normalizers (8 warps): y = act((x - pivot) * scale + shift) from the stage, 16-byte stores; the stage goes
+//     back to the producer when they, the reducers and the merger are done with it.
+// Every thread that reads a stage or a table arrives on its barrier itself (one arrival a warp after __syncwarp
+// left racecheck reporting the reads as racing the next fill). Nothing waits for another CTA's normalizers: a
+// table waits only for reducers, which read stages that are already loaded. Tiles are taken in increasing order,
+// so every tile below the last one taken is held by a running CTA and gets reduced; the rings of the resident
+// grid (P * kStreamStages tiles) hold more than a group's Q tiles (the host checks), so the grid cannot fill with
+// tiles of a group that is still being taken.
+
+constexpr int kStreamTileBytes = 32 * 1024;
+constexpr int kStreamStages = 6;
+constexpr int kStreamReduceWarps = 4;
+constexpr int kStreamNormWarps = 8;
+constexpr int kStreamThreads = 32 * (2 + kStreamReduceWarps + kStreamNormWarps);
+constexpr int kStreamTabs = 8;              // channel tables in flight (groups merged ahead of the normalizers)
+constexpr int kStreamMaxCpg = 64;
+constexpr int kStreamMaxSlotsPerLane = 16;  // the merger's lanes hold a group's slots: Q <= 512
+constexpr int kStreamReduceBar = 1;         // named barrier of the reducers (0 is __syncthreads)
+
+template <typename scalar_t>
+struct StreamArgs {
+  const scalar_t* x;
+  scalar_t* out;
+  const scalar_t* w;  // nullptr: gamma = 1
+  const scalar_t* b;  // nullptr: beta = 0
+  int64_t nstride;    // elements between samples
+  int64_t fstride;    // elements between a group's segments (frames-major), else unused
+  int64_t tiles;      // N * G * Q
+  int G, cpg, Qs, Q;  // groups a sample, channels a group, tiles a segment, tiles a group
+  int seg, S;         // elements of a segment (cpg * S) and of a channel in it; seg < 2^31
+  int te;             // elements a tile (whole vectors; a segment's last tile may hold fewer)
+  float eps;
+  uint4* slots;       // a slot a tile, zeroed before the launch
+  unsigned* counter;  // the next tile to take, zeroed before the launch
+  StatsOut stats;
+};
+
+// A float as a slot word that is never 0 (0 means "not written yet"): +0 is stored as -0.
+__device__ __forceinline__ unsigned slot_word(float v) {
+  const unsigned u = __float_as_uint(v);
+  return u == 0u ? 0x80000000u : u;
+}
+
+__device__ __forceinline__ void st_relaxed_v4(uint4* p, const uint4& v) {
+  asm volatile("st.relaxed.gpu.global.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z),
+               "r"(v.w)
+               : "memory");
+}
+__device__ __forceinline__ uint4 ld_relaxed_v4(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.relaxed.gpu.global.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p)
+               : "memory");
+  return v;
+}
+__device__ __forceinline__ bool slot_ready(const uint4& v) {
+  return v.x != 0u && v.y != 0u && v.z != 0u && v.w != 0u;
+}
+
+// Where tile t lies: its group, its first element and its element count; o is its offset in its segment.
+template <typename scalar_t>
+struct StreamTile {
+  int64_t g, first;
+  int o, n;
+  __device__ __forceinline__ StreamTile(const StreamArgs<scalar_t>& a, int64_t t) {
+    g = t / a.Q;
+    const int q = static_cast<int>(t - g * a.Q), f = q / a.Qs, qs = q - f * a.Qs;
+    const int64_t n_ = g / a.G, gi = g - n_ * a.G;
+    o = qs * a.te;
+    n = min(a.te, a.seg - o);
+    first = n_ * a.nstride + f * a.fstride + gi * a.seg + o;
+  }
+};
+
+template <typename scalar_t, bool SILU>
+__global__ void __launch_bounds__(kStreamThreads, 1) stream_rows_kernel(const StreamArgs<scalar_t> a) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr int VEC = max_vec<scalar_t>();
+  constexpr int TV = kStreamTileBytes / 16;  // 16-byte vectors a tile
+  extern __shared__ __align__(128) unsigned char smem[];  // [kStreamStages][kStreamTileBytes]
+  __shared__ __align__(8) uint64_t full[kStreamStages], empty[kStreamStages];
+  __shared__ __align__(8) uint64_t tfull[kStreamTabs], tempty[kStreamTabs];
+  __shared__ int64_t tile_of[kStreamStages];          // the tile in each stage; -1: no more tiles
+  __shared__ float2 ctab[kStreamTabs][kStreamMaxCpg];  // a group's (scale, shift) a channel
+  __shared__ float tpivot[kStreamTabs];
+  __shared__ Welford<float> red[2][kStreamReduceWarps];
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  auto bar = [](const uint64_t& b) { return static_cast<uint32_t>(__cvta_generic_to_shared(&b)); };
+  auto stage = [&](int s) {
+    return reinterpret_cast<const uint4*>(smem + static_cast<size_t>(s) * kStreamTileBytes);
+  };
+  if (tid == 0) {
+    for (int s = 0; s < kStreamStages; ++s) {
+      wgmma::mbar_init(bar(full[s]), 1);
+      wgmma::mbar_init(bar(empty[s]), kStreamThreads - 32);  // every thread that reads it: all but the producer's
+    }
+    for (int e = 0; e < kStreamTabs; ++e) {
+      wgmma::mbar_init(bar(tfull[e]), 32);
+      wgmma::mbar_init(bar(tempty[e]), 32 * kStreamNormWarps);
+    }
+    wgmma::mbar_init_fence();
+  }
+  __syncthreads();
+
+  if (warp == 0) {  // producer
+    if (lane == 0) {
+      const uint64_t drop = l2_policies().drop;  // x is read once: keep L2 for the slots and y
+      for (int k = 0;; ++k) {
+        const int s = k % kStreamStages;
+        if (k >= kStreamStages) wgmma::mbar_wait(bar(empty[s]), (k / kStreamStages - 1) & 1);
+        const int64_t t = atomicAdd(a.counter, 1u);
+        if (t >= a.tiles) {
+          tile_of[s] = -1;
+          wgmma::mbar_arrive(bar(full[s]));
+          break;
+        }
+        tile_of[s] = t;
+        const StreamTile<scalar_t> tl(a, t);
+        const uint32_t bytes = static_cast<uint32_t>(tl.n) * sizeof(scalar_t);
+        wgmma::mbar_expect_tx(bar(full[s]), bytes);
+        wgmma::bulk_load_hint(static_cast<uint32_t>(__cvta_generic_to_shared(stage(s))), a.x + tl.first, bytes,
+                              bar(full[s]), drop);
+      }
+    }
+    return;
+  }
+
+  if (warp == 1) {  // merger
+    int m = -1;
+    int64_t gprev = -1;
+    for (int k = 0;; ++k) {
+      const int s = k % kStreamStages;
+      wgmma::mbar_wait(bar(full[s]), (k / kStreamStages) & 1);
+      const int64_t t = tile_of[s];
+      wgmma::mbar_arrive(bar(empty[s]));
+      if (t < 0) break;
+      const int64_t g = t / a.Q;
+      if (g == gprev) continue;
+      gprev = g;
+      ++m;
+      const int e = m % kStreamTabs;
+      if (m >= kStreamTabs) wgmma::mbar_wait(bar(tempty[e]), (m / kStreamTabs - 1) & 1);
+      const uint4* sl = a.slots + g * a.Q;
+      const int c0 = static_cast<int>(g % a.G) * a.cpg;
+      float gam[kStreamMaxCpg / 32], bet[kStreamMaxCpg / 32];
+#pragma unroll
+      for (int i = 0; i < kStreamMaxCpg / 32; ++i) {
+        const int c = lane + 32 * i;
+        gam[i] = c < a.cpg && a.w ? static_cast<float>(a.w[c0 + c]) : 1.f;
+        bet[i] = c < a.cpg && a.b ? static_cast<float>(a.b[c0 + c]) : 0.f;
+      }
+      // One lane waits for the group's last tile (mostly the last one reduced), then the warp reads them all.
+      if (lane == 0) {
+        while (!slot_ready(ld_relaxed_v4(sl + a.Q - 1))) __nanosleep(256);
+      }
+      __syncwarp();
+      uint4 v[kStreamMaxSlotsPerLane];
+#pragma unroll
+      for (int i = 0; i < kStreamMaxSlotsPerLane; ++i)
+        if (lane + 32 * i < a.Q) v[i] = ld_relaxed_v4(sl + lane + 32 * i);
+#pragma unroll
+      for (int i = 0; i < kStreamMaxSlotsPerLane; ++i)
+        if (lane + 32 * i < a.Q)
+          while (!slot_ready(v[i])) {
+            __nanosleep(128);
+            v[i] = ld_relaxed_v4(sl + lane + 32 * i);
+          }
+      // Every tile's mean as an offset from the first tile's pivot, then Chan's merge in tile order.
+      const float pivot = __shfl_sync(kFullMask, __uint_as_float(v[0].x), 0);
+      Welford<float> acc{0.f, 0.f, 0.f};
+#pragma unroll
+      for (int i = 0; i < kStreamMaxSlotsPerLane; ++i)
+        if (lane + 32 * i < a.Q)
+          acc = combine_f(acc, Welford<float>{(__uint_as_float(v[i].x) - pivot) + __uint_as_float(v[i].y),
+                                              __uint_as_float(v[i].z), __uint_as_float(v[i].w)});
+      acc = warp_combine_f(acc);
+      const float mo = __shfl_sync(kFullMask, acc.mean, 0);
+      const float var = __shfl_sync(kFullMask, acc.m2, 0) / __shfl_sync(kFullMask, acc.n, 0);
+      const float rstd = rsqrtf(fmaxf(var, 0.f) + a.eps);
+#pragma unroll
+      for (int i = 0; i < kStreamMaxCpg / 32; ++i) {
+        const int c = lane + 32 * i;
+        if (c < a.cpg) {
+          const float sc = gam[i] * rstd;
+          ctab[e][c] = make_float2(sc, bet[i] - mo * sc);
+        }
+      }
+      if (lane == 0) {
+        tpivot[e] = pivot;
+        if (a.stats.p != nullptr && t % a.Q == 0) a.stats.write(g, pivot, mo, rstd);
+      }
+      wgmma::mbar_arrive(bar(tfull[e]));
+    }
+    return;
+  }
+
+  if (warp < 2 + kStreamReduceWarps) {  // reducers
+    constexpr int RT = 32 * kStreamReduceWarps;
+    const int rt = tid - 64, rw = warp - 2;
+    for (int k = 0;; ++k) {
+      const int s = k % kStreamStages;
+      wgmma::mbar_wait(bar(full[s]), (k / kStreamStages) & 1);
+      const int64_t t = tile_of[s];
+      if (t < 0) break;
+      const StreamTile<scalar_t> tl(a, t);
+      const uint4* st = stage(s);
+      const int nv = tl.n / VEC;
+      // One pass of sums about the thread's first element (two passes over the stage measured 15-17 % slower
+      // on the whole kernel: the reducers are on its critical path), then as offsets from the tile's first.
+      const float tp = elt_to_float<scalar_t>(st[0], 0);
+      const float pt = rt < nv ? elt_to_float<scalar_t>(st[rt], 0) : tp;
+      float s1 = 0.f, s2 = 0.f, cnt = 0.f;
+#pragma unroll 4
+      for (int i = 0; i < TV / RT; ++i) {
+        const int vi = rt + i * RT;
+        if (vi < nv) {
+          const uint4 r = st[vi];
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) {
+            const float d = elt_to_float<scalar_t>(r, j) - pt;
+            s1 += d;
+            s2 = fmaf(d, d, s2);
+          }
+          cnt += VEC;
+        }
+      }
+      wgmma::mbar_arrive(bar(empty[s]));  // done with the stage (its slot below is not)
+      const float mt = cnt > 0.f ? s1 / cnt : 0.f;
+      const Welford<float> w = warp_combine_f(Welford<float>{(pt - tp) + mt, fmaxf(s2 - s1 * mt, 0.f), cnt});
+      const int b = k & 1;  // red[] alternates: one barrier a tile
+      if (lane == 0) red[b][rw] = w;
+      wgmma::named_sync(kStreamReduceBar, RT);
+      if (rt == 0) {
+        Welford<float> tw = red[b][0];
+#pragma unroll
+        for (int i = 1; i < kStreamReduceWarps; ++i) tw = combine_f(tw, red[b][i]);
+        st_relaxed_v4(a.slots + t, make_uint4(slot_word(tp), slot_word(tw.mean), slot_word(tw.m2),
+                                              slot_word(tw.n)));
+      }
+    }
+    return;
+  }
+
+  // normalizers
+  constexpr int NT = 32 * kStreamNormWarps, VPT = TV / NT;
+  static_assert(TV % NT == 0, "a tile is whole vectors of every normalizer thread");
+  const int nt = tid - 32 * (2 + kStreamReduceWarps);
+  const float inv_S = 1.f / static_cast<float>(a.S);
+  int m = -1, e = 0;
+  int64_t gprev = -1;
+  for (int k = 0;; ++k) {
+    const int s = k % kStreamStages;
+    wgmma::mbar_wait(bar(full[s]), (k / kStreamStages) & 1);
+    const int64_t t = tile_of[s];
+    if (t < 0) break;
+    const StreamTile<scalar_t> tl(a, t);
+    if (tl.g != gprev) {
+      if (m >= 0) wgmma::mbar_arrive(bar(tempty[e]));  // done with the last group's table
+      ++m;
+      gprev = tl.g;
+      e = m % kStreamTabs;
+      wgmma::mbar_wait(bar(tfull[e]), (m / kStreamTabs) & 1);
+    }
+    const float pivot = tpivot[e];
+    const uint4* st = stage(s);
+    const int nv = tl.n / VEC;
+    uint4* y = reinterpret_cast<uint4*>(a.out + tl.first);
+    uint4 r[VPT];
+#pragma unroll
+    for (int i = 0; i < VPT; ++i)
+      if (nt + i * NT < nv) r[i] = st[nt + i * NT];
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+      const int vi = nt + i * NT;
+      if (vi < nv) {
+        // The vector's channel (the host asks S % VEC == 0): a float estimate of o / S, corrected once.
+        const int o = tl.o + vi * VEC;
+        int c = __float2int_rz(__int2float_rz(o) * inv_S);
+        if (c * a.S > o) --c;
+        else if ((c + 1) * a.S <= o) ++c;
+        const float2 ss = ctab[e][c];
+        uint4 out;
+#pragma unroll
+        for (int j = 0; j < VEC; j += 2) {
+          float z0 = fmaf(elt_to_float<scalar_t>(r[i], j) - pivot, ss.x, ss.y);
+          float z1 = fmaf(elt_to_float<scalar_t>(r[i], j + 1) - pivot, ss.x, ss.y);
+          if (SILU) {
+            z0 = silu_fast(z0);
+            z1 = silu_fast(z1);
+          }
+          store_pair<scalar_t>(out, j / 2, z0, z1);
+        }
+        __stcs(y + vi, out);
+      }
+    }
+    wgmma::mbar_arrive(bar(empty[s]));
+  }
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------
 // Version 7: the backward of NC* input with each group on chip (sm_90). The two-pass backward moves x three
 // times and dy twice (statistics; per-channel sums of dz and dz * xhat; dx) and ran at 12-34 % of the copy
 // rate. Here, as in version 6, persistent clusters of K CTAs walk the groups, and a CTA's part of a group,
@@ -3107,11 +3423,12 @@ bool cluster_ok(Kernel kernel, int K, int device, int threads, size_t smem) {
   return K == 1 || resident_clusters(kernel, K, device, threads, smem) > 0;
 }
 
-// Which forward kernels may run. VD_GROUP_NORM_KERNEL=smem|l2|onchip|twopass restricts the choice to one
+// Which forward kernels may run. VD_GROUP_NORM_KERNEL=smem|stream|l2|onchip|twopass restricts the choice to one
 // family (benchmarks compare them in one process); unset: as measured (bench/notes/norm_and_elementwise.md),
-// version 6 (version 8 for channels_last) first, then version 4 (for 16-bit NC* x only where x fits the L2),
-// version 3 first for inputs under kSmallBytes, then version 1.
-enum class GNKernels { kAny, kSmem, kL2, kOnChip, kTwoPass };
+// version 6 (version 8 for channels_last) first, then version 12 (float32 NC* groups past version 6), then
+// version 4 (for 16-bit NC* x only where x fits the L2), version 3 first for inputs under kSmallBytes, then
+// version 1.
+enum class GNKernels { kAny, kSmem, kStream, kL2, kOnChip, kTwoPass };
 // Under this many bytes of x, version 3's shorter CTAs beat version 4 by 1-2 us (H200).
 constexpr int64_t kSmallBytes = 16 << 20;
 
@@ -3120,6 +3437,7 @@ GNKernels gn_kernels() {
   if (e == nullptr) return GNKernels::kAny;
   const std::string v(e);
   if (v == "smem") return GNKernels::kSmem;
+  if (v == "stream") return GNKernels::kStream;
   if (v == "l2") return GNKernels::kL2;
   if (v == "onchip") return GNKernels::kOnChip;
   if (v == "twopass") return GNKernels::kTwoPass;
@@ -3221,6 +3539,80 @@ bool forward_smem(const GNShape& s, int64_t F, const scalar_t* x, scalar_t* out,
     a.stages = stages;
     a.stage_bytes = static_cast<int>(stage_bytes);
     launch_clusters(kOp, kernel, a, std::min<int64_t>(a.groups, clusters), K, threads, smem, stream);
+    return true;
+  }
+}
+
+// Groups over version 6's largest cluster (16 parts of kSmemBigPartBytes) go to version 12 unless pinned there.
+constexpr int64_t kStreamMinGroupBytes = 16 * kSmemBigPartBytes;
+
+// Runs version 12 when the shape, dtype, alignment and device allow it; false leaves the work to the others.
+// F: the frames of a frames-major x (its groups are F segments), else 1. pinned: also groups version 6 would take,
+// and 16-bit x (against the two-pass kernels there: 3 and 7 % faster on two rows, 2 % slower on a third; H200,
+// bench/notes/norm_and_elementwise.md).
+template <typename scalar_t>
+bool forward_stream(const GNShape& s, int64_t F, const scalar_t* x, scalar_t* out, const scalar_t* w,
+                    const scalar_t* b, double eps, bool silu, bool vec, StatsOut stats, int device,
+                    cudaStream_t stream, bool pinned) {
+  if constexpr (std::is_same_v<scalar_t, double>) {
+    return false;
+  } else {
+    constexpr int kVec = max_vec<scalar_t>();
+    constexpr int64_t TE = kStreamTileBytes / static_cast<int64_t>(sizeof(scalar_t));
+    if (s.channels_last || !vec) return false;
+    const int64_t cpg = s.C / s.G, S = s.S / F, seg = cpg * S;
+    const int64_t group_bytes = F * seg * static_cast<int64_t>(sizeof(scalar_t));
+    if (!pinned && (sizeof(scalar_t) != 4 || group_bytes <= kStreamMinGroupBytes)) return false;
+    // A vector never straddles two channels; segments and tiles start on 16 bytes.
+    if (S % kVec != 0 || cpg > kStreamMaxCpg || seg >= (int64_t{1} << 31)) return false;
+    // Tiles of up to TE elements, as even as whole vectors allow (a segment of 2.25 tiles: three of 0.75).
+    const int64_t vecs = seg / kVec, te = kVec * ceil_div(vecs, ceil_div(seg, TE)), Qs = ceil_div(seg, te);
+    const int64_t Q = F * Qs, tiles = s.N * s.G * Q;
+    const size_t smem = static_cast<size_t>(kStreamStages) * kStreamTileBytes;
+    auto kernel = silu ? stream_rows_kernel<scalar_t, true> : stream_rows_kernel<scalar_t, false>;
+    const int P = resident_clusters(kernel, 1, device, kStreamThreads, smem);
+    int coop = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, device));
+    // The merger holds a group's slots in registers; the resident rings must hold more than a group's tiles.
+    if (P == 0 || !coop || Q > 32 * kStreamMaxSlotsPerLane || int64_t{P} * kStreamStages <= Q ||
+        tiles + P >= (int64_t{1} << 32))
+      return false;
+    // The tiles' slots and the tile counter, zeroed on the stream (a slot of zeros: not written yet).
+    const int64_t bytes = (tiles + 1) * static_cast<int64_t>(sizeof(uint4));
+    at::Tensor ws = at::empty({bytes}, at::TensorOptions().device(at::kCUDA, device).dtype(at::kByte));
+    C10_CUDA_CHECK(cudaMemsetAsync(ws.mutable_data_ptr(), 0, bytes, stream));
+    StreamArgs<scalar_t> a{};
+    a.x = x;
+    a.out = out;
+    a.w = w;
+    a.b = b;
+    a.nstride = s.C * s.S;
+    a.fstride = s.C * S;
+    a.tiles = tiles;
+    a.G = static_cast<int>(s.G);
+    a.cpg = static_cast<int>(cpg);
+    a.Qs = static_cast<int>(Qs);
+    a.te = static_cast<int>(te);
+    a.Q = static_cast<int>(Q);
+    a.seg = static_cast<int>(seg);
+    a.S = static_cast<int>(S);
+    a.eps = static_cast<float>(eps);
+    a.slots = reinterpret_cast<uint4*>(ws.mutable_data_ptr());
+    a.counter = reinterpret_cast<unsigned*>(a.slots + tiles);
+    a.stats = stats;
+    // Cooperative: every CTA resident at once (a CTA waits for groups whose tiles others hold).
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = dim3(static_cast<unsigned>(std::min<int64_t>(P, tiles)));
+    cfg.blockDim = dim3(kStreamThreads);
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = stream;
+    cudaLaunchAttribute at{};
+    at.id = cudaLaunchAttributeCooperative;
+    at.val.cooperative = 1;
+    cfg.attrs = &at;
+    cfg.numAttrs = 1;
+    C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, a));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
     return true;
   }
 }
@@ -3769,6 +4161,11 @@ at::Tensor forward_cuda(const at::Tensor& x_in, const GNShape& s, const std::opt
                  : forward_smem<scalar_t>(s, a.F, a.x, a.out, a.w, a.b, eps, silu, vec, so, x.get_device(), stream);
     };
     if ((any || use == GNKernels::kSmem) && smem()) return;
+    auto streamed = [&] {
+      return forward_stream<scalar_t>(s, a.F, a.x, a.out, a.w, a.b, eps, silu, vec, so, x.get_device(), stream,
+                                      use == GNKernels::kStream);
+    };
+    if ((any || use == GNKernels::kStream) && streamed()) return;
     const bool small = x.numel() * static_cast<int64_t>(sizeof(scalar_t)) < kSmallBytes;
     if (any && small && onchip()) return;
     // Version 4 (NC*) keeps each group in L2 between its passes, but issue-bound it lost to the two-pass
