@@ -1749,8 +1749,8 @@ __global__ void __launch_bounds__(kSmemThreads, 2) smem_rows_kernel(const SmemAr
 //   reducers (4 warps): each tile's statistics (each thread's sums about its first element, taken as offsets from
 //     the tile's first element and merged with Chan's formula), written to the tile's slot in global memory: four
 //     words (pivot, mean offset, m2, n), each nonzero once written (a zero is stored as -0), so no fence is needed;
-//   merger (1 warp): at each new group of the CTA's tiles, waits for the group's slots, merges them in tile order
-//     about the first tile's pivot (the same bits in every CTA) and fills a channel table (scale, shift) and the
+//   merger (1 warp): at each new group of the CTA's tiles, waits for the group's slots, merges them in a fixed
+//     order about the first tile's pivot (the same bits in every CTA) and fills a channel table (scale, shift) and the
 //     group's statistics (written by the CTA holding the group's first tile);
 //   normalizers (8 warps): y = act((x - pivot) * scale + shift) from the stage, 16-byte stores; the stage goes
 //     back to the producer when they, the reducers and the merger are done with it.
@@ -1920,7 +1920,8 @@ __global__ void __launch_bounds__(kStreamThreads, 1) stream_rows_kernel(const St
             __nanosleep(128);
             v[i] = ld_relaxed_v4(sl + lane + 32 * i);
           }
-      // Every tile's mean as an offset from the first tile's pivot, then Chan's merge in tile order.
+      // Every tile's mean as an offset from the first tile's pivot, then Chan's merge in a fixed order (each lane's
+      // tiles j = lane + 32 i in turn, then the warp's tree).
       const float pivot = __shfl_sync(kFullMask, __uint_as_float(v[0].x), 0);
       Welford<float> acc{0.f, 0.f, 0.f};
 #pragma unroll
@@ -2028,7 +2029,8 @@ __global__ void __launch_bounds__(kStreamThreads, 1) stream_rows_kernel(const St
     for (int i = 0; i < VPT; ++i) {
       const int vi = nt + i * NT;
       if (vi < nv) {
-        // The vector's channel (the host asks S % VEC == 0): a float estimate of o / S, corrected once.
+        // The vector's channel (the host asks S % VEC == 0): a float estimate of o / S, corrected once (enough
+        // while o / S < cpg <= kStreamMaxCpg: the estimate is off by far less than one).
         const int o = tl.o + vi * VEC;
         int c = __float2int_rz(__int2float_rz(o) * inv_S);
         if (c * a.S > o) --c;
