@@ -7,7 +7,7 @@ FAMILY (attention, group_norm_silu, conv_bn_silu, temporal_conv, scheduler_step)
 families; default: all. attention_backward (not in the default set) is a small masked bf16 backward at head
 dims 64 and 128 (the default kernels and the deterministic pair), small enough for racecheck (the full
 attention set takes it several minutes). group_norm_silu_three_ctas (not in the default set either) is version 8 at
-three CTAs an SM alone (the whole group_norm_silu set outlasts racecheck's time on a device call);
+three CTAs an SM alone (racecheck over the whole group_norm_silu set runs past ten minutes);
 group_norm_silu_stream is version 12 alone (also run with group_norm_silu).
 """
 from __future__ import annotations
