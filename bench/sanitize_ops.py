@@ -191,8 +191,8 @@ def main():
                         torch.ops.vd.group_norm_silu_forward(x, groups, w, b, 1e-5, True)
             ran.append("group_norm_silu")
         if (want("group_norm_silu") or "group_norm_silu_stream" in only) and has_cuda_kernels("group_norm_silu"):
-            # Version 12 pinned: one tile a group, short last tiles of frames-major segments, more tiles than
-            # the rings hold (stages and channel tables reused), without SiLU, statistics written.
+            # Version 12 pinned: one tile a group; more tiles than the rings hold (float32: stages and channel
+            # tables reused); frames-major segments of two tiles (one in 16-bit); without SiLU; statistics written.
             with env_var("VD_GROUP_NORM_KERNEL", "stream"):
                 for shape, groups in [((2, 64, 16, 16), 32), ((4, 64, 128, 256), 8)]:
                     x = torch.randn(shape, device=dev, dtype=dtype)

@@ -948,9 +948,9 @@ inline bool wino_possible(const ConvShape& s, int64_t es, int64_t c_out_unit = 1
 // 28 x 1280 x 18 x 32 (4032 tiles) 476 against 594, 28 x 1280 x 9 x 16 (1120) 165 against 167, 28 x 640 x 36 x 64
 // 667 against 608; float32 (TF32) 1013 against 1345, 339 against 302, 1340 against 1223.
 // Under CUDA-graph capture nothing is cached and every replay transforms the weight again (reads the weight,
-// writes 16/9 of it: 82 MB at 1280 channels in bf16), so 16-bit needs 2048 tiles there too: graphs of 28 x 1280 x 9 x 16 (1120 tiles) bf16 ran
-// 0.1959 ms against inductor's 0.1871 (ops_bf16_…T071226), the direct kernel 0.1924 against 0.1911 (version 8's
-// run); at 4032 tiles 0.5624 against 0.7123.
+// writes 16/9 of it: 82 MB at 1280 channels in bf16), so 16-bit needs 2048 tiles there too: graphs of
+// 28 x 1280 x 9 x 16 (1120 tiles) bf16 ran 0.1959 ms against inductor's 0.1871 (ops_bf16_…T071226), the direct
+// kernel 0.1924 against 0.1911 (version 8's run); at 4032 tiles 0.5624 against 0.7123.
 inline bool wino_wanted(const ConvShape& s, bool fp32, bool capturing) {
   const int64_t tiles = wino_blocks(s);
   return s.C_in >= 1024 && s.C_out >= 1024 && tiles >= (fp32 || capturing ? 2048 : 1024);
@@ -1337,9 +1337,8 @@ at::Tensor conv_bn_silu_winograd_fused(const at::Tensor& x, const Folded& f, con
     using scalar_t = decltype(z);
     auto launch = [&](auto kernel) {
       const size_t smem = WfTile<scalar_t>::smem_bytes;
-      int device = 0;
-      C10_CUDA_CHECK(cudaGetDevice(&device));
-      const int64_t resident = resident_clusters(kernel, cm, device, 384, smem) * cm, tiles = Pb / T::BM * n_nt;
+      const int64_t resident = resident_clusters(kernel, cm, x.get_device(), 384, smem) * cm;
+      const int64_t tiles = Pb / T::BM * n_nt;
       if (resident == 0) return false;
       // The last round in halves (wf_halved) where its tiles make whole clusters and C_in two K steps or more;
       // VD_CONV_WINO_FUSED_SPLIT=0: whole.
