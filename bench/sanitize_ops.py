@@ -8,7 +8,7 @@ families; default: all. attention_backward (not in the default set) is a small m
 dims 64 and 128 (the default kernels and the deterministic pair), small enough for racecheck (the full
 attention set takes it several minutes). group_norm_silu_three_ctas (not in the default set either) is version 8 at
 three CTAs an SM alone (racecheck over the whole group_norm_silu set runs past ten minutes);
-group_norm_silu_stream is version 12 alone (also run with group_norm_silu).
+group_norm_silu_stream is versions 12 and 13 alone (also run with group_norm_silu).
 """
 from __future__ import annotations
 
@@ -200,6 +200,15 @@ def main():
                     torch.ops.vd.group_norm_silu(x, groups, None, None, 1e-5, False)
                 x = torch.randn(1, 6, 32, 30, 40, device=dev, dtype=dtype).transpose(1, 2)
                 torch.ops.vd.group_norm_silu_forward(x, 4, None, None, 1e-5, True)
+                # Version 13 (channels_last): more tiles than the rings hold (stages and tables reused), one tile a
+                # block, 5-D; vectors straddling groups.
+                for shape, groups in [((4, 960, 40, 60), 32), ((2, 64, 5, 7), 32), ((2, 320, 3, 10, 12), 32),
+                                      ((1, 192, 40, 40), 32)]:
+                    fmt = torch.channels_last if len(shape) == 4 else torch.channels_last_3d
+                    x = torch.randn(shape, device=dev, dtype=dtype).to(memory_format=fmt)
+                    w = torch.randn(shape[1], device=dev, dtype=dtype)
+                    torch.ops.vd.group_norm_silu_forward(x, groups, w, w, 1e-5, True)
+                    torch.ops.vd.group_norm_silu(x, groups, None, None, 1e-5, False)
             ran.append("group_norm_silu_stream")
         if "group_norm_silu_three_ctas" in only and has_cuda_kernels("group_norm_silu"):
             # Version 8 at three CTAs an SM (one stage of <= ~72 KB, group states folded over warps): a last rank

@@ -474,6 +474,18 @@ def test_version_6_persistent_loop(device, dtype, smem_family):
         check_kernel_serves("smem_rows_kernel", want, x, groups, w, b, what=f"{shape}")
 
 
+def check_pinned_case(kernel, want, x, groups, w, b, what):
+    """A pinned family's case: whether `kernel` serves it (with and without SiLU) and its output; without affine; the
+    statistics it writes, and the same output when it writes them."""
+    for silu in (True, False):
+        check_kernel_serves(kernel, want, x, groups, w, b, silu, what=f"{what} silu={silu}")
+    out = group_norm_silu(x, groups)
+    assert_close_to(out, reference_group_norm_silu(x.double(), groups), x.dtype, what=f"{what} no affine")
+    out, stats = FORWARD_WITH_STATS(x, groups, w, b, 1e-5, True)
+    assert torch.equal(out, group_norm_silu(x, groups, w, b, 1e-5, True)), what
+    check_stats(stats, x, groups, 1e-5, what)
+
+
 def stream_family_ok(device):
     if torch.cuda.get_device_capability(device)[0] < 9:
         pytest.skip("version 12 needs the bulk copy engine (sm_90+)")
@@ -522,13 +534,60 @@ def test_version_12_stream_pinned(device, dtype, monkeypatch):
         w, b = torch.randn(C, device=device, dtype=dtype), torch.randn(C, device=device, dtype=dtype)
         vec = 16 // dtype.itemsize
         want = torch.Size(shape[2 + bool(frames):]).numel() % vec == 0
-        for silu in (True, False):
-            check_kernel_serves("stream_rows_kernel", want, x, groups, w, b, silu, what=f"{shape} silu={silu}")
-        out = group_norm_silu(x, groups)
-        assert_close_to(out, reference_group_norm_silu(x.double(), groups), dtype, what=f"{shape} no affine")
-        out, stats = FORWARD_WITH_STATS(x, groups, w, b, 1e-5, True)
-        assert torch.equal(out, group_norm_silu(x, groups, w, b, 1e-5, True)), shape
-        check_stats(stats, x, groups, 1e-5, f"{shape} {dtype}")
+        check_pinned_case("stream_rows_kernel", want, x, groups, w, b, f"{shape} {dtype}")
+
+
+@pytest.mark.parametrize("device", CUDA)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_version_13_stream_cols(device, dtype, monkeypatch):
+    # Version 13 (sm_90): version 12's tiles and slots over channels_last blocks of gb groups (a tile: rows of a block),
+    # each group's slots merged once, by a folder warp of the CTA that counts the block's last tile. Off by default
+    # (the two-pass kernels serve the float32 rows version 8 declines); VD_GROUP_NORM_STREAM_COLS=1 runs it on those
+    # larger than the L2. Pins where it runs, that its output matches the reference and is the same bit for bit on
+    # every call (tiles go to whichever CTA asks first, blocks are folded by whichever CTA counts last).
+    stream_family_ok(device)
+    monkeypatch.delenv("VD_GROUP_NORM_KERNEL", raising=False)
+    torch.manual_seed(0)
+    fp32 = dtype == torch.float32
+    for shape, want in [((6, 960, 72, 128), fp32),   # gb 4 (120 channels, 480-byte rows), 136 tiles of 68 rows a block
+                        ((1, 960, 48, 64), False),   # 11.8 MB (fp32): within the L2, two-pass
+                        ((2, 320, 72, 128), False)]:  # version 8
+        C = shape[1]
+        x = layout_input(shape, "channels_last", dtype, device)
+        w, b = torch.randn(C, device=device, dtype=dtype), torch.randn(C, device=device, dtype=dtype)
+        check_kernel_serves("stream_cols_kernel", False, x, 32, w, b, what=f"{shape} by default")
+        with monkeypatch.context() as m:
+            m.setenv("VD_GROUP_NORM_STREAM_COLS", "1")
+            out = check_kernel_serves("stream_cols_kernel", want, x, 32, w, b, what=f"{shape} opted in")
+            if want:
+                for _ in range(3):
+                    assert torch.equal(group_norm_silu(x, 32, w, b, 1e-5, True), out), f"{shape}: not repeatable"
+
+
+@pytest.mark.parametrize("device", CUDA)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_version_13_stream_cols_pinned(device, dtype, monkeypatch):
+    # Pinned ("stream"), version 13 takes channels_last input of any size: a block's last tile shorter, one tile a
+    # block, more CTAs than tiles, vectors straddling groups, the whole row one block, 5-D, narrow rows (a bulk copy
+    # of 16 bytes a row); without SiLU or affine; statistics written.
+    stream_family_ok(device)
+    monkeypatch.setenv("VD_GROUP_NORM_KERNEL", "stream")
+    torch.manual_seed(0)
+    for shape, groups, want in [
+        ((2, 960, 20, 30), 32, True),    # cpg 30: gb 8; 600 rows in 18 tiles (fp32: 17 of 34, the last 22)
+        ((2, 64, 5, 7), 32, True),       # cpg 2: all groups in one block, one tile a block
+        ((1, 192, 40, 40), 32, True),    # cpg 6: vectors straddle groups; the whole 192-channel row a block
+        ((2, 320, 3, 10, 12), 32, True),  # 5-D channels_last_3d, cpg 10: gb 16
+        ((1, 8, 3, 2), 2, True),         # cpg 4, S 6: rows of 16 (16-bit) or 32 bytes
+        ((1, 32, 512, 512), 32, True),   # cpg 1: 16-byte rows (fp32: gb 4, 128 tiles a block), 2048 a tile
+        ((1, 128, 300, 400), 2, False),  # cpg 64 (fp32: 938 tiles a group at its narrowest): two-pass
+        ((2, 12, 5, 5), 3, None),        # C whole vectors in fp32 only (16-bit: two-pass)
+    ]:
+        want = dtype == torch.float32 if want is None else want
+        C = shape[1]
+        x = layout_input(shape, "channels_last", dtype, device, scale=2, shift=-1)
+        w, b = torch.randn(C, device=device, dtype=dtype), torch.randn(C, device=device, dtype=dtype)
+        check_pinned_case("stream_cols_kernel", want, x, groups, w, b, f"{shape} {dtype}")
 
 
 @pytest.mark.parametrize("device", CUDA)

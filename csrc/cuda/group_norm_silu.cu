@@ -2056,6 +2056,401 @@ __global__ void __launch_bounds__(kStreamThreads, 1) stream_rows_kernel(const St
 }
 
 // ---------------------------------------------------------------------------------------------
+// Version 13 forward ("stream" on channels_last), sm_90: version 12's ring, tile counter and specialised warps over
+// channels_last blocks, for the rows version 8 cannot hold on chip (float32 960 channels at 72 x 128: 138 KB parts;
+// the two-pass kernels read x twice). A block is gb groups of one sample: rows of W = gb * cpg channels, C apart; a
+// tile is R rows of a block, brought in by one bulk copy a row (the producer warp's lanes in turn).
+//   reducers (4 warps): per channel, each thread's sums about its first row; per group of the tile, those states
+//     merged in a fixed order into the group's slot (pivot: the tile's first element of the group), stored relaxed,
+//     each word nonzero once written (as version 12's);
+//   counter (1 warp): counts each of the CTA's tiles on its block's counter once the reducers are done with it; the
+//     one that counts a block's last tile hands the block to its CTA's
+//   folders (2 warps): each merges some of the block's groups, a group's Q slots in slot order (waiting for any not
+//     yet visible), and publishes the group's (pivot, mean offset, rstd) as one record, with the statistics for the
+//     backward. Version 12's mergers read every slot of every group their CTA touches; here that would be a block's
+//     Q tiles times gb groups, for nearly every block;
+//   merger (1 warp): at each new block of the CTA's tiles, fetches gamma and beta, waits for the block's gb records
+//     and fills a channel table;
+//   normalizers (8 warps): each thread keeps one column of VEC channels, loads their (scale, shift) and pivots once
+//     a block and hands the table back at once, then normalizes its rows of every tile of the block.
+// Each step that took a wait off a block's completion mattered (H200, (28, 960, 72, 128) fp32, µs a call): counting
+// and merging in the reducers (a fence and an atomic's round trip a group a tile; gb 8) 1542; one warp counting and
+// folding (gb 4) 1719; the merger's gamma and beta in one round trip 1350; counting apart from folding 844 (likely:
+// the CTA busy folding counted the next block last and folded it too); two folder warps, one load round a group, 768
+// against the two-pass kernels' 777. Not the default (bench/notes/norm_and_elementwise.md).
+// No wait depends on a normalizer of another CTA (records wait only for reducers, which read loaded stages), and
+// tiles are taken in increasing order: as in version 12, the resident rings holding more than a block's Q tiles
+// (the host checks) keeps the grid from filling with tiles of a block still being taken.
+
+constexpr int kStreamColsMaxW = 256;  // channels a block
+constexpr int kStreamColsMaxGb = 16;  // groups a block (a lane a group polls, merges)
+constexpr int kStreamColsTabs = 4;    // channel tables in flight
+constexpr int kStreamColsFoldWarps = 2;
+constexpr int kStreamColsThreads = kStreamThreads + 32 * (1 + kStreamColsFoldWarps);  // + the counter and folders
+constexpr int kStreamColsJobs = 8;       // blocks counted out, waiting for the folders
+constexpr int kStreamColsMaxStages = 8;  // the ring cut finer (VD_GROUP_NORM_STREAM_COLS_STAGES)
+
+template <typename scalar_t>
+struct StreamColsArgs {
+  const scalar_t* x;
+  scalar_t* out;
+  const scalar_t* w;  // nullptr: gamma = 1
+  const scalar_t* b;  // nullptr: beta = 0
+  int64_t C;          // channels: elements between rows
+  int64_t S;          // rows (spatial positions) a sample
+  int64_t tiles;      // N * NB * Q
+  int NB, gb, cpg, W, WV;  // blocks a sample, groups a block, channels a group and a block, vectors a row
+  int Q, R;           // tiles a block, rows a tile (a block's last tile may hold fewer)
+  int stages, stage_bytes;  // the ring: stages * stage_bytes = kStreamStages * kStreamTileBytes
+  float eps;
+  uint4* slots;       // [N * G][Q]: group ng's (pivot, mean offset, m2, n) in each tile of its block
+  unsigned* done;     // [N * NB]: tiles counted a block
+  uint4* fin;         // [N * G]: (pivot, mean offset, rstd, 1) once the group is merged
+  unsigned* counter;  // the next tile to take; all four zeroed before the launch
+  StatsOut stats;
+};
+
+// Tile t: its block (n * NB + b; -1: no more tiles), its index q in the block, its first element and its rows.
+struct StreamColsTile {
+  int64_t blk, first;
+  int q, rows;
+};
+
+template <typename scalar_t>
+__device__ __forceinline__ StreamColsTile stream_cols_tile(const StreamColsArgs<scalar_t>& a, int64_t t) {
+  StreamColsTile tl;
+  tl.blk = t / a.Q;
+  tl.q = static_cast<int>(t - tl.blk * a.Q);
+  const int64_t n = tl.blk / a.NB, r0 = static_cast<int64_t>(tl.q) * a.R;
+  tl.rows = static_cast<int>(min(static_cast<int64_t>(a.R), a.S - r0));
+  tl.first = (n * a.S + r0) * a.C + (tl.blk - n * a.NB) * a.W;
+  return tl;
+}
+
+template <typename scalar_t, bool SILU>
+__global__ void __launch_bounds__(kStreamColsThreads, 1) stream_cols_kernel(const StreamColsArgs<scalar_t> a) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr int VEC = max_vec<scalar_t>();
+  constexpr int RT = 32 * kStreamReduceWarps, NT = 32 * kStreamNormWarps;
+  extern __shared__ __align__(128) unsigned char smem[];  // [a.stages][a.stage_bytes]
+  __shared__ __align__(8) uint64_t full[kStreamColsMaxStages], empty[kStreamColsMaxStages],
+      rdone[kStreamColsMaxStages];
+  __shared__ __align__(8) uint64_t tfull[kStreamColsTabs], tempty[kStreamColsTabs];
+  __shared__ __align__(8) uint64_t jfull[kStreamColsJobs], jempty[kStreamColsJobs];
+  __shared__ int64_t job[kStreamColsJobs];                   // the block to fold; -1: no more
+  __shared__ StreamColsTile tinfo[kStreamColsMaxStages];
+  __shared__ float2 ctab[kStreamColsTabs][kStreamColsMaxW];  // (scale, shift) a channel of the block
+  __shared__ float tpiv[kStreamColsTabs][kStreamColsMaxGb];  // a group's pivot
+  __shared__ float2 cst[2][RT * VEC];                         // per row set and channel: (mean offset, m2)
+  __shared__ float ccnt[2][RT];                               // rows a row set
+  __shared__ float tpg[2][kStreamColsMaxGb];                  // the tile's pivot a group
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  auto bar = [](const uint64_t& b) { return static_cast<uint32_t>(__cvta_generic_to_shared(&b)); };
+  auto stage = [&](int s) {
+    return reinterpret_cast<const uint4*>(smem + static_cast<size_t>(s) * a.stage_bytes);
+  };
+  if (tid == 0) {
+    for (int s = 0; s < a.stages; ++s) {
+      wgmma::mbar_init(bar(full[s]), 1);
+      // Every thread that reads it: all but the producer and the folders.
+      wgmma::mbar_init(bar(empty[s]), kStreamColsThreads - 32 * (1 + kStreamColsFoldWarps));
+      wgmma::mbar_init(bar(rdone[s]), kStreamReduceWarps);        // the reducers' slots of the tile are stored
+    }
+    for (int e = 0; e < kStreamColsTabs; ++e) {
+      wgmma::mbar_init(bar(tfull[e]), 32);
+      wgmma::mbar_init(bar(tempty[e]), NT);
+    }
+    for (int e = 0; e < kStreamColsJobs; ++e) {
+      wgmma::mbar_init(bar(jfull[e]), 1);
+      wgmma::mbar_init(bar(jempty[e]), kStreamColsFoldWarps);
+    }
+    wgmma::mbar_init_fence();
+  }
+  __syncthreads();
+
+  if (warp == 0) {  // producer: lane 0 takes the tile, every lane copies rows
+    const uint64_t drop = l2_policies().drop;
+    const uint32_t row_bytes = static_cast<uint32_t>(a.W) * sizeof(scalar_t);
+    for (int k = 0;; ++k) {
+      const int s = k % a.stages;
+      int64_t t = 0;
+      if (lane == 0) {
+        if (k >= a.stages) wgmma::mbar_wait(bar(empty[s]), (k / a.stages - 1) & 1);
+        t = atomicAdd(a.counter, 1u);
+      }
+      t = __shfl_sync(kFullMask, t, 0);
+      if (t >= a.tiles) {
+        if (lane == 0) {
+          tinfo[s].blk = -1;
+          wgmma::mbar_arrive(bar(full[s]));
+        }
+        break;
+      }
+      const StreamColsTile tl = stream_cols_tile(a, t);
+      if (lane == 0) {
+        tinfo[s] = tl;
+        wgmma::mbar_expect_tx(bar(full[s]), static_cast<uint32_t>(tl.rows) * row_bytes);
+      }
+      __syncwarp();
+      const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(stage(s)));
+      for (int r = lane; r < tl.rows; r += 32)
+        wgmma::bulk_load_hint(dst + r * row_bytes, a.x + tl.first + static_cast<int64_t>(r) * a.C, row_bytes,
+                              bar(full[s]), drop);
+    }
+    return;
+  }
+
+  if (warp == 1) {  // merger
+    int m = -1;
+    int64_t bprev = -1;
+    for (int k = 0;; ++k) {
+      const int s = k % a.stages;
+      wgmma::mbar_wait(bar(full[s]), (k / a.stages) & 1);
+      const int64_t blk = tinfo[s].blk;
+      wgmma::mbar_arrive(bar(empty[s]));
+      if (blk < 0) break;
+      if (blk == bprev) continue;
+      bprev = blk;
+      ++m;
+      const int e = m % kStreamColsTabs;
+      if (m >= kStreamColsTabs) wgmma::mbar_wait(bar(tempty[e]), (m / kStreamColsTabs - 1) & 1);
+      // gamma and beta first (independent of the records; one round trip for the block's W channels): the merger
+      // fills a table for nearly every block, and a round trip a 32 channels made it the kernel's slowest role.
+      const int c0 = static_cast<int>(blk % a.NB) * a.W;
+      float gam[kStreamColsMaxW / 32], bet[kStreamColsMaxW / 32];
+#pragma unroll
+      for (int i = 0; i < kStreamColsMaxW / 32; ++i) {
+        const int c = lane + 32 * i;
+        gam[i] = c < a.W && a.w ? static_cast<float>(a.w[c0 + c]) : 1.f;
+        bet[i] = c < a.W && a.b ? static_cast<float>(a.b[c0 + c]) : 0.f;
+      }
+      uint4 f = make_uint4(0u, 0u, 0u, 0u);
+      if (lane < a.gb) {
+        const uint4* p = a.fin + blk * a.gb + lane;
+        f = ld_relaxed_v4(p);
+        while (!slot_ready(f)) {
+          __nanosleep(64);
+          f = ld_relaxed_v4(p);
+        }
+        tpiv[e][lane] = __uint_as_float(f.x);
+      }
+#pragma unroll
+      for (int i = 0; i < kStreamColsMaxW / 32; ++i) {  // every lane shuffles (a source lane a group)
+        const int c = lane + 32 * i, gi = min(c, a.W - 1) / a.cpg;
+        const float mo = __uint_as_float(__shfl_sync(kFullMask, f.y, gi));
+        const float rstd = __uint_as_float(__shfl_sync(kFullMask, f.z, gi));
+        if (c < a.W) {
+          const float sc = gam[i] * rstd;
+          ctab[e][c] = make_float2(sc, bet[i] - mo * sc);
+        }
+      }
+      wgmma::mbar_arrive(bar(tfull[e]));
+    }
+    return;
+  }
+
+  if (warp < 2 + kStreamReduceWarps) {  // reducers
+    const int rt = tid - 64, rw = warp - 2;
+    const int RS = RT / a.WV, col = rt % a.WV, rs = rt / a.WV;  // row sets of one column a thread
+    const bool active = rs < RS;
+    for (int k = 0;; ++k) {
+      const int s = k % a.stages;
+      wgmma::mbar_wait(bar(full[s]), (k / a.stages) & 1);
+      const StreamColsTile tl = tinfo[s];
+      if (tl.blk < 0) break;
+      const uint4* st = stage(s);
+      const scalar_t* se = reinterpret_cast<const scalar_t*>(st);
+      const int b = k & 1;  // the tile's shared arrays alternate: one barrier a tile
+      if (rt < a.gb) tpg[b][rt] = static_cast<float>(se[rt * a.cpg]);
+      if (active) {
+        // Sums about the thread's first row, channel by channel (the loads are independent of the sums).
+        float p[VEC], s1[VEC], s2[VEC];
+        float cnt = 0.f;
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+          p[j] = 0.f;
+          s1[j] = 0.f;
+          s2[j] = 0.f;
+        }
+        if (rs < tl.rows) {
+          const uint4 r0 = st[rs * a.WV + col];
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) p[j] = elt_to_float<scalar_t>(r0, j);
+        }
+#pragma unroll 4
+        for (int r = rs; r < tl.rows; r += RS) {
+          const uint4 v = st[r * a.WV + col];
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) {
+            const float d = elt_to_float<scalar_t>(v, j) - p[j];
+            s1[j] += d;
+            s2[j] = fmaf(d, d, s2[j]);
+          }
+          cnt += 1.f;
+        }
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+          const int c = col * VEC + j;
+          const float tp = static_cast<float>(se[(c / a.cpg) * a.cpg]);
+          const float mt = cnt > 0.f ? s1[j] / cnt : 0.f;
+          cst[b][rs * a.W + c] =
+              cnt > 0.f ? make_float2((p[j] - tp) + mt, fmaxf(s2[j] - s1[j] * mt, 0.f)) : make_float2(0.f, 0.f);
+        }
+        if (col == 0) ccnt[b][rs] = cnt;
+      }
+      wgmma::mbar_arrive(bar(empty[s]));  // done with the stage
+      wgmma::named_sync(kStreamReduceBar, RT);
+      const int ns = a.cpg * RS;  // channel states a group
+      for (int gi = rw; gi < a.gb; gi += kStreamReduceWarps) {
+        Welford<float> acc{0.f, 0.f, 0.f};
+        for (int i = lane; i < ns; i += 32) {  // a fixed order: row set by row set, channel by channel
+          const int r = i / a.cpg, c = gi * a.cpg + (i - r * a.cpg);
+          const float2 v = cst[b][r * a.W + c];
+          acc = combine_f(acc, Welford<float>{v.x, v.y, ccnt[b][r]});
+        }
+        acc = warp_combine_f(acc);
+        if (lane == 0)
+          st_relaxed_v4(a.slots + (tl.blk * a.gb + gi) * a.Q + tl.q,
+                        make_uint4(slot_word(tpg[b][gi]), slot_word(acc.mean), slot_word(acc.m2), slot_word(acc.n)));
+      }
+      __syncwarp();
+      if (lane == 0) wgmma::mbar_arrive(bar(rdone[s]));  // after this lane's stores (their visibility: see the folder)
+    }
+    return;
+  }
+
+  if (warp == 2 + kStreamReduceWarps + kStreamNormWarps) {  // counter
+    int j = 0;  // fold jobs posted
+    for (int k = 0;; ++k) {
+      const int s = k % a.stages;
+      wgmma::mbar_wait(bar(full[s]), (k / a.stages) & 1);
+      const int64_t blk = tinfo[s].blk;
+      if (blk >= 0) {
+        // The stage goes back only after the reducers' arrival is consumed: they cannot lap rdone's phases.
+        wgmma::mbar_wait(bar(rdone[s]), (k / a.stages) & 1);
+        wgmma::mbar_arrive(bar(empty[s]));
+        unsigned old = 0;
+        if (lane == 0) old = atomicAdd(a.done + blk, 1u);
+        old = __shfl_sync(kFullMask, old, 0);
+        if (old + 1 != static_cast<unsigned>(a.Q)) continue;
+      }
+      // The block's last tile (or the end): a job for the folder.
+      const int e = j % kStreamColsJobs;
+      if (j >= kStreamColsJobs) wgmma::mbar_wait(bar(jempty[e]), (j / kStreamColsJobs - 1) & 1);
+      if (lane == 0) {
+        job[e] = blk;
+        wgmma::mbar_arrive(bar(jfull[e]));
+      }
+      ++j;
+      if (blk < 0) break;
+    }
+    return;
+  }
+
+  if (warp >= 3 + kStreamReduceWarps + kStreamNormWarps) {  // folders: warp fw folds groups fw, fw + F, ...
+    const int fw = warp - (3 + kStreamReduceWarps + kStreamNormWarps);
+    for (int j = 0;; ++j) {
+      const int e = j % kStreamColsJobs;
+      wgmma::mbar_wait(bar(jfull[e]), (j / kStreamColsJobs) & 1);
+      const int64_t blk = job[e];
+      __syncwarp();
+      if (lane == 0) wgmma::mbar_arrive(bar(jempty[e]));
+      if (blk < 0) break;
+      // Group gi's Q slots, lane l holding q = l, l + 32, ... (all loads first), merged in that order about the
+      // first tile's pivot, then over the warp's tree: a fixed order, the same bits whichever CTA folds.
+      for (int gi = fw; gi < a.gb; gi += kStreamColsFoldWarps) {
+        const int64_t ng = blk * a.gb + gi;
+        const uint4* sl = a.slots + ng * a.Q;
+        uint4 v[kStreamMaxSlotsPerLane];
+#pragma unroll
+        for (int i = 0; i < kStreamMaxSlotsPerLane; ++i)
+          if (lane + 32 * i < a.Q) v[i] = ld_relaxed_v4(sl + lane + 32 * i);
+#pragma unroll
+        for (int i = 0; i < kStreamMaxSlotsPerLane; ++i)
+          if (lane + 32 * i < a.Q)
+            while (!slot_ready(v[i])) {  // counted, so stored; maybe not yet visible here
+              __nanosleep(32);
+              v[i] = ld_relaxed_v4(sl + lane + 32 * i);
+            }
+        const float pivot = __shfl_sync(kFullMask, __uint_as_float(v[0].x), 0);
+        Welford<float> g{0.f, 0.f, 0.f};
+#pragma unroll
+        for (int i = 0; i < kStreamMaxSlotsPerLane; ++i)
+          if (lane + 32 * i < a.Q)
+            g = combine_f(g, Welford<float>{(__uint_as_float(v[i].x) - pivot) + __uint_as_float(v[i].y),
+                                            __uint_as_float(v[i].z), __uint_as_float(v[i].w)});
+        g = warp_combine_f(g);
+        if (lane == 0) {
+          const float rstd = rsqrtf(fmaxf(g.m2 / g.n, 0.f) + a.eps);
+          st_relaxed_v4(a.fin + ng, make_uint4(slot_word(pivot), slot_word(g.mean), slot_word(rstd), 1u));
+          if (a.stats.p != nullptr) a.stats.write(ng, pivot, g.mean, rstd);
+        }
+      }
+    }
+    return;
+  }
+
+  // normalizers
+  const int nt = tid - 32 * (2 + kStreamReduceWarps);
+  const int NS = NT / a.WV, col = nt % a.WV, rs = nt / a.WV;  // row sets of one column a thread
+  const bool active = rs < NS;
+  float piv[VEC], sc[VEC], sh[VEC];
+  int m = -1;
+  int64_t bprev = -1;
+  for (int k = 0;; ++k) {
+    const int s = k % a.stages;
+    wgmma::mbar_wait(bar(full[s]), (k / a.stages) & 1);
+    const StreamColsTile tl = tinfo[s];
+    if (tl.blk < 0) break;
+    if (tl.blk != bprev) {  // the block's table into registers, then straight back to the merger
+      ++m;
+      bprev = tl.blk;
+      const int e = m % kStreamColsTabs;
+      wgmma::mbar_wait(bar(tfull[e]), (m / kStreamColsTabs) & 1);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        const int c = active ? col * VEC + j : 0;
+        const float2 t = ctab[e][c];
+        piv[j] = tpiv[e][c / a.cpg];
+        sc[j] = t.x;
+        sh[j] = t.y;
+      }
+      wgmma::mbar_arrive(bar(tempty[e]));
+    }
+    if (active) {
+      const uint4* st = stage(s);
+      scalar_t* y = a.out + tl.first + col * VEC;
+      for (int r0 = rs; r0 < tl.rows; r0 += 4 * NS) {
+        uint4 v[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u)
+          if (r0 + u * NS < tl.rows) v[u] = st[(r0 + u * NS) * a.WV + col];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          const int r = r0 + u * NS;
+          if (r < tl.rows) {
+            uint4 o;
+#pragma unroll
+            for (int j = 0; j < VEC; j += 2) {
+              float z0 = fmaf(elt_to_float<scalar_t>(v[u], j) - piv[j], sc[j], sh[j]);
+              float z1 = fmaf(elt_to_float<scalar_t>(v[u], j + 1) - piv[j + 1], sc[j + 1], sh[j + 1]);
+              if (SILU) {
+                z0 = silu_fast(z0);
+                z1 = silu_fast(z1);
+              }
+              store_pair<scalar_t>(o, j / 2, z0, z1);
+            }
+            __stcs(reinterpret_cast<uint4*>(y + static_cast<int64_t>(r) * a.C), o);
+          }
+        }
+      }
+    }
+    wgmma::mbar_arrive(bar(empty[s]));
+  }
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------
 // Version 7: the backward of NC* input with each group on chip (sm_90). The two-pass backward moves x three
 // times and dy twice (statistics; per-channel sums of dz and dz * xhat; dx) and ran at 12-34 % of the copy
 // rate. Here, as in version 6, persistent clusters of K CTAs walk the groups, and a CTA's part of a group,
@@ -3548,6 +3943,109 @@ bool forward_smem(const GNShape& s, int64_t F, const scalar_t* x, scalar_t* out,
 // Groups over version 6's largest cluster (16 parts of kSmemBigPartBytes) go to version 12 unless pinned there.
 constexpr int64_t kStreamMinGroupBytes = 16 * kSmemBigPartBytes;
 
+// A cooperative launch of `grid` CTAs (every CTA resident at once), as versions 12 and 13 need.
+template <typename Kernel, typename Args>
+void launch_cooperative(Kernel kernel, const Args& a, int64_t grid, int threads, size_t smem, cudaStream_t stream) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(static_cast<unsigned>(grid));
+  cfg.blockDim = dim3(threads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute at{};
+  at.id = cudaLaunchAttributeCooperative;
+  at.val.cooperative = 1;
+  cfg.attrs = &at;
+  cfg.numAttrs = 1;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, a));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// VD_GROUP_NORM_STREAM_COLS=1: channels_last float32 input larger than the L2 that version 8 declines runs version
+// 13 instead of the two-pass kernels. Off by default: on the H200 the two were within 3 % of each other either way
+// (bench/notes/norm_and_elementwise.md), and the two-pass kernels are the simpler path. Read on every call.
+inline bool stream_cols_opted_in() { return env_str("VD_GROUP_NORM_STREAM_COLS") == "1"; }
+
+// Runs version 13 (channels_last, sm_90) when the shape, dtype, alignment and device allow it; false leaves the work
+// to the others. Unpinned it runs only where stream_cols_opted_in() (called only where version 8 declined).
+template <typename scalar_t>
+bool forward_stream_cols(const GNShape& s, const scalar_t* x, scalar_t* out, const scalar_t* w, const scalar_t* b,
+                         double eps, bool silu, bool vec, StatsOut stats, int device, cudaStream_t stream,
+                         bool pinned) {
+  if constexpr (std::is_same_v<scalar_t, double>) {
+    return false;
+  } else {
+    constexpr int kVec = max_vec<scalar_t>();
+    constexpr int64_t kElt = sizeof(scalar_t);
+    // vec: x and out 16-byte aligned, C whole vectors (rows start on 16 bytes).
+    if (!s.channels_last || !vec || s.S >= (int64_t{1} << 31)) return false;
+    if (!pinned && (kElt != 4 || !stream_cols_opted_in() || s.N * s.S * s.C * kElt <= l2_cache_bytes(device)))
+      return false;
+    const int64_t cpg = s.C / s.G;
+    auto kernel = silu ? stream_cols_kernel<scalar_t, true> : stream_cols_kernel<scalar_t, false>;
+    // Version 12's ring bytes; VD_GROUP_NORM_STREAM_COLS_STAGES (2-8) cuts them into that many stages (benchmarks).
+    const int64_t ring = int64_t{kStreamStages} * kStreamTileBytes;
+    const int stages = static_cast<int>(std::clamp<int64_t>(
+        env_int("VD_GROUP_NORM_STREAM_COLS_STAGES", kStreamStages), 2, kStreamColsMaxStages));
+    const int64_t stage_bytes = ring / stages / 128 * 128;
+    const size_t smem = static_cast<size_t>(ring);
+    const int P = resident_clusters(kernel, 1, device, kStreamColsThreads, smem);
+    int coop = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, device));
+    if (P == 0 || !coop) return false;
+    // Blocks of gb groups (dividing G) with rows of whole vectors, whose Q tiles the resident rings hold twice over
+    // (a block's table waits for all of its tiles; the rings must also hold the next block's): the widest whose
+    // gb * Q slots are at most 1024 (a block's table waits for its fold), else the narrowest. A folder warp holds a
+    // group's Q <= 512 slots. VD_GROUP_NORM_STREAM_COLS_SLOTS sets the bound (benchmarks compare block widths).
+    const int64_t fold_slots = env_int("VD_GROUP_NORM_STREAM_COLS_SLOTS", 1024);
+    int64_t gb = 0, Q = 0;
+    for (int64_t g = std::min<int64_t>(s.G, kStreamColsMaxGb); g >= 1; --g) {
+      const int64_t W = g * cpg;
+      if (s.G % g != 0 || W > kStreamColsMaxW || W % kVec != 0) continue;
+      if (W * kElt > stage_bytes) continue;
+      const int64_t q = ceil_div(s.S, stage_bytes / (W * kElt));
+      if (2 * q > int64_t{P} * stages || q > 32 * kStreamMaxSlotsPerLane) continue;
+      gb = g;
+      Q = q;
+      if (g * q <= fold_slots) break;
+    }
+    if (gb == 0) return false;
+    const int64_t R = ceil_div(s.S, Q);
+    const int64_t W = gb * cpg, NB = s.G / gb, tiles = s.N * NB * Q, NG = s.N * s.G;
+    if (!pinned && W * kElt < 128) return false;  // narrow rows: a bulk copy a row of a few sectors
+    if (tiles + P >= (int64_t{1} << 32)) return false;
+    // Slots, group records, group counters and the tile counter, zeroed on the stream.
+    const int64_t bytes = (NG * Q + NG) * static_cast<int64_t>(sizeof(uint4)) + (s.N * NB + 1) * int64_t{4};
+    at::Tensor ws = at::empty({bytes}, at::TensorOptions().device(at::kCUDA, device).dtype(at::kByte));
+    C10_CUDA_CHECK(cudaMemsetAsync(ws.mutable_data_ptr(), 0, bytes, stream));
+    StreamColsArgs<scalar_t> a{};
+    a.x = x;
+    a.out = out;
+    a.w = w;
+    a.b = b;
+    a.C = s.C;
+    a.S = s.S;
+    a.tiles = tiles;
+    a.NB = static_cast<int>(NB);
+    a.gb = static_cast<int>(gb);
+    a.cpg = static_cast<int>(cpg);
+    a.W = static_cast<int>(W);
+    a.WV = static_cast<int>(W / kVec);
+    a.Q = static_cast<int>(Q);
+    a.R = static_cast<int>(R);
+    a.stages = stages;
+    a.stage_bytes = static_cast<int>(stage_bytes);
+    a.eps = static_cast<float>(eps);
+    a.slots = reinterpret_cast<uint4*>(ws.mutable_data_ptr());
+    a.fin = a.slots + NG * Q;
+    a.done = reinterpret_cast<unsigned*>(a.fin + NG);
+    a.counter = a.done + s.N * NB;
+    a.stats = stats;
+    // Cooperative: every CTA resident at once (a CTA waits for blocks whose tiles others hold).
+    launch_cooperative(kernel, a, std::min<int64_t>(P, tiles), kStreamColsThreads, smem, stream);
+    return true;
+  }
+}
+
 // Runs version 12 when the shape, dtype, alignment and device allow it; false leaves the work to the others.
 // F: the frames of a frames-major x (its groups are F segments), else 1. pinned: also groups version 6 would take,
 // and 16-bit x (against the two-pass kernels there: 3 and 7 % faster on two rows, 2 % slower on a third; H200,
@@ -3561,7 +4059,9 @@ bool forward_stream(const GNShape& s, int64_t F, const scalar_t* x, scalar_t* ou
   } else {
     constexpr int kVec = max_vec<scalar_t>();
     constexpr int64_t TE = kStreamTileBytes / static_cast<int64_t>(sizeof(scalar_t));
-    if (s.channels_last || !vec) return false;
+    if (s.channels_last)
+      return forward_stream_cols<scalar_t>(s, x, out, w, b, eps, silu, vec, stats, device, stream, pinned);
+    if (!vec) return false;
     const int64_t cpg = s.C / s.G, S = s.S / F, seg = cpg * S;
     const int64_t group_bytes = F * seg * static_cast<int64_t>(sizeof(scalar_t));
     if (!pinned && (sizeof(scalar_t) != 4 || group_bytes <= kStreamMinGroupBytes)) return false;
@@ -3603,18 +4103,7 @@ bool forward_stream(const GNShape& s, int64_t F, const scalar_t* x, scalar_t* ou
     a.counter = reinterpret_cast<unsigned*>(a.slots + tiles);
     a.stats = stats;
     // Cooperative: every CTA resident at once (a CTA waits for groups whose tiles others hold).
-    cudaLaunchConfig_t cfg{};
-    cfg.gridDim = dim3(static_cast<unsigned>(std::min<int64_t>(P, tiles)));
-    cfg.blockDim = dim3(kStreamThreads);
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = stream;
-    cudaLaunchAttribute at{};
-    at.id = cudaLaunchAttributeCooperative;
-    at.val.cooperative = 1;
-    cfg.attrs = &at;
-    cfg.numAttrs = 1;
-    C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, a));
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch_cooperative(kernel, a, std::min<int64_t>(P, tiles), kStreamThreads, smem, stream);
     return true;
   }
 }

@@ -59,6 +59,14 @@ inline std::string env_str(const char* name) {
   return e == nullptr ? std::string() : std::string(e);
 }
 
+// Its value as an integer; `otherwise` where it is unset or not a whole positive number.
+inline int64_t env_int(const char* name, int64_t otherwise) {
+  const std::string v = env_str(name);
+  if (v.empty() || v.find_first_not_of("0123456789") != std::string::npos || v.size() > 18) return otherwise;
+  const int64_t n = std::stoll(v);
+  return n > 0 ? n : otherwise;
+}
+
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
