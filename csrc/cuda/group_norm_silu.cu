@@ -4013,7 +4013,7 @@ bool forward_stream_cols(const GNShape& s, const scalar_t* x, scalar_t* out, con
     const int64_t W = gb * cpg, NB = s.G / gb, tiles = s.N * NB * Q, NG = s.N * s.G;
     if (!pinned && W * kElt < 128) return false;  // narrow rows: a bulk copy a row of a few sectors
     if (tiles + P >= (int64_t{1} << 32)) return false;
-    // Slots, group records, group counters and the tile counter, zeroed on the stream.
+    // Slots, group records, block counters and the tile counter, zeroed on the stream.
     const int64_t bytes = (NG * Q + NG) * static_cast<int64_t>(sizeof(uint4)) + (s.N * NB + 1) * int64_t{4};
     at::Tensor ws = at::empty({bytes}, at::TensorOptions().device(at::kCUDA, device).dtype(at::kByte));
     C10_CUDA_CHECK(cudaMemsetAsync(ws.mutable_data_ptr(), 0, bytes, stream));
