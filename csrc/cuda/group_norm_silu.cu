@@ -3943,6 +3943,22 @@ bool forward_smem(const GNShape& s, int64_t F, const scalar_t* x, scalar_t* out,
 // Groups over version 6's largest cluster (16 parts of kSmemBigPartBytes) go to version 12 unless pinned there.
 constexpr int64_t kStreamMinGroupBytes = 16 * kSmemBigPartBytes;
 
+// The CTAs of `kernel` (one an SM's worth, clusters of 1) resident at once; 0 where the device cannot launch
+// cooperatively, as versions 12 and 13 need (a CTA waits for tiles other CTAs hold).
+template <typename Kernel>
+int cooperative_ctas(Kernel kernel, int device, int threads, size_t smem) {
+  int coop = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, device));
+  return coop ? resident_clusters(kernel, 1, device, threads, smem) : 0;
+}
+
+// `bytes` of device memory from the caching allocator, zeroed on the stream (tile counters, slots, records).
+inline at::Tensor zeroed_workspace(int64_t bytes, int device, cudaStream_t stream) {
+  at::Tensor ws = at::empty({bytes}, at::TensorOptions().device(at::kCUDA, device).dtype(at::kByte));
+  C10_CUDA_CHECK(cudaMemsetAsync(ws.mutable_data_ptr(), 0, bytes, stream));
+  return ws;
+}
+
 // A cooperative launch of `grid` CTAs (every CTA resident at once), as versions 12 and 13 need.
 template <typename Kernel, typename Args>
 void launch_cooperative(Kernel kernel, const Args& a, int64_t grid, int threads, size_t smem, cudaStream_t stream) {
@@ -3988,10 +4004,8 @@ bool forward_stream_cols(const GNShape& s, const scalar_t* x, scalar_t* out, con
         env_int("VD_GROUP_NORM_STREAM_COLS_STAGES", kStreamStages), 2, kStreamColsMaxStages));
     const int64_t stage_bytes = ring / stages / 128 * 128;
     const size_t smem = static_cast<size_t>(ring);
-    const int P = resident_clusters(kernel, 1, device, kStreamColsThreads, smem);
-    int coop = 0;
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, device));
-    if (P == 0 || !coop) return false;
+    const int P = cooperative_ctas(kernel, device, kStreamColsThreads, smem);
+    if (P == 0) return false;
     // Blocks of gb groups (dividing G) with rows of whole vectors, whose Q tiles the resident rings hold twice over
     // (a block's table waits for all of its tiles; the rings must also hold the next block's): the widest whose
     // gb * Q slots are at most 1024 (a block's table waits for its fold), else the narrowest. A folder warp holds a
@@ -4015,8 +4029,7 @@ bool forward_stream_cols(const GNShape& s, const scalar_t* x, scalar_t* out, con
     if (tiles + P >= (int64_t{1} << 32)) return false;
     // Slots, group records, block counters and the tile counter, zeroed on the stream.
     const int64_t bytes = (NG * Q + NG) * static_cast<int64_t>(sizeof(uint4)) + (s.N * NB + 1) * int64_t{4};
-    at::Tensor ws = at::empty({bytes}, at::TensorOptions().device(at::kCUDA, device).dtype(at::kByte));
-    C10_CUDA_CHECK(cudaMemsetAsync(ws.mutable_data_ptr(), 0, bytes, stream));
+    const at::Tensor ws = zeroed_workspace(bytes, device, stream);
     StreamColsArgs<scalar_t> a{};
     a.x = x;
     a.out = out;
@@ -4059,9 +4072,7 @@ bool forward_stream(const GNShape& s, int64_t F, const scalar_t* x, scalar_t* ou
   } else {
     constexpr int kVec = max_vec<scalar_t>();
     constexpr int64_t TE = kStreamTileBytes / static_cast<int64_t>(sizeof(scalar_t));
-    if (s.channels_last)
-      return forward_stream_cols<scalar_t>(s, x, out, w, b, eps, silu, vec, stats, device, stream, pinned);
-    if (!vec) return false;
+    if (s.channels_last || !vec) return false;
     const int64_t cpg = s.C / s.G, S = s.S / F, seg = cpg * S;
     const int64_t group_bytes = F * seg * static_cast<int64_t>(sizeof(scalar_t));
     if (!pinned && (sizeof(scalar_t) != 4 || group_bytes <= kStreamMinGroupBytes)) return false;
@@ -4072,17 +4083,14 @@ bool forward_stream(const GNShape& s, int64_t F, const scalar_t* x, scalar_t* ou
     const int64_t Q = F * Qs, tiles = s.N * s.G * Q;
     const size_t smem = static_cast<size_t>(kStreamStages) * kStreamTileBytes;
     auto kernel = silu ? stream_rows_kernel<scalar_t, true> : stream_rows_kernel<scalar_t, false>;
-    const int P = resident_clusters(kernel, 1, device, kStreamThreads, smem);
-    int coop = 0;
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, device));
+    const int P = cooperative_ctas(kernel, device, kStreamThreads, smem);
     // The merger holds a group's slots in registers; the resident rings must hold more than a group's tiles.
-    if (P == 0 || !coop || Q > 32 * kStreamMaxSlotsPerLane || int64_t{P} * kStreamStages <= Q ||
+    if (P == 0 || Q > 32 * kStreamMaxSlotsPerLane || int64_t{P} * kStreamStages <= Q ||
         tiles + P >= (int64_t{1} << 32))
       return false;
     // The tiles' slots and the tile counter, zeroed on the stream (a slot of zeros: not written yet).
     const int64_t bytes = (tiles + 1) * static_cast<int64_t>(sizeof(uint4));
-    at::Tensor ws = at::empty({bytes}, at::TensorOptions().device(at::kCUDA, device).dtype(at::kByte));
-    C10_CUDA_CHECK(cudaMemsetAsync(ws.mutable_data_ptr(), 0, bytes, stream));
+    const at::Tensor ws = zeroed_workspace(bytes, device, stream);
     StreamArgs<scalar_t> a{};
     a.x = x;
     a.out = out;
@@ -4653,8 +4661,12 @@ at::Tensor forward_cuda(const at::Tensor& x_in, const GNShape& s, const std::opt
     };
     if ((any || use == GNKernels::kSmem) && smem()) return;
     auto streamed = [&] {
-      return forward_stream<scalar_t>(s, a.F, a.x, a.out, a.w, a.b, eps, silu, vec, so, x.get_device(), stream,
-                                      use == GNKernels::kStream);
+      const bool pinned = use == GNKernels::kStream;
+      return s.channels_last
+                 ? forward_stream_cols<scalar_t>(s, a.x, a.out, a.w, a.b, eps, silu, vec, so, x.get_device(), stream,
+                                                 pinned)
+                 : forward_stream<scalar_t>(s, a.F, a.x, a.out, a.w, a.b, eps, silu, vec, so, x.get_device(), stream,
+                                            pinned);
     };
     if ((any || use == GNKernels::kStream) && streamed()) return;
     const bool small = x.numel() * static_cast<int64_t>(sizeof(scalar_t)) < kSmallBytes;
