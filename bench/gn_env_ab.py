@@ -1,14 +1,14 @@
 """Same-process A/B of group_norm_silu's forward (or --backward) under kernel switches (environment settings the
 op reads on every call), beside eager and inductor on the same tensors.
 
-    python bench/gn_env_ab.py --env VD_GROUP_NORM_THREE_CTAS=0 [--env NAME=VALUE ...] [--dtype fp32,bf16]
+    python bench/gn_env_ab.py --env VD_GROUP_NORM_THREE_CTAS=0 [--env NAME=VALUE[,NAME=VALUE] ...] [--dtype fp32,bf16]
                               [--shapes 14x512x72x128,...] [--nchw | --frames-major] [--rounds 4]
                               [--no-inductor] [--backward]
 
 Per shape and dtype: device µs a call (torch.profiler, inputs rotated over sets larger than the L2) of the op as
-built ("default") and under each setting, the median of --rounds rounds that alternate the variants, and µs a call
-by events; the CUDA kernel that served each variant; eager and inductor (events a call) and the ratios (events a
-call, as bench/ops.py reports them). Input is channels_last unless --nchw, or --frames-major (5-D shapes as
+built ("default") and under each variant (one or more settings, comma-separated), the median of --rounds rounds
+that alternate the variants, and µs a call by events; the CUDA kernel that served each variant; eager and inductor
+(events a call) and the ratios (events a call, as bench/ops.py reports them). Input is channels_last unless --nchw, or --frames-major (5-D shapes as
 (B, C, F, H, W) views of (B, F, C, H, W) memory). --backward times the backward op alone (dx, dgamma, dbeta from
 dy and the statistics the forward saved; eager and inductor: autograd through their graphs, kept); its copy
 figure counts x and dy read once, dx written once; the forward runs once, before the rounds, outside the switches
@@ -43,7 +43,8 @@ def served_by(fn) -> str:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--env", action="append", default=[], help="NAME=VALUE: a variant beside the default")
+    p.add_argument("--env", action="append", default=[],
+                   help="NAME=VALUE[,NAME=VALUE...]: a variant beside the default")
     p.add_argument("--dtype", default="fp32")
     p.add_argument("--shapes", default="14x512x72x128")
     p.add_argument("--groups", type=int, default=32)
@@ -55,8 +56,16 @@ def main(argv=None):
     p.add_argument("--backward", action="store_true")
     args = p.parse_args(argv)
     dev = torch.device("cuda")
-    # (key, variable, setting): the key names the setting too, so two settings of one variable are two variants.
-    variants = [("default", None, None)] + [(e, *e.split("=", 1)) for e in args.env]
+    # (key, [(variable, setting), ...]): the key names the settings too, so two settings of one variable are two
+    # variants.
+    variants = [("default", [])] + [(e, [tuple(kv.split("=", 1)) for kv in e.split(",")]) for e in args.env]
+
+    def settings(pairs):
+        stack = contextlib.ExitStack()
+        for name, setting in pairs:
+            stack.enter_context(env_var(name, setting))
+        return stack
+
     ceil = measure_ceilings(dev)
     rows = []
     for dname in args.dtype.split(","):
@@ -112,14 +121,14 @@ def main(argv=None):
                 torch._dynamo.reset()
                 ind = torch.compile(eager_x, dynamic=False)
                 r["inductor_ms"] = time_cuda(through(ind) if args.backward else lambda i: ind(xs[i]), n_sets)
-            times = {key: [] for key, _, _ in variants}
+            times = {key: [] for key, _ in variants}
             for _ in range(args.rounds):
-                for key, name, setting in variants:
-                    with env_var(name, setting) if setting is not None else contextlib.nullcontext():
+                for key, pairs in variants:
+                    with settings(pairs):
                         times[key].append(device_time_per_call(ours, n_sets))
-            for key, name, setting in variants:
+            for key, pairs in variants:
                 ms = statistics.median(times[key])
-                with env_var(name, setting) if setting is not None else contextlib.nullcontext():
+                with settings(pairs):
                     kern, out = served_by(lambda: ours(0)), ours(0)
                     out = out[0] if isinstance(out, tuple) else out
                     call_ms = time_cuda(ours, n_sets)  # events a call, as eager and inductor are timed
