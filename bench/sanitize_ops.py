@@ -200,10 +200,11 @@ def main():
                     torch.ops.vd.group_norm_silu(x, groups, None, None, 1e-5, False)
                 x = torch.randn(1, 6, 32, 30, 40, device=dev, dtype=dtype).transpose(1, 2)
                 torch.ops.vd.group_norm_silu_forward(x, 4, None, None, 1e-5, True)
-                # Version 13 (channels_last): more tiles than the rings hold (stages and tables reused), one tile a
-                # block, 5-D; vectors straddling groups.
+                # Version 13 (channels_last): more tiles than the rings hold (stages and tables reused; each block's
+                # last box past the sample), one tile a block, 5-D; vectors straddling groups; 16-byte rows (float32:
+                # 13 boxes a tile).
                 for shape, groups in [((4, 960, 40, 60), 32), ((2, 64, 5, 7), 32), ((2, 320, 3, 10, 12), 32),
-                                      ((1, 192, 40, 40), 32)]:
+                                      ((1, 192, 40, 40), 32), ((1, 32, 256, 512), 32)]:
                     fmt = torch.channels_last if len(shape) == 4 else torch.channels_last_3d
                     x = torch.randn(shape, device=dev, dtype=dtype).to(memory_format=fmt)
                     w = torch.randn(shape[1], device=dev, dtype=dtype)

@@ -53,8 +53,8 @@ CASES = {
     # cooperative launch).
     "group_norm_silu_stream": (lambda: [_rand(1, 64, 256, 256, dtype=torch.float32)],
                                lambda x: torch.ops.vd.group_norm_silu(x, 8, None, None, 1e-5, True)),
-    # sm_90: version 13 (channels_last float32 past the L2 that version 8 declines, opted into below: the tile and
-    # block counters and the groups' slots and records zeroed on the stream, a cooperative launch).
+    # sm_90: version 13 (channels_last float32 past the L2 that version 8 declines: the tile and block counters and
+    # the groups' slots and records zeroed on the stream, a tensor map passed by value, a cooperative launch).
     "group_norm_silu_stream_cols": (lambda: [_rand(2, 960, 72, 128, dtype=torch.float32, channels_last=True)],
                                     lambda x: torch.ops.vd.group_norm_silu(x, 32, None, None, 1e-5, True)),
     # The backward on chip: version 7 (NCHW, bulk copies, two cluster exchanges a group) and version 10
@@ -129,8 +129,6 @@ def test_cuda_graph_capture_and_replay(case, monkeypatch):
     make, fn = CASES[case]
     if case.startswith("conv_bn_silu_winograd"):
         monkeypatch.setenv("VD_CONV_BN_SILU_ALGO", "winograd")
-    if case == "group_norm_silu_stream_cols":
-        monkeypatch.setenv("VD_GROUP_NORM_STREAM_COLS", "1")
     if case.startswith("conv_bn_silu"):
         channels = {"conv_bn_silu": 48, "conv_bn_silu_cluster_fp32": 256, "conv_bn_silu_data_parallel": 256,
                     "conv_bn_silu_winograd": 256, "conv_bn_silu_winograd_fp32": 256}

@@ -540,28 +540,33 @@ def test_version_12_stream_pinned(device, dtype, monkeypatch):
 @pytest.mark.parametrize("device", CUDA)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_version_13_stream_cols(device, dtype, monkeypatch):
-    # Version 13 (sm_90): version 12's tiles and slots over channels_last blocks of gb groups (a tile: rows of a block),
-    # each group's slots merged once, by a folder warp of the CTA that counts the block's last tile. Off by default
-    # (the two-pass kernels serve the float32 rows version 8 declines); VD_GROUP_NORM_STREAM_COLS=1 runs it on those
-    # larger than the L2. Pins where it runs, that its output matches the reference and is the same bit for bit on
-    # every call (tiles go to whichever CTA asks first, blocks are folded by whichever CTA counts last).
+    # Version 13 (sm_90): version 12's tiles and slots over channels_last blocks of gb groups (a tile: rows of a block,
+    # one tensor copy), each group's slots merged once, by a folder warp of the CTA that counts the block's last tile.
+    # It serves the float32 rows version 8 declines that are larger than the L2; VD_GROUP_NORM_STREAM_COLS=0 leaves
+    # them to the two-pass kernels. Pins where it runs, that its output matches the reference, is the same bit for
+    # bit on every call (tiles go to whichever CTA asks first, blocks are folded by whichever CTA counts last) and
+    # with a bulk copy a row instead of the tensor copies (the same tiles).
     stream_family_ok(device)
     monkeypatch.delenv("VD_GROUP_NORM_KERNEL", raising=False)
+    monkeypatch.delenv("VD_GROUP_NORM_STREAM_COLS", raising=False)
     torch.manual_seed(0)
     fp32 = dtype == torch.float32
-    for shape, want in [((6, 960, 72, 128), fp32),   # gb 4 (120 channels, 480-byte rows), 136 tiles of 68 rows a block
+    for shape, want in [((6, 960, 72, 128), fp32),   # gb 4 (120 channels, 480-byte rows), 84 tiles of 110 rows a block
                         ((1, 960, 48, 64), False),   # 11.8 MB (fp32): within the L2, two-pass
                         ((2, 320, 72, 128), False)]:  # version 8
         C = shape[1]
         x = layout_input(shape, "channels_last", dtype, device)
         w, b = torch.randn(C, device=device, dtype=dtype), torch.randn(C, device=device, dtype=dtype)
-        check_kernel_serves("stream_cols_kernel", False, x, 32, w, b, what=f"{shape} by default")
+        out = check_kernel_serves("stream_cols_kernel", want, x, 32, w, b, what=f"{shape} by default")
         with monkeypatch.context() as m:
-            m.setenv("VD_GROUP_NORM_STREAM_COLS", "1")
-            out = check_kernel_serves("stream_cols_kernel", want, x, 32, w, b, what=f"{shape} opted in")
-            if want:
-                for _ in range(3):
-                    assert torch.equal(group_norm_silu(x, 32, w, b, 1e-5, True), out), f"{shape}: not repeatable"
+            m.setenv("VD_GROUP_NORM_STREAM_COLS", "0")
+            check_kernel_serves("stream_cols_kernel", False, x, 32, w, b, what=f"{shape} turned off")
+        if want:
+            for _ in range(3):
+                assert torch.equal(group_norm_silu(x, 32, w, b, 1e-5, True), out), f"{shape}: not repeatable"
+            with monkeypatch.context() as m:
+                m.setenv("VD_GROUP_NORM_STREAM_COLS_COPY", "rows")
+                assert torch.equal(group_norm_silu(x, 32, w, b, 1e-5, True), out), f"{shape}: bulk copies differ"
 
 
 @pytest.mark.parametrize("device", CUDA)
@@ -574,12 +579,12 @@ def test_version_13_stream_cols_pinned(device, dtype, monkeypatch):
     monkeypatch.setenv("VD_GROUP_NORM_KERNEL", "stream")
     torch.manual_seed(0)
     for shape, groups, want in [
-        ((2, 960, 20, 30), 32, True),    # cpg 30: gb 8; 600 rows in 18 tiles (fp32: 17 of 34, the last 22)
+        ((2, 960, 20, 30), 32, True),    # cpg 30: gb 8; 600 rows in tiles of a box each, the last one short
         ((2, 64, 5, 7), 32, True),       # cpg 2: all groups in one block, one tile a block
         ((1, 192, 40, 40), 32, True),    # cpg 6: vectors straddle groups; the whole 192-channel row a block
         ((2, 320, 3, 10, 12), 32, True),  # 5-D channels_last_3d, cpg 10: gb 16
         ((1, 8, 3, 2), 2, True),         # cpg 4, S 6: rows of 16 (16-bit) or 32 bytes
-        ((1, 32, 512, 512), 32, True),   # cpg 1: 16-byte rows (fp32: gb 4, 128 tiles a block), 2048 a tile
+        ((1, 32, 512, 512), 32, True),   # cpg 1: 16-byte rows (fp32: gb 4, 79 tiles of 13 boxes of 256 rows)
         ((1, 128, 300, 400), 2, False),  # cpg 64 (fp32: 938 tiles a group at its narrowest): two-pass
         ((2, 12, 5, 5), 3, None),        # C whole vectors in fp32 only (16-bit: two-pass)
     ]:
@@ -588,6 +593,11 @@ def test_version_13_stream_cols_pinned(device, dtype, monkeypatch):
         x = layout_input(shape, "channels_last", dtype, device, scale=2, shift=-1)
         w, b = torch.randn(C, device=device, dtype=dtype), torch.randn(C, device=device, dtype=dtype)
         check_pinned_case("stream_cols_kernel", want, x, groups, w, b, f"{shape} {dtype}")
+        if want:  # tensor copies (one or several boxes a tile) and a bulk copy a row fill the same tiles
+            out = group_norm_silu(x, groups, w, b, 1e-5, True)
+            with monkeypatch.context() as m:
+                m.setenv("VD_GROUP_NORM_STREAM_COLS_COPY", "rows")
+                assert torch.equal(group_norm_silu(x, groups, w, b, 1e-5, True), out), f"{shape} {dtype}: bulk copies"
 
 
 @pytest.mark.parametrize("device", CUDA)

@@ -2059,7 +2059,9 @@ __global__ void __launch_bounds__(kStreamThreads, 1) stream_rows_kernel(const St
 // Version 13 forward ("stream" on channels_last), sm_90: version 12's ring, tile counter and specialised warps over
 // channels_last blocks, for the rows version 8 cannot hold on chip (float32 960 channels at 72 x 128: 138 KB parts;
 // the two-pass kernels read x twice). A block is gb groups of one sample: rows of W = gb * cpg channels, C apart; a
-// tile is R rows of a block, brought in by one bulk copy a row (the producer warp's lanes in turn).
+// tile is R rows of a block, brought in by one tensor copy (a box of W channels by R rows; several boxes where R >
+// 256) into a ring of 4 stages filling the shared memory left (a bulk copy a row, 68 a tile, ran 7 % slower: 789 us
+// against 733, and L2 prefetches of later tiles from the producer, more copies still, 55 % slower).
 //   reducers (4 warps): per channel, each thread's sums about its first row; per group of the tile, those states
 //     merged in a fixed order into the group's slot (pivot: the tile's first element of the group), stored relaxed,
 //     each word nonzero once written (as version 12's);
@@ -2077,7 +2079,9 @@ __global__ void __launch_bounds__(kStreamThreads, 1) stream_rows_kernel(const St
 // and merging in the reducers (a fence and an atomic's round trip a group a tile; gb 8) 1542; one warp counting and
 // folding (gb 4) 1719; the merger's gamma and beta in one round trip 1350; counting apart from folding 844 (likely:
 // the CTA busy folding counted the next block last and folded it too); two folder warps, one load round a group, 768
-// against the two-pass kernels' 777. Not the default (bench/notes/norm_and_elementwise.md).
+// against the two-pass kernels' 777; tensor copies 733; 4 stages of the 209 KB the static arrays leave 684, the
+// default (bench/notes/norm_and_elementwise.md). The CTA that takes a block's last tile folding it at once (no
+// counting; the folders wait on the slots) was slower: 821 against 716 us.
 // No wait depends on a normalizer of another CTA (records wait only for reducers, which read loaded stages), and
 // tiles are taken in increasing order: as in version 12, the resident rings holding more than a block's Q tiles
 // (the host checks) keeps the grid from filling with tiles of a block still being taken.
@@ -2088,7 +2092,9 @@ constexpr int kStreamColsTabs = 4;    // channel tables in flight
 constexpr int kStreamColsFoldWarps = 2;
 constexpr int kStreamColsThreads = kStreamThreads + 32 * (1 + kStreamColsFoldWarps);  // + the counter and folders
 constexpr int kStreamColsJobs = 8;       // blocks counted out, waiting for the folders
+constexpr int kStreamColsStages = 4;
 constexpr int kStreamColsMaxStages = 8;  // the ring cut finer (VD_GROUP_NORM_STREAM_COLS_STAGES)
+constexpr int64_t kStreamColsMaxRing = 224 * 1024;
 
 template <typename scalar_t>
 struct StreamColsArgs {
@@ -2101,7 +2107,8 @@ struct StreamColsArgs {
   int64_t tiles;      // N * NB * Q
   int NB, gb, cpg, W, WV;  // blocks a sample, groups a block, channels a group and a block, vectors a row
   int Q, R;           // tiles a block, rows a tile (a block's last tile may hold fewer)
-  int stages, stage_bytes;  // the ring: stages * stage_bytes = kStreamStages * kStreamTileBytes
+  int stages, stage_bytes;  // the ring: stages * stage_bytes bytes of dynamic shared memory
+  int rbox;                 // rows a tensor-copy box (boxes of W channels; 0: a bulk copy a row instead)
   float eps;
   uint4* slots;       // [N * G][Q]: group ng's (pivot, mean offset, m2, n) in each tile of its block
   unsigned* done;     // [N * NB]: tiles counted a block
@@ -2128,7 +2135,8 @@ __device__ __forceinline__ StreamColsTile stream_cols_tile(const StreamColsArgs<
 }
 
 template <typename scalar_t, bool SILU>
-__global__ void __launch_bounds__(kStreamColsThreads, 1) stream_cols_kernel(const StreamColsArgs<scalar_t> a) {
+__global__ void __launch_bounds__(kStreamColsThreads, 1)
+    stream_cols_kernel(const StreamColsArgs<scalar_t> a, const __grid_constant__ CUtensorMap tx) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr int VEC = max_vec<scalar_t>();
   constexpr int RT = 32 * kStreamReduceWarps, NT = 32 * kStreamNormWarps;
@@ -2187,15 +2195,29 @@ __global__ void __launch_bounds__(kStreamColsThreads, 1) stream_cols_kernel(cons
         break;
       }
       const StreamColsTile tl = stream_cols_tile(a, t);
-      if (lane == 0) {
-        tinfo[s] = tl;
-        wgmma::mbar_expect_tx(bar(full[s]), static_cast<uint32_t>(tl.rows) * row_bytes);
-      }
-      __syncwarp();
       const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(stage(s)));
-      for (int r = lane; r < tl.rows; r += 32)
-        wgmma::bulk_load_hint(dst + r * row_bytes, a.x + tl.first + static_cast<int64_t>(r) * a.C, row_bytes,
-                              bar(full[s]), drop);
+      if (a.rbox > 0) {
+        // Tensor copies of rbox rows. A block's last tile: its last box runs past the sample, and the zeros the copy
+        // engine writes for those rows (counted in the bytes) land in rows no one reads.
+        if (lane == 0) {
+          tinfo[s] = tl;
+          const int nbox = (tl.rows + a.rbox - 1) / a.rbox;
+          wgmma::mbar_expect_tx(bar(full[s]), static_cast<uint32_t>(nbox * a.rbox) * row_bytes);
+          const int n = static_cast<int>(tl.blk / a.NB), c0 = static_cast<int>(tl.blk - int64_t{n} * a.NB) * a.W;
+          for (int i = 0; i < nbox; ++i)
+            wgmma::tma_load_4d_hint(dst + static_cast<uint32_t>(i * a.rbox) * row_bytes, &tx, bar(full[s]), c0,
+                                    tl.q * a.R + i * a.rbox, n, 0, drop);
+        }
+      } else {
+        if (lane == 0) {
+          tinfo[s] = tl;
+          wgmma::mbar_expect_tx(bar(full[s]), static_cast<uint32_t>(tl.rows) * row_bytes);
+        }
+        __syncwarp();
+        for (int r = lane; r < tl.rows; r += 32)
+          wgmma::bulk_load_hint(dst + r * row_bytes, a.x + tl.first + static_cast<int64_t>(r) * a.C, row_bytes,
+                                bar(full[s]), drop);
+      }
     }
     return;
   }
@@ -3960,8 +3982,9 @@ inline at::Tensor zeroed_workspace(int64_t bytes, int device, cudaStream_t strea
 }
 
 // A cooperative launch of `grid` CTAs (every CTA resident at once), as versions 12 and 13 need.
-template <typename Kernel, typename Args>
-void launch_cooperative(Kernel kernel, const Args& a, int64_t grid, int threads, size_t smem, cudaStream_t stream) {
+template <typename Kernel, typename... Args>
+void launch_cooperative(Kernel kernel, int64_t grid, int threads, size_t smem, cudaStream_t stream,
+                        const Args&... args) {
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3(static_cast<unsigned>(grid));
   cfg.blockDim = dim3(threads);
@@ -3972,19 +3995,23 @@ void launch_cooperative(Kernel kernel, const Args& a, int64_t grid, int threads,
   at.val.cooperative = 1;
   cfg.attrs = &at;
   cfg.numAttrs = 1;
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, a));
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, args...));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// VD_GROUP_NORM_STREAM_COLS=1: channels_last float32 input larger than the L2 that version 8 declines runs version
-// 13 instead of the two-pass kernels. Off by default: on the H200 the two were within 3 % of each other either way
-// (bench/notes/norm_and_elementwise.md), and the two-pass kernels are the simpler path. Read on every call.
-inline bool stream_cols_opted_in() { return env_str("VD_GROUP_NORM_STREAM_COLS") == "1"; }
+// Channels_last float32 input larger than the L2 that version 8 declines runs version 13: 12-17 % faster than the
+// two-pass kernels at 960 channels on the H200 (bench/notes/norm_and_elementwise.md). VD_GROUP_NORM_STREAM_COLS=0
+// leaves it to the two-pass kernels. Read on every call.
+inline bool stream_cols_on() { return env_str("VD_GROUP_NORM_STREAM_COLS") != "0"; }
+
+#if defined(VD_SM90A)
+inline bool cols_tensor_map(CUtensorMap* m, const at::Tensor& t, const GNShape& s, int64_t W, int64_t rbox);
+#endif
 
 // Runs version 13 (channels_last, sm_90) when the shape, dtype, alignment and device allow it; false leaves the work
-// to the others. Unpinned it runs only where stream_cols_opted_in() (called only where version 8 declined).
+// to the others. Unpinned it runs only where stream_cols_on() (called only where version 8 declined).
 template <typename scalar_t>
-bool forward_stream_cols(const GNShape& s, const scalar_t* x, scalar_t* out, const scalar_t* w, const scalar_t* b,
+bool forward_stream_cols(const GNShape& s, const at::Tensor& xt, scalar_t* out, const scalar_t* w, const scalar_t* b,
                          double eps, bool silu, bool vec, StatsOut stats, int device, cudaStream_t stream,
                          bool pinned) {
   if constexpr (std::is_same_v<scalar_t, double>) {
@@ -3994,39 +4021,73 @@ bool forward_stream_cols(const GNShape& s, const scalar_t* x, scalar_t* out, con
     constexpr int64_t kElt = sizeof(scalar_t);
     // vec: x and out 16-byte aligned, C whole vectors (rows start on 16 bytes).
     if (!s.channels_last || !vec || s.S >= (int64_t{1} << 31)) return false;
-    if (!pinned && (kElt != 4 || !stream_cols_opted_in() || s.N * s.S * s.C * kElt <= l2_cache_bytes(device)))
+    if (!pinned && (kElt != 4 || !stream_cols_on() || s.N * s.S * s.C * kElt <= l2_cache_bytes(device)))
       return false;
     const int64_t cpg = s.C / s.G;
     auto kernel = silu ? stream_cols_kernel<scalar_t, true> : stream_cols_kernel<scalar_t, false>;
-    // Version 12's ring bytes; VD_GROUP_NORM_STREAM_COLS_STAGES (2-8) cuts them into that many stages (benchmarks).
-    const int64_t ring = int64_t{kStreamStages} * kStreamTileBytes;
+    // The ring: all the shared memory the static arrays leave (209 KB in float32 on sm_90), in 4 stages. A tile waits
+    // in its stage for its block's table, so the ring's bytes set the rate: at (28, 960, 72, 128) fp32 on the H200,
+    // 192 / 200 / 209 KB in 4 stages 716 / 698 / 684 us; 192 KB in 3 / 6 / 8 stages 749 / 733 / 800 us, 209 KB in 5 /
+    // 6 stages 682 / 695. VD_GROUP_NORM_STREAM_COLS_RING_KB and VD_GROUP_NORM_STREAM_COLS_STAGES (2-8) set others
+    // (benchmarks).
+    cudaFuncAttributes fa{};
+    C10_CUDA_CHECK(cudaFuncGetAttributes(&fa, kernel));
+    const int64_t room = std::min<int64_t>(max_dynamic_smem(fa, device), kStreamColsMaxRing) / 1024;
+    if (room < 64) return false;
+    const int64_t ring = std::clamp<int64_t>(env_int("VD_GROUP_NORM_STREAM_COLS_RING_KB", room), 64, room) * 1024;
     const int stages = static_cast<int>(std::clamp<int64_t>(
-        env_int("VD_GROUP_NORM_STREAM_COLS_STAGES", kStreamStages), 2, kStreamColsMaxStages));
+        env_int("VD_GROUP_NORM_STREAM_COLS_STAGES", kStreamColsStages), 2, kStreamColsMaxStages));
     const int64_t stage_bytes = ring / stages / 128 * 128;
     const size_t smem = static_cast<size_t>(ring);
     const int P = cooperative_ctas(kernel, device, kStreamColsThreads, smem);
     if (P == 0) return false;
     // Blocks of gb groups (dividing G) with rows of whole vectors, whose Q tiles the resident rings hold twice over
     // (a block's table waits for all of its tiles; the rings must also hold the next block's): the widest whose
-    // gb * Q slots are at most 1024 (a block's table waits for its fold), else the narrowest. A folder warp holds a
-    // group's Q <= 512 slots. VD_GROUP_NORM_STREAM_COLS_SLOTS sets the bound (benchmarks compare block widths).
-    const int64_t fold_slots = env_int("VD_GROUP_NORM_STREAM_COLS_SLOTS", 1024);
+    // gb * Q slots are at most 512, else the narrowest. A block's table waits for its fold: a bound of 1024 took 8
+    // groups at (32, 960, 64, 96) in 4 stages, 669 us against 542 with 4 groups in 6. A folder warp holds a group's
+    // Q <= 512 slots. VD_GROUP_NORM_STREAM_COLS_SLOTS sets the bound (benchmarks compare block widths).
+    const int64_t fold_slots = env_int("VD_GROUP_NORM_STREAM_COLS_SLOTS", 512);
+    // A tile's rows come in tensor copies of W channels: one box where the stage holds <= 256 rows (the copy engine's
+    // limit), else boxes of rbox rows, each on a 128-byte boundary, and tiles of whole boxes.
+    auto tile_rows = [&](int64_t row_bytes) {  // (the most rows a tile, rbox; 0: one box)
+      const int64_t cap = stage_bytes / row_bytes;
+      if (cap <= 256) return std::make_pair(cap, int64_t{0});
+      const int64_t unit = 128 / std::gcd<int64_t>(row_bytes, 128), rbox = 256 / unit * unit;
+      return std::make_pair(cap / rbox * rbox, rbox);
+    };
     int64_t gb = 0, Q = 0;
     for (int64_t g = std::min<int64_t>(s.G, kStreamColsMaxGb); g >= 1; --g) {
       const int64_t W = g * cpg;
       if (s.G % g != 0 || W > kStreamColsMaxW || W % kVec != 0) continue;
       if (W * kElt > stage_bytes) continue;
-      const int64_t q = ceil_div(s.S, stage_bytes / (W * kElt));
+      const int64_t q = ceil_div(s.S, tile_rows(W * kElt).first);
       if (2 * q > int64_t{P} * stages || q > 32 * kStreamMaxSlotsPerLane) continue;
       gb = g;
       Q = q;
       if (g * q <= fold_slots) break;
     }
     if (gb == 0) return false;
-    const int64_t R = ceil_div(s.S, Q);
-    const int64_t W = gb * cpg, NB = s.G / gb, tiles = s.N * NB * Q, NG = s.N * s.G;
-    if (!pinned && W * kElt < 128) return false;  // narrow rows: a bulk copy a row of a few sectors
+    const int64_t W = gb * cpg, NB = s.G / gb, NG = s.N * s.G;
+    int64_t R = ceil_div(s.S, Q), rbox = tile_rows(W * kElt).second;
+    if (rbox > 0) {
+      R = ceil_div(R, rbox) * rbox;  // <= the most rows a tile: a multiple of rbox
+      Q = ceil_div(s.S, R);
+    } else {
+      rbox = R;
+    }
+    const int64_t tiles = s.N * NB * Q;
+    if (!pinned && W * kElt < 128) return false;  // narrow rows: a copy of a few sectors a row
     if (tiles + P >= (int64_t{1} << 32)) return false;
+    // VD_GROUP_NORM_STREAM_COLS_COPY=rows: a bulk copy a row instead (benchmarks; where there is no tensor map, only
+    // pinned: 68 copies a tile ran 7 % slower at (28, 960, 72, 128), more on narrower rows).
+    CUtensorMap tx{};
+    const bool rows = env_str("VD_GROUP_NORM_STREAM_COLS_COPY") == "rows";
+    bool map = false;
+#if defined(VD_SM90A)
+    map = !rows && s.N <= std::numeric_limits<int>::max() && cols_tensor_map(&tx, xt, s, W, rbox);
+#endif
+    if (!map && !rows && !pinned) return false;
+    const scalar_t* x = xt.const_data_ptr<scalar_t>();
     // Slots, group records, block counters and the tile counter, zeroed on the stream.
     const int64_t bytes = (NG * Q + NG) * static_cast<int64_t>(sizeof(uint4)) + (s.N * NB + 1) * int64_t{4};
     const at::Tensor ws = zeroed_workspace(bytes, device, stream);
@@ -4047,6 +4108,7 @@ bool forward_stream_cols(const GNShape& s, const scalar_t* x, scalar_t* out, con
     a.R = static_cast<int>(R);
     a.stages = stages;
     a.stage_bytes = static_cast<int>(stage_bytes);
+    a.rbox = map ? static_cast<int>(rbox) : 0;
     a.eps = static_cast<float>(eps);
     a.slots = reinterpret_cast<uint4*>(ws.mutable_data_ptr());
     a.fin = a.slots + NG * Q;
@@ -4054,7 +4116,7 @@ bool forward_stream_cols(const GNShape& s, const scalar_t* x, scalar_t* out, con
     a.counter = a.done + s.N * NB;
     a.stats = stats;
     // Cooperative: every CTA resident at once (a CTA waits for blocks whose tiles others hold).
-    launch_cooperative(kernel, a, std::min<int64_t>(P, tiles), kStreamColsThreads, smem, stream);
+    launch_cooperative(kernel, std::min<int64_t>(P, tiles), kStreamColsThreads, smem, stream, a, tx);
     return true;
   }
 }
@@ -4111,7 +4173,7 @@ bool forward_stream(const GNShape& s, int64_t F, const scalar_t* x, scalar_t* ou
     a.counter = reinterpret_cast<unsigned*>(a.slots + tiles);
     a.stats = stats;
     // Cooperative: every CTA resident at once (a CTA waits for groups whose tiles others hold).
-    launch_cooperative(kernel, a, std::min<int64_t>(P, tiles), kStreamThreads, smem, stream);
+    launch_cooperative(kernel, std::min<int64_t>(P, tiles), kStreamThreads, smem, stream, a);
     return true;
   }
 }
@@ -4663,7 +4725,7 @@ at::Tensor forward_cuda(const at::Tensor& x_in, const GNShape& s, const std::opt
     auto streamed = [&] {
       const bool pinned = use == GNKernels::kStream;
       return s.channels_last
-                 ? forward_stream_cols<scalar_t>(s, a.x, a.out, a.w, a.b, eps, silu, vec, so, x.get_device(), stream,
+                 ? forward_stream_cols<scalar_t>(s, x, a.out, a.w, a.b, eps, silu, vec, so, x.get_device(), stream,
                                                  pinned)
                  : forward_stream<scalar_t>(s, a.F, a.x, a.out, a.w, a.b, eps, silu, vec, so, x.get_device(), stream,
                                             pinned);

@@ -62,6 +62,14 @@ inline cudaLaunchAttribute cluster_attr(int K) {
   return at;
 }
 
+// Bytes of dynamic shared memory a kernel with attributes `fa` may take on `device`: the opt-in limit less its static
+// arrays.
+inline int max_dynamic_smem(const cudaFuncAttributes& fa, int device) {
+  int optin = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  return optin - static_cast<int>(fa.sharedSizeBytes);
+}
+
 // Clusters of K CTAs (`threads` threads, `smem` bytes of dynamic shared memory) resident on `device` at once:
 // a persistent grid of clusters. 0 where the kernel has no sm_90 code or the device cannot place one.
 // Allows clusters of 16 (over the portable 8) on the kernel first. Cached: the answer depends only on these.
@@ -77,9 +85,7 @@ int resident_clusters(Kernel kernel, int K, int device, int threads, size_t smem
   C10_CUDA_CHECK(cudaFuncGetAttributes(&fa, kernel));
   // The kernel may take up to all of the opt-in shared memory (set once to the maximum, so that launches
   // with different sizes never see a smaller limit set by another).
-  int optin = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  const int max_dyn = optin - static_cast<int>(fa.sharedSizeBytes);
+  const int max_dyn = max_dynamic_smem(fa, device);
   int n = 0;
   if (fa.binaryVersion >= 90 && smem <= static_cast<size_t>(max_dyn) &&
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, max_dyn) == cudaSuccess &&
