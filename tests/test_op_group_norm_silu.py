@@ -585,7 +585,7 @@ def test_version_13_stream_cols_pinned(device, dtype, monkeypatch):
         ((2, 320, 3, 10, 12), 32, True),  # 5-D channels_last_3d, cpg 10: gb 16
         ((1, 8, 3, 2), 2, True),         # cpg 4, S 6: rows of 16 (16-bit) or 32 bytes
         ((1, 32, 512, 512), 32, True),   # cpg 1: 16-byte rows (fp32: gb 4, 79 tiles of 13 boxes of 256 rows)
-        ((1, 128, 300, 400), 2, False),  # cpg 64 (fp32: 938 tiles a group at its narrowest): two-pass
+        ((1, 128, 300, 400), 2, False),  # cpg 64 (fp32: 575 tiles a group at its narrowest): two-pass
         ((2, 12, 5, 5), 3, None),        # C whole vectors in fp32 only (16-bit: two-pass)
     ]:
         want = dtype == torch.float32 if want is None else want
