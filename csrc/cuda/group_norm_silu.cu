@@ -4084,7 +4084,9 @@ bool forward_stream_cols(const GNShape& s, const at::Tensor& xt, scalar_t* out, 
     const bool rows = env_str("VD_GROUP_NORM_STREAM_COLS_COPY") == "rows";
     bool map = false;
 #if defined(VD_SM90A)
-    map = !rows && s.N <= std::numeric_limits<int>::max() && cols_tensor_map(&tx, xt, s, W, rbox);
+    // Box coordinates are 32-bit: a block's last box starts before S and may end R rows past it.
+    map = !rows && s.N <= std::numeric_limits<int>::max() && s.S + R <= std::numeric_limits<int>::max() &&
+          cols_tensor_map(&tx, xt, s, W, rbox);
 #endif
     if (!map && !rows && !pinned) return false;
     const scalar_t* x = xt.const_data_ptr<scalar_t>();
