@@ -486,6 +486,13 @@ def check_pinned_case(kernel, want, x, groups, w, b, what):
     check_stats(stats, x, groups, 1e-5, what)
 
 
+def assert_same_bits(out, x, groups, w, b, what, times=1):
+    """Each of `times` further calls of group_norm_silu(x, ...) (under the environment of the moment) returns `out`
+    bit for bit."""
+    for _ in range(times):
+        assert torch.equal(group_norm_silu(x, groups, w, b, 1e-5, True), out), what
+
+
 def stream_family_ok(device):
     if torch.cuda.get_device_capability(device)[0] < 9:
         pytest.skip("version 12 needs the bulk copy engine (sm_90+)")
@@ -514,8 +521,7 @@ def test_version_12_stream(device, dtype):
         w, b = torch.randn(C, device=device, dtype=dtype), torch.randn(C, device=device, dtype=dtype)
         out = check_kernel_serves("stream_rows_kernel", want, x, groups, w, b, what=f"{shape}")
         if want:
-            for _ in range(3):
-                assert torch.equal(group_norm_silu(x, groups, w, b, 1e-5, True), out), f"{shape}: not repeatable"
+            assert_same_bits(out, x, groups, w, b, f"{shape}: not repeatable", times=3)
 
 
 @pytest.mark.parametrize("device", CUDA)
@@ -562,11 +568,10 @@ def test_version_13_stream_cols(device, dtype, monkeypatch):
             m.setenv("VD_GROUP_NORM_STREAM_COLS", "0")
             check_kernel_serves("stream_cols_kernel", False, x, 32, w, b, what=f"{shape} turned off")
         if want:
-            for _ in range(3):
-                assert torch.equal(group_norm_silu(x, 32, w, b, 1e-5, True), out), f"{shape}: not repeatable"
+            assert_same_bits(out, x, 32, w, b, f"{shape}: not repeatable", times=3)
             with monkeypatch.context() as m:
                 m.setenv("VD_GROUP_NORM_STREAM_COLS_COPY", "rows")
-                assert torch.equal(group_norm_silu(x, 32, w, b, 1e-5, True), out), f"{shape}: bulk copies differ"
+                assert_same_bits(out, x, 32, w, b, f"{shape}: bulk copies differ")
 
 
 @pytest.mark.parametrize("device", CUDA)
@@ -597,7 +602,7 @@ def test_version_13_stream_cols_pinned(device, dtype, monkeypatch):
             out = group_norm_silu(x, groups, w, b, 1e-5, True)
             with monkeypatch.context() as m:
                 m.setenv("VD_GROUP_NORM_STREAM_COLS_COPY", "rows")
-                assert torch.equal(group_norm_silu(x, groups, w, b, 1e-5, True), out), f"{shape} {dtype}: bulk copies"
+                assert_same_bits(out, x, groups, w, b, f"{shape} {dtype}: bulk copies")
 
 
 @pytest.mark.parametrize("device", CUDA)
