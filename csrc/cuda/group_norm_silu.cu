@@ -265,6 +265,7 @@ struct GNArgs {
   int TCV, R;
   int64_t ctiles, RB;
   bool silu;
+  bool exact_dz;          // backward: 16-bit data take silu_grad as float does (grad_exact_dz)
   // The second pass (apply, dx) walks its blocks last to first: the first pass (statistics, gradient sums) read
   // x first to last, so its last reads are still in L2 when the second starts.
   bool reverse;
@@ -630,11 +631,28 @@ struct Sum2 {
   acc_t dz, dzx;
 };
 
+// d silu / dz on the special-function unit (ex2 and rcp approximations, a few float ulp): 16-bit data, whose
+// rounding is far coarser; float keeps silu_grad.
+__device__ __forceinline__ float silu_grad_fast(float z) {
+  float e, s;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(z * -1.4426950408889634f));
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(s) : "f"(1.f + e));
+  return s * fmaf(z, 1.f - s, 1.f);
+}
+
+// dy * silu'(z) as the backward kernels take it: silu_grad_fast for 16-bit data (unless exact), silu_grad for float.
+// Version 1's 16-bit kernels with silu_grad were issue-bound on its division and exponential.
+template <typename scalar_t, typename acc_t>
+__device__ __forceinline__ acc_t silu_dz(acc_t dy, acc_t z, bool exact = false) {
+  if constexpr (sizeof(scalar_t) == 2 && std::is_same_v<acc_t, float>) return exact ? dy * silu_grad(z) : dy * silu_grad_fast(z);
+  else return dy * silu_grad(z);
+}
+
 // xc: x - mean (see centered()).
-template <typename acc_t>
+template <typename scalar_t, typename acc_t>
 __device__ __forceinline__ void grad_terms(acc_t xc, acc_t dy, acc_t rstd, acc_t sc, acc_t beta, bool silu,
-                                           acc_t& dz, acc_t& xhat) {
-  dz = silu ? dy * silu_grad(xc * sc + beta) : dy;
+                                           bool exact, acc_t& dz, acc_t& xhat) {
+  dz = silu ? silu_dz<scalar_t>(dy, xc * sc + beta, exact) : dy;
   xhat = xc * rstd;
 }
 
@@ -654,7 +672,7 @@ __global__ void __launch_bounds__(kThreads) grad_sums_rows_kernel(GNArgs<scalar_
   acc_t sdz = 0, sdzx = 0;
   auto acc = [&](acc_t x, acc_t dy) {
     acc_t dz, xhat;
-    grad_terms(centered(x, cp.mean, cp.mean_lo), dy, cp.rstd, sc, cp.beta, a.silu, dz, xhat);
+    grad_terms<scalar_t>(centered(x, cp.mean, cp.mean_lo), dy, cp.rstd, sc, cp.beta, a.silu, a.exact_dz, dz, xhat);
     sdz += dz;
     sdzx += dz * xhat;
   };
@@ -717,7 +735,7 @@ __global__ void __launch_bounds__(kThreads, 3) grad_sums_cols_kernel(GNArgs<scal
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {
         const acc_t xm = x[j] - mu[j];
-        const acc_t dz = a.silu ? dy[j] * silu_grad(xm * sc[j] + be[j]) : dy[j];
+        const acc_t dz = a.silu ? silu_dz<scalar_t>(dy[j], xm * sc[j] + be[j], a.exact_dz) : dy[j];
         sdz[j] += dz;
         sdzx[j] += dz * xm;
       }
@@ -809,11 +827,11 @@ __global__ void __launch_bounds__(kThreads) grad_reduce_kernel(GNArgs<scalar_t, 
   }
 }
 
-template <typename acc_t>
+template <typename scalar_t, typename acc_t>
 __device__ __forceinline__ acc_t dx_of(acc_t xc, acc_t dy, acc_t rstd, acc_t gamma, acc_t sc, acc_t beta,
-                                       acc_t m1, acc_t m2, bool silu) {
+                                       acc_t m1, acc_t m2, bool silu, bool exact) {
   acc_t dz, xhat;
-  grad_terms(xc, dy, rstd, sc, beta, silu, dz, xhat);
+  grad_terms<scalar_t>(xc, dy, rstd, sc, beta, silu, exact, dz, xhat);
   return rstd * (dz * gamma - m1 - xhat * m2);
 }
 
@@ -831,7 +849,7 @@ __global__ void __launch_bounds__(kThreads) dx_rows_kernel(GNArgs<scalar_t, acc_
   const ChannelParams<acc_t> cp(a, n, c);
   const acc_t sc = cp.rstd * cp.gamma, m1 = a.m1[ng], m2 = a.m2[ng];
   auto f = [&](acc_t x, acc_t dy) {
-    return dx_of(centered(x, cp.mean, cp.mean_lo), dy, cp.rstd, cp.gamma, sc, cp.beta, m1, m2, a.silu);
+    return dx_of<scalar_t>(centered(x, cp.mean, cp.mean_lo), dy, cp.rstd, cp.gamma, sc, cp.beta, m1, m2, a.silu, a.exact_dz);
   };
   auto one = [&](int64_t i) {
     acc_t x[VEC], dy[VEC];
@@ -893,7 +911,7 @@ __global__ void __launch_bounds__(kThreads, 3) dx_cols_kernel(GNArgs<scalar_t, a
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
       const acc_t xm = x[j] - mu[j];
-      const acc_t dz = a.silu ? dy[j] * silu_grad(xm * sc[j] + be[j]) : dy[j];
+      const acc_t dz = a.silu ? silu_dz<scalar_t>(dy[j], xm * sc[j] + be[j], a.exact_dz) : dy[j];
       x[j] = sc[j] * dz + cbb[j] + cd[j] * xm;
     }
     store_vec<VEC>(op, x);
@@ -2517,15 +2535,6 @@ __device__ __forceinline__ void store_v4(T* p, const uint4& v) {
   asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
 }
 
-// d silu / dz on the special-function unit (ex2 and rcp approximations, a few float ulp): 16-bit data, whose
-// rounding is far coarser; float keeps silu_grad.
-__device__ __forceinline__ float silu_grad_fast(float z) {
-  float e, s;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(z * -1.4426950408889634f));
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(s) : "f"(1.f + e));
-  return s * fmaf(z, 1.f - s, 1.f);
-}
-
 // With SiLU, dz kept (the sums' pass writes dz over dy in the stage, the dx pass reads it back; grad_keep_dz) or
 // evaluated again: fixed at compile time (kDzKeep / kDzRecompute) for 16-bit input, where that measured 5-7 %
 // faster than the run-time flag on the UNet / VAE shapes (H200, bf16); decided by sa.keep_dz (kDzFlag) for
@@ -2608,8 +2617,7 @@ __global__ void __launch_bounds__(kSmemThreads, BLOCKS) smem_grad_kernel(const S
   };
   auto dz_of = [](float dy, float z) {
     if constexpr (!SILU) return dy;
-    else if constexpr (sizeof(scalar_t) == 2) return dy * silu_grad_fast(z);
-    else return dy * silu_grad(z);
+    else return silu_dz<scalar_t>(dy, z);
   };
 
   for (int64_t it = 0;; ++it) {
@@ -3476,8 +3484,7 @@ __global__ void __launch_bounds__(kSmemColsThreads, 2)
   };
   auto dz_of = [](float dy, float z) {
     if constexpr (!SILU) return dy;
-    else if constexpr (sizeof(scalar_t) == 2) return dy * silu_grad_fast(z);
-    else return dy * silu_grad(z);
+    else return silu_dz<scalar_t>(dy, z);
   };
   auto sum_lanes = [](float& u, float& v) {  // xor butterflies: every lane ends with the same bits
 #pragma unroll
@@ -4195,6 +4202,10 @@ int grad_backward_choice() {
 // Whether version 7 keeps dz = dy * silu'(z) from its sums' pass for dx (in x's dtype, as eager's SiLU backward
 // hands it to the norm's: 5-10 % faster on the UNet / VAE shapes) or, with VD_GROUP_NORM_BACKWARD_DZ=recompute,
 // evaluates it again in float (half the dx rounding error); read on every call.
+// Benchmarks: VD_GROUP_NORM_BACKWARD_SILU=exact gives version 1's 16-bit kernels silu_grad (as before they took
+// silu_grad_fast, as versions 7 and 10 do); read on every call.
+bool grad_exact_dz() { return env_str("VD_GROUP_NORM_BACKWARD_SILU") == "exact"; }
+
 bool grad_keep_dz() {
   const char* e = std::getenv("VD_GROUP_NORM_BACKWARD_DZ");
   return e == nullptr || std::string(e) != "recompute";
@@ -4807,6 +4818,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_silu_backward_cuda(
     a.x = x.const_data_ptr<scalar_t>();
     a.dy = dy.const_data_ptr<scalar_t>();
     a.out = dx.mutable_data_ptr<scalar_t>();
+    a.exact_dz = grad_exact_dz();
     if (in_place) {
       a.F = x.size(2);
       a.S = s.S / a.F;
