@@ -152,6 +152,16 @@ def main():
                 torch.ops.vd.group_norm_silu_backward(g, x, groups, None, None, 1e-5, silu)
                 _, stats = torch.ops.vd.group_norm_silu_forward(x, groups, w, w, 1e-5, silu)  # the forward's
                 torch.ops.vd.group_norm_silu_backward(g, x, groups, w, w, 1e-5, silu, stats)
+            # Version 1's channels_last backward, one and two rows of x and dy a load: threads with an odd row count, 5-D.
+            for batch in ("1", "2"):
+                with env_var("VD_GROUP_NORM_BACKWARD", "twopass"), env_var("VD_GROUP_NORM_BACKWARD_COL_BATCH", batch):
+                    for shape, groups in [((2, 64, 7, 9), 8), ((1, 320, 33, 17), 32), ((2, 40, 3, 5, 7), 4)]:
+                        fmt = torch.channels_last if len(shape) == 4 else torch.channels_last_3d
+                        x = torch.randn(shape, device=dev, dtype=dtype).to(memory_format=fmt)
+                        g = torch.randn(shape, device=dev, dtype=dtype).to(memory_format=fmt)
+                        w = torch.randn(shape[1], device=dev, dtype=dtype)
+                        _, stats = torch.ops.vd.group_norm_silu_forward(x, groups, w, w, 1e-5, True)
+                        torch.ops.vd.group_norm_silu_backward(g, x, groups, w, w, 1e-5, True, stats)
             # channels_last two-pass statistics over two column tiles (a group in both, groups in one only).
             for shape, groups in [((2, 2560, 3, 5), 32), ((1, 2112, 4, 4), 3)]:
                 x = torch.randn(shape, device=dev, dtype=dtype).to(memory_format=torch.channels_last)

@@ -825,6 +825,38 @@ def test_backward_channels_last_on_chip(device, dtype, monkeypatch):
     assert not any("smem_cols_grad_kernel" in n for n in names)
 
 
+@pytest.mark.parametrize("device", CUDA)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_backward_two_pass_channels_last(device, dtype, monkeypatch):
+    # Version 1's channels_last backward (VD_GROUP_NORM_BACKWARD=twopass), two rows of x and dy a load (float's
+    # default; VD_GROUP_NORM_BACKWARD_COL_BATCH=2 for 16-bit input): threads with an odd number of rows (the last row
+    # alone), blocks shorter than the others, 5-D input; against the float64 reference, and the same bits as one row
+    # a load (VD_GROUP_NORM_BACKWARD_COL_BATCH=1: the sums in the same order).
+    monkeypatch.setenv("VD_GROUP_NORM_BACKWARD", "twopass")
+    monkeypatch.setenv("VD_GROUP_NORM_BACKWARD_COL_BATCH", "2")
+    torch.manual_seed(0)
+    for shape, groups in [((2, 64, 7, 9), 8), ((1, 320, 33, 17), 32), ((2, 40, 3, 5, 7), 4)]:
+        C = shape[1]
+        x = channels_last((torch.randn(shape, device=device) * 3 + 1).to(dtype))
+        g = channels_last(torch.randn(shape, device=device, dtype=dtype))
+        w, b = torch.randn(C, device=device, dtype=dtype), torch.randn(C, device=device, dtype=dtype)
+        check_backward_kernel("dx_cols_kernel", True, g, x, groups, w, b)
+        _, stats = FORWARD_WITH_STATS(x, groups, w, b, 1e-5, True)
+        batched = torch.ops.vd.group_norm_silu_backward(g, x, groups, w, b, 1e-5, True, stats)
+        assert any(", 2>" in n for n in cuda_kernels_run(
+            lambda: torch.ops.vd.group_norm_silu_backward(g, x, groups, w, b, 1e-5, True, stats)) if "dx_cols" in n)
+        with monkeypatch.context() as m:
+            m.setenv("VD_GROUP_NORM_BACKWARD_COL_BATCH", "1")
+            single = torch.ops.vd.group_norm_silu_backward(g, x, groups, w, b, 1e-5, True, stats)
+        for got, want, name in zip(batched, single, ("dx", "dw", "db")):
+            assert torch.equal(got, want), f"{name} {shape} {dtype}: two rows a load differ from one"
+    # As chosen: two rows a load for float, one for 16-bit input.
+    monkeypatch.delenv("VD_GROUP_NORM_BACKWARD_COL_BATCH")
+    names = cuda_kernels_run(lambda: torch.ops.vd.group_norm_silu_backward(g, x, groups, w, b, 1e-5, True))
+    rows = ", 1>" if dtype.itemsize == 2 else ", 2>"
+    assert any(rows in n for n in names if "dx_cols_kernel" in n), sorted(set(names))
+
+
 # The forward's statistics (group_norm_silu_forward; autograd saves them for the backward, as eager GroupNorm saves
 # its mean and rstd): (3, N, G) of mean high part, mean low part, rstd.
 FORWARD_WITH_STATS = torch.ops.vd.group_norm_silu_forward.default

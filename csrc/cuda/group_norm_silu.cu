@@ -265,7 +265,6 @@ struct GNArgs {
   int TCV, R;
   int64_t ctiles, RB;
   bool silu;
-  bool exact_dz;          // backward: 16-bit data take silu_grad as float does (grad_exact_dz)
   // The second pass (apply, dx) walks its blocks last to first: the first pass (statistics, gradient sums) read
   // x first to last, so its last reads are still in L2 when the second starts.
   bool reverse;
@@ -626,6 +625,34 @@ __device__ __forceinline__ void load_batch(const scalar_t* x, const scalar_t* dy
   }
 }
 
+// Version 1's channels_last backward kernels load U rows of x and of dy before they use any (U = 1: two 16-byte
+// loads in flight a thread). CTAs an SM: three, two for 16-bit input at U = 2 (three would spill: 80 registers
+// at U = 1 already).
+template <typename scalar_t, int U>
+constexpr int grad_cols_ctas() {
+  return sizeof(scalar_t) == 2 && U > 1 ? 2 : 3;
+}
+
+// A thread's rows first, first + R, ... (< s1) of x and dy, `step` elements apart from xp and dp: U rows of each
+// loaded before any is used, f(x row, dy row) on every row in order (the last rows one at a time).
+template <int U, int VEC, typename scalar_t, typename F>
+__device__ __forceinline__ void col_rows_batched(const scalar_t* xp, const scalar_t* dp, int64_t first, int64_t s1,
+                                                 int R, int64_t step, F&& f) {
+  using V = Vec<scalar_t, VEC>;
+  int64_t s = first;
+  for (; s + (U - 1) * R < s1; s += U * R, xp += U * step, dp += U * step) {
+    V xr[U], dr[U];
+#pragma unroll
+    for (int k = 0; k < U; ++k) {
+      xr[k] = *reinterpret_cast<const V*>(xp + k * step);
+      dr[k] = *reinterpret_cast<const V*>(dp + k * step);
+    }
+#pragma unroll
+    for (int k = 0; k < U; ++k) f(xr[k], dr[k]);
+  }
+  for (; s < s1; s += R, xp += step, dp += step) f(*reinterpret_cast<const V*>(xp), *reinterpret_cast<const V*>(dp));
+}
+
 template <typename acc_t>
 struct Sum2 {
   acc_t dz, dzx;
@@ -640,19 +667,19 @@ __device__ __forceinline__ float silu_grad_fast(float z) {
   return s * fmaf(z, 1.f - s, 1.f);
 }
 
-// dy * silu'(z) as the backward kernels take it: silu_grad_fast for 16-bit data (unless exact), silu_grad for float.
-// Version 1's 16-bit kernels with silu_grad were issue-bound on its division and exponential.
+// dy * silu'(z) as every backward kernel takes it: silu_grad_fast for 16-bit data, silu_grad for float. Version 1's
+// 16-bit kernels with silu_grad spent their issue slots on its division and exponential (1.2-1.3x slower, H200).
 template <typename scalar_t, typename acc_t>
-__device__ __forceinline__ acc_t silu_dz(acc_t dy, acc_t z, bool exact = false) {
-  if constexpr (sizeof(scalar_t) == 2 && std::is_same_v<acc_t, float>) return exact ? dy * silu_grad(z) : dy * silu_grad_fast(z);
+__device__ __forceinline__ acc_t silu_dz(acc_t dy, acc_t z) {
+  if constexpr (sizeof(scalar_t) == 2 && std::is_same_v<acc_t, float>) return dy * silu_grad_fast(z);
   else return dy * silu_grad(z);
 }
 
 // xc: x - mean (see centered()).
 template <typename scalar_t, typename acc_t>
 __device__ __forceinline__ void grad_terms(acc_t xc, acc_t dy, acc_t rstd, acc_t sc, acc_t beta, bool silu,
-                                           bool exact, acc_t& dz, acc_t& xhat) {
-  dz = silu ? silu_dz<scalar_t>(dy, xc * sc + beta, exact) : dy;
+                                           acc_t& dz, acc_t& xhat) {
+  dz = silu ? silu_dz<scalar_t>(dy, xc * sc + beta) : dy;
   xhat = xc * rstd;
 }
 
@@ -672,7 +699,7 @@ __global__ void __launch_bounds__(kThreads) grad_sums_rows_kernel(GNArgs<scalar_
   acc_t sdz = 0, sdzx = 0;
   auto acc = [&](acc_t x, acc_t dy) {
     acc_t dz, xhat;
-    grad_terms<scalar_t>(centered(x, cp.mean, cp.mean_lo), dy, cp.rstd, sc, cp.beta, a.silu, a.exact_dz, dz, xhat);
+    grad_terms<scalar_t>(centered(x, cp.mean, cp.mean_lo), dy, cp.rstd, sc, cp.beta, a.silu, dz, xhat);
     sdz += dz;
     sdzx += dz * xhat;
   };
@@ -706,9 +733,9 @@ __global__ void __launch_bounds__(kThreads) grad_sums_rows_kernel(GNArgs<scalar_
 // (z = (x - mean) * sc + (beta - lo * sc); the sum of dz * (x - mean) becomes that of dz * xhat at the end),
 // and three blocks an SM (80 registers): at five values and 98 registers (two blocks) the 960-channel pass
 // read at 1.3 TB/s (0.74 ms), now 0.56 ms; at four blocks (64 registers) the spills made it slower again.
-template <typename scalar_t, typename acc_t, int VEC>
-__global__ void __launch_bounds__(kThreads, 3) grad_sums_cols_kernel(GNArgs<scalar_t, acc_t> a,
-                                                                     Sum2<acc_t>* __restrict__ part) {
+template <typename scalar_t, typename acc_t, int VEC, int U>
+__global__ void __launch_bounds__(kThreads, grad_cols_ctas<scalar_t, U>())
+    grad_sums_cols_kernel(GNArgs<scalar_t, acc_t> a, Sum2<acc_t>* __restrict__ part) {
   __shared__ acc_t sh_dz[kThreads * VEC];
   __shared__ acc_t sh_dzx[kThreads * VEC];
   const ColBlock cb = col_block(a, VEC);
@@ -728,18 +755,16 @@ __global__ void __launch_bounds__(kThreads, 3) grad_sums_cols_kernel(GNArgs<scal
     const int64_t off = (cb.n * a.S + first) * a.C + cb.cv * VEC;
     const scalar_t* xp = a.x + off;
     const scalar_t* dp = a.dy + off;
-    for (int64_t s = first; s < cb.s1; s += a.R, xp += step, dp += step) {
-      acc_t x[VEC], dy[VEC];
-      load_vec<VEC>(xp, x);
-      load_vec<VEC>(dp, dy);
+    auto acc = [&](const Vec<scalar_t, VEC>& xr, const Vec<scalar_t, VEC>& dr) {
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {
-        const acc_t xm = x[j] - mu[j];
-        const acc_t dz = a.silu ? silu_dz<scalar_t>(dy[j], xm * sc[j] + be[j], a.exact_dz) : dy[j];
+        const acc_t xm = static_cast<acc_t>(xr.v[j]) - mu[j], dy = static_cast<acc_t>(dr.v[j]);
+        const acc_t dz = a.silu ? silu_dz<scalar_t>(dy, xm * sc[j] + be[j]) : dy;
         sdz[j] += dz;
         sdzx[j] += dz * xm;
       }
-    }
+    };
+    col_rows_batched<U, VEC>(xp, dp, first, cb.s1, a.R, step, acc);
     // sum dz * xhat = rstd * (sum dz * (x - mean) - lo * sum dz)
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
@@ -829,9 +854,9 @@ __global__ void __launch_bounds__(kThreads) grad_reduce_kernel(GNArgs<scalar_t, 
 
 template <typename scalar_t, typename acc_t>
 __device__ __forceinline__ acc_t dx_of(acc_t xc, acc_t dy, acc_t rstd, acc_t gamma, acc_t sc, acc_t beta,
-                                       acc_t m1, acc_t m2, bool silu, bool exact) {
+                                       acc_t m1, acc_t m2, bool silu) {
   acc_t dz, xhat;
-  grad_terms<scalar_t>(xc, dy, rstd, sc, beta, silu, exact, dz, xhat);
+  grad_terms<scalar_t>(xc, dy, rstd, sc, beta, silu, dz, xhat);
   return rstd * (dz * gamma - m1 - xhat * m2);
 }
 
@@ -849,7 +874,7 @@ __global__ void __launch_bounds__(kThreads) dx_rows_kernel(GNArgs<scalar_t, acc_
   const ChannelParams<acc_t> cp(a, n, c);
   const acc_t sc = cp.rstd * cp.gamma, m1 = a.m1[ng], m2 = a.m2[ng];
   auto f = [&](acc_t x, acc_t dy) {
-    return dx_of<scalar_t>(centered(x, cp.mean, cp.mean_lo), dy, cp.rstd, cp.gamma, sc, cp.beta, m1, m2, a.silu, a.exact_dz);
+    return dx_of<scalar_t>(centered(x, cp.mean, cp.mean_lo), dy, cp.rstd, cp.gamma, sc, cp.beta, m1, m2, a.silu);
   };
   auto one = [&](int64_t i) {
     acc_t x[VEC], dy[VEC];
@@ -883,8 +908,8 @@ __global__ void __launch_bounds__(kThreads) dx_rows_kernel(GNArgs<scalar_t, acc_
 // dx = rstd * (dz * gamma - m1 - xhat * m2) with xhat = (x - mean - lo) * rstd, written per channel as
 // sc * dz + B + D * (x - mean) (sc = rstd * gamma, as in z): five values a channel in registers (eight before, 104 registers and two
 // blocks an SM), three blocks an SM (0.75 -> 0.54 ms at (28, 960, 72, 128)).
-template <typename scalar_t, typename acc_t, int VEC>
-__global__ void __launch_bounds__(kThreads, 3) dx_cols_kernel(GNArgs<scalar_t, acc_t> a) {
+template <typename scalar_t, typename acc_t, int VEC, int U>
+__global__ void __launch_bounds__(kThreads, grad_cols_ctas<scalar_t, U>()) dx_cols_kernel(GNArgs<scalar_t, acc_t> a) {
   const ColBlock cb = col_block(a, VEC);
   if (!cb.active) return;
   acc_t mu[VEC], sc[VEC], be[VEC], cbb[VEC], cd[VEC];
@@ -904,18 +929,22 @@ __global__ void __launch_bounds__(kThreads, 3) dx_cols_kernel(GNArgs<scalar_t, a
   const scalar_t* xp = a.x + off;
   const scalar_t* dp = a.dy + off;
   scalar_t* op = a.out + off;
-  for (int64_t s = first; s < cb.s1; s += a.R, xp += step, dp += step, op += step) {
-    acc_t x[VEC], dy[VEC];
-    load_vec<VEC>(xp, x);
-    load_vec<VEC>(dp, dy);
+  auto dx = [&](const Vec<scalar_t, VEC>& xr, const Vec<scalar_t, VEC>& dr, scalar_t* o) {
+    acc_t v[VEC];
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
-      const acc_t xm = x[j] - mu[j];
-      const acc_t dz = a.silu ? silu_dz<scalar_t>(dy[j], xm * sc[j] + be[j], a.exact_dz) : dy[j];
-      x[j] = sc[j] * dz + cbb[j] + cd[j] * xm;
+      const acc_t xm = static_cast<acc_t>(xr.v[j]) - mu[j], dy = static_cast<acc_t>(dr.v[j]);
+      const acc_t dz = a.silu ? silu_dz<scalar_t>(dy, xm * sc[j] + be[j]) : dy;
+      v[j] = sc[j] * dz + cbb[j] + cd[j] * xm;
     }
-    store_vec<VEC>(op, x);
-  }
+    store_vec<VEC>(o, v);
+  };
+  // dx's rows in the order they are visited, op one row further each time.
+  col_rows_batched<U, VEC>(xp, dp, first, cb.s1, a.R, step,
+                           [&](const Vec<scalar_t, VEC>& xr, const Vec<scalar_t, VEC>& dr) {
+                             dx(xr, dr, op);
+                             op += step;
+                           });
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -4202,9 +4231,14 @@ int grad_backward_choice() {
 // Whether version 7 keeps dz = dy * silu'(z) from its sums' pass for dx (in x's dtype, as eager's SiLU backward
 // hands it to the norm's: 5-10 % faster on the UNet / VAE shapes) or, with VD_GROUP_NORM_BACKWARD_DZ=recompute,
 // evaluates it again in float (half the dx rounding error); read on every call.
-// Benchmarks: VD_GROUP_NORM_BACKWARD_SILU=exact gives version 1's 16-bit kernels silu_grad (as before they took
-// silu_grad_fast, as versions 7 and 10 do); read on every call.
-bool grad_exact_dz() { return env_str("VD_GROUP_NORM_BACKWARD_SILU") == "exact"; }
+// Rows of x and dy a thread of version 1's channels_last backward kernels loads at a time: 2 for float (3 CTAs an SM
+// either way; 1.04-1.08x faster on the UNet rows, H200), 1 for 16-bit input (2 would leave 2 CTAs an SM: 1.03-1.04x
+// slower); VD_GROUP_NORM_BACKWARD_COL_BATCH=1 or 2 pins it (benchmarks compare); read on every call.
+template <typename scalar_t>
+int grad_col_batch() {
+  const std::string v = env_str("VD_GROUP_NORM_BACKWARD_COL_BATCH");
+  return v == "1" ? 1 : v == "2" ? 2 : sizeof(scalar_t) == 2 ? 1 : 2;
+}
 
 bool grad_keep_dz() {
   const char* e = std::getenv("VD_GROUP_NORM_BACKWARD_DZ");
@@ -4818,7 +4852,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_silu_backward_cuda(
     a.x = x.const_data_ptr<scalar_t>();
     a.dy = dy.const_data_ptr<scalar_t>();
     a.out = dx.mutable_data_ptr<scalar_t>();
-    a.exact_dz = grad_exact_dz();
     if (in_place) {
       a.F = x.size(2);
       a.S = s.S / a.F;
@@ -4861,12 +4894,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_silu_backward_cuda(
     acc_t* m1 = wp + n_part + n_sums;
     acc_t* m2 = m1 + NG;
     const unsigned blocks = grid_of(s.channels_last ? a.items : ceil_div(a.items, kWarps), kOp);
+    const int col_batch = grad_col_batch<scalar_t>();
     if (!s.channels_last) {
       if (vec) grad_sums_rows_kernel<scalar_t, acc_t, L::kVec><<<blocks, kThreads, 0, stream>>>(a, pp);
       else grad_sums_rows_kernel<scalar_t, acc_t, 1><<<blocks, kThreads, 0, stream>>>(a, pp);
     } else {
-      if (vec) grad_sums_cols_kernel<scalar_t, acc_t, L::kVec><<<blocks, kThreads, 0, stream>>>(a, pp);
-      else grad_sums_cols_kernel<scalar_t, acc_t, 1><<<blocks, kThreads, 0, stream>>>(a, pp);
+      auto kernel = !vec ? grad_sums_cols_kernel<scalar_t, acc_t, 1, 1>
+                    : col_batch == 2 ? grad_sums_cols_kernel<scalar_t, acc_t, L::kVec, 2>
+                                     : grad_sums_cols_kernel<scalar_t, acc_t, L::kVec, 1>;
+      kernel<<<blocks, kThreads, 0, stream>>>(a, pp);
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     grad_partials_kernel<acc_t><<<grid_of(ceil_div(s.N * s.C, kWarps), kOp), kThreads, 0, stream>>>(
@@ -4889,8 +4925,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_silu_backward_cuda(
         else dx_rows_kernel<scalar_t, acc_t, 1, false><<<blocks, kThreads, 0, stream>>>(a);
       }
     } else {
-      if (vec) dx_cols_kernel<scalar_t, acc_t, L::kVec><<<blocks, kThreads, 0, stream>>>(a);
-      else dx_cols_kernel<scalar_t, acc_t, 1><<<blocks, kThreads, 0, stream>>>(a);
+      auto kernel = !vec ? dx_cols_kernel<scalar_t, acc_t, 1, 1>
+                    : col_batch == 2 ? dx_cols_kernel<scalar_t, acc_t, L::kVec, 2>
+                                     : dx_cols_kernel<scalar_t, acc_t, L::kVec, 1>;
+      kernel<<<blocks, kThreads, 0, stream>>>(a);
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
