@@ -4228,18 +4228,18 @@ int grad_backward_choice() {
   return v == "twopass" ? 0 : v == "smem2" ? 2 : 3;
 }
 
-// Whether version 7 keeps dz = dy * silu'(z) from its sums' pass for dx (in x's dtype, as eager's SiLU backward
-// hands it to the norm's: 5-10 % faster on the UNet / VAE shapes) or, with VD_GROUP_NORM_BACKWARD_DZ=recompute,
-// evaluates it again in float (half the dx rounding error); read on every call.
 // Rows of x and dy a thread of version 1's channels_last backward kernels loads at a time: 2 for float (3 CTAs an SM
-// either way; 1.04-1.08x faster on the UNet rows, H200), 1 for 16-bit input (2 would leave 2 CTAs an SM: 1.03-1.04x
-// slower); VD_GROUP_NORM_BACKWARD_COL_BATCH=1 or 2 pins it (benchmarks compare); read on every call.
+// either way; 1.04-1.08x faster at 320 and 960 channels, H200), 1 for 16-bit input (2 would leave 2 CTAs an SM:
+// 1.03-1.04x slower); VD_GROUP_NORM_BACKWARD_COL_BATCH=1 or 2 pins it (benchmarks compare); read on every call.
 template <typename scalar_t>
 int grad_col_batch() {
   const std::string v = env_str("VD_GROUP_NORM_BACKWARD_COL_BATCH");
   return v == "1" ? 1 : v == "2" ? 2 : sizeof(scalar_t) == 2 ? 1 : 2;
 }
 
+// Whether version 7 keeps dz = dy * silu'(z) from its sums' pass for dx (in x's dtype, as eager's SiLU backward
+// hands it to the norm's: 5-10 % faster on the UNet / VAE shapes) or, with VD_GROUP_NORM_BACKWARD_DZ=recompute,
+// evaluates it again in float (half the dx rounding error); read on every call.
 bool grad_keep_dz() {
   const char* e = std::getenv("VD_GROUP_NORM_BACKWARD_DZ");
   return e == nullptr || std::string(e) != "recompute";
