@@ -4233,8 +4233,8 @@ int grad_backward_choice() {
 // 1.03-1.04x slower); VD_GROUP_NORM_BACKWARD_COL_BATCH=1 or 2 pins it (benchmarks compare); read on every call.
 template <typename scalar_t>
 int grad_col_batch() {
-  const std::string v = env_str("VD_GROUP_NORM_BACKWARD_COL_BATCH");
-  return v == "1" ? 1 : v == "2" ? 2 : sizeof(scalar_t) == 2 ? 1 : 2;
+  const int64_t v = env_int("VD_GROUP_NORM_BACKWARD_COL_BATCH", 0);
+  return v == 1 || v == 2 ? static_cast<int>(v) : sizeof(scalar_t) == 2 ? 1 : 2;
 }
 
 // Whether version 7 keeps dz = dy * silu'(z) from its sums' pass for dx (in x's dtype, as eager's SiLU backward
