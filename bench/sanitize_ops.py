@@ -152,10 +152,13 @@ def main():
                 torch.ops.vd.group_norm_silu_backward(g, x, groups, None, None, 1e-5, silu)
                 _, stats = torch.ops.vd.group_norm_silu_forward(x, groups, w, w, 1e-5, silu)  # the forward's
                 torch.ops.vd.group_norm_silu_backward(g, x, groups, w, w, 1e-5, silu, stats)
-            # Version 1's channels_last backward, one and two rows of x and dy a load: threads with an odd row count, 5-D.
-            for batch in ("1", "2"):
-                with env_var("VD_GROUP_NORM_BACKWARD", "twopass"), env_var("VD_GROUP_NORM_BACKWARD_COL_BATCH", batch):
-                    for shape, groups in [((2, 64, 7, 9), 8), ((1, 320, 33, 17), 32), ((2, 40, 3, 5, 7), 4)]:
+            # Version 1's channels_last backward, one row of x and dy a load and the dtype's batch, 32 and 128 rows a
+            # thread: threads with fewer rows than a batch and a remainder, two column tiles, 5-D.
+            for batch, rows in (("1", "32"), ("0", "32"), ("0", "128")):
+                with env_var("VD_GROUP_NORM_BACKWARD", "twopass"), env_var("VD_GROUP_NORM_BACKWARD_COL_BATCH", batch), \
+                        env_var("VD_GROUP_NORM_BACKWARD_COL_ROWS", rows):
+                    for shape, groups in [((2, 64, 7, 9), 8), ((1, 320, 33, 17), 32), ((2, 40, 3, 5, 7), 4),
+                                          ((3, 1280, 5, 61), 32)]:
                         fmt = torch.channels_last if len(shape) == 4 else torch.channels_last_3d
                         x = torch.randn(shape, device=dev, dtype=dtype).to(memory_format=fmt)
                         g = torch.randn(shape, device=dev, dtype=dtype).to(memory_format=fmt)

@@ -792,9 +792,9 @@ def test_backward_on_chip_deterministic_and_precise(device, cl):
 BACKWARD_COLS_ON_CHIP_CASES = [
     ((40, 1280, 9, 16), 32, True, True),    # 46 KB stages: K 1, two stages, 640 blocks (stages reused)
     ((20, 640, 36, 64), 32, True, True),    # K 8 by size, then 16: 144-row boxes
-    # gb 4 (version 8's 8 would not fit): K 16, one 90 KB stage of 3 boxes; fp32 blocks needing 16 CTAs: version 1
-    ((2, 320, 72, 128), 32, True, False),
-    ((1, 512, 72, 128), 32, True, False),   # gb 2: 64-byte rows, one 74 KB stage at K 16
+    # Blocks needing 16 CTAs go to version 1 in every dtype: gb 4 (version 8's 8 would not fit), K 16, one 90 KB stage
+    ((2, 320, 72, 128), 32, False, False),
+    ((1, 512, 72, 128), 32, False, False),  # gb 2: 64-byte rows, one 74 KB stage at K 16
     ((2, 1280, 18, 32), 32, True, True),    # K 2 by size, then 8
     ((2, 24, 5, 7), 3, True, True),         # 35 rows in a box of 40 (past the sample: zeros), K 1
     ((2, 40, 4, 4, 3), 4, True, True),      # 5-D channels_last_3d
@@ -828,33 +828,32 @@ def test_backward_channels_last_on_chip(device, dtype, monkeypatch):
 @pytest.mark.parametrize("device", CUDA)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_backward_two_pass_channels_last(device, dtype, monkeypatch):
-    # Version 1's channels_last backward (VD_GROUP_NORM_BACKWARD=twopass), two rows of x and dy a load (float's
-    # default; VD_GROUP_NORM_BACKWARD_COL_BATCH=2 for 16-bit input): threads with an odd number of rows (the last row
-    # alone), blocks shorter than the others, 5-D input; against the float64 reference, and the same bits as one row
-    # a load (VD_GROUP_NORM_BACKWARD_COL_BATCH=1: the sums in the same order).
+    # Version 1's channels_last backward (VD_GROUP_NORM_BACKWARD=twopass) as chosen: eight rows of x and dy a load for
+    # 16-bit input (8-byte vectors), four for float; threads with fewer rows than a load and a remainder, blocks
+    # shorter than the others, 5-D input, at 32 and 128 rows a thread (VD_GROUP_NORM_BACKWARD_COL_ROWS); against the
+    # float64 reference, and the same bits as one row a load (VD_GROUP_NORM_BACKWARD_COL_BATCH=1: the sums in the
+    # same order).
     monkeypatch.setenv("VD_GROUP_NORM_BACKWARD", "twopass")
-    monkeypatch.setenv("VD_GROUP_NORM_BACKWARD_COL_BATCH", "2")
+    rows_a_load = ", 8>" if dtype.itemsize == 2 else ", 4>"
     torch.manual_seed(0)
-    for shape, groups in [((2, 64, 7, 9), 8), ((1, 320, 33, 17), 32), ((2, 40, 3, 5, 7), 4)]:
+    for shape, groups in [((2, 64, 7, 9), 8), ((1, 320, 33, 17), 32), ((2, 40, 3, 5, 7), 4), ((3, 1280, 5, 61), 32)]:
         C = shape[1]
         x = channels_last((torch.randn(shape, device=device) * 3 + 1).to(dtype))
         g = channels_last(torch.randn(shape, device=device, dtype=dtype))
         w, b = torch.randn(C, device=device, dtype=dtype), torch.randn(C, device=device, dtype=dtype)
-        check_backward_kernel("dx_cols_kernel", True, g, x, groups, w, b)
         _, stats = FORWARD_WITH_STATS(x, groups, w, b, 1e-5, True)
-        batched = torch.ops.vd.group_norm_silu_backward(g, x, groups, w, b, 1e-5, True, stats)
-        assert any(", 2>" in n for n in cuda_kernels_run(
-            lambda: torch.ops.vd.group_norm_silu_backward(g, x, groups, w, b, 1e-5, True, stats)) if "dx_cols" in n)
-        with monkeypatch.context() as m:
-            m.setenv("VD_GROUP_NORM_BACKWARD_COL_BATCH", "1")
-            single = torch.ops.vd.group_norm_silu_backward(g, x, groups, w, b, 1e-5, True, stats)
-        for got, want, name in zip(batched, single, ("dx", "dw", "db")):
-            assert torch.equal(got, want), f"{name} {shape} {dtype}: two rows a load differ from one"
-    # As chosen: two rows a load for float, one for 16-bit input.
-    monkeypatch.delenv("VD_GROUP_NORM_BACKWARD_COL_BATCH")
-    names = cuda_kernels_run(lambda: torch.ops.vd.group_norm_silu_backward(g, x, groups, w, b, 1e-5, True))
-    rows = ", 1>" if dtype.itemsize == 2 else ", 2>"
-    assert any(rows in n for n in names if "dx_cols_kernel" in n), sorted(set(names))
+        for rows in ("32", "128"):
+            monkeypatch.setenv("VD_GROUP_NORM_BACKWARD_COL_ROWS", rows)
+            check_backward_kernel("dx_cols_kernel", True, g, x, groups, w, b)
+            batched = torch.ops.vd.group_norm_silu_backward(g, x, groups, w, b, 1e-5, True, stats)
+            names = cuda_kernels_run(
+                lambda: torch.ops.vd.group_norm_silu_backward(g, x, groups, w, b, 1e-5, True, stats))
+            assert any(rows_a_load in n for n in names if "dx_cols" in n), sorted(set(names))
+            with monkeypatch.context() as m:
+                m.setenv("VD_GROUP_NORM_BACKWARD_COL_BATCH", "1")
+                single = torch.ops.vd.group_norm_silu_backward(g, x, groups, w, b, 1e-5, True, stats)
+            for got, want, name in zip(batched, single, ("dx", "dw", "db")):
+                assert torch.equal(got, want), f"{name} {shape} {dtype} rows {rows}: batched loads differ from one row"
 
 
 # The forward's statistics (group_norm_silu_forward; autograd saves them for the backward, as eager GroupNorm saves

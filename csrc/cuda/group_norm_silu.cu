@@ -223,13 +223,18 @@ __device__ __forceinline__ void warp_visit_batched(int64_t lo, int64_t hi, int l
   warp_visit<VEC>(i0, hi, lane, fv, fs);
 }
 
+// Channel c's group: a 32-bit division (C < 2^31), an int64 one costs a few dozen instructions a channel.
+__device__ __forceinline__ int64_t group_of(int64_t c, int64_t cpg) {
+  return static_cast<int64_t>(static_cast<uint32_t>(c) / static_cast<uint32_t>(cpg));
+}
+
 // Per (n, c) parameters of z = (x - mean) * (rstd * gamma) + beta; the mean is mean + mean_lo.
 template <typename acc_t>
 struct ChannelParams {
   acc_t mean, mean_lo, rstd, gamma, beta;
   template <typename A>
   __device__ __forceinline__ ChannelParams(const A& a, int64_t n, int64_t c) {
-    const int64_t ng = n * a.G + c / a.cpg;
+    const int64_t ng = n * a.G + group_of(c, a.cpg);
     mean = a.mean[ng];
     mean_lo = a.mean_lo[ng];
     rstd = a.rstd[ng];
@@ -625,13 +630,9 @@ __device__ __forceinline__ void load_batch(const scalar_t* x, const scalar_t* dy
   }
 }
 
-// Version 1's channels_last backward kernels load U rows of x and of dy before they use any (U = 1: two 16-byte
-// loads in flight a thread). CTAs an SM: three, two for 16-bit input at U = 2 (three would spill: 80 registers
-// at U = 1 already).
-template <typename scalar_t, int U>
-constexpr int grad_cols_ctas() {
-  return sizeof(scalar_t) == 2 && U > 1 ? 2 : 3;
-}
+// Version 1's channels_last backward kernels: three CTAs an SM (at most 80 registers), U rows of x and of dy loaded
+// before any is used (grad_col_batch).
+constexpr int kGradColsCtas = 3;
 
 // A thread's rows first, first + R, ... (< s1) of x and dy, `step` elements apart from xp and dp: U rows of each
 // loaded before any is used, f(x row, dy row) on every row in order (the last rows one at a time).
@@ -681,6 +682,16 @@ __device__ __forceinline__ void grad_terms(acc_t xc, acc_t dy, acc_t rstd, acc_t
                                            acc_t& dz, acc_t& xhat) {
   dz = silu ? silu_dz<scalar_t>(dy, xc * sc + beta) : dy;
   xhat = xc * rstd;
+}
+
+// f(silu) with SiLU a compile-time constant: the branch taken once, outside f's loops (version 1's channels_last
+// kernels). With the flag tested on every element they ran 3-7 % slower at 16-byte vectors (bf16 (28, 960, 72, 128)
+// 893 vs 843 us, fp32 1405 vs 1369; H200); not measured at the chosen eight rows a load. Version 1's rows kernels keep
+// the flag in their loops: hoisted, bf16 frames-major (2, 320, 14, 72, 128) took 243 us against 218.
+template <typename F>
+__device__ __forceinline__ void with_silu(bool silu, F&& f) {
+  if (silu) f(std::true_type{});
+  else f(std::false_type{});
 }
 
 // NC*: item w covers chunk p of row (n, c) (frames-major: of row (n, f, c), rows in memory order); partial
@@ -734,7 +745,7 @@ __global__ void __launch_bounds__(kThreads) grad_sums_rows_kernel(GNArgs<scalar_
 // and three blocks an SM (80 registers): at five values and 98 registers (two blocks) the 960-channel pass
 // read at 1.3 TB/s (0.74 ms), now 0.56 ms; at four blocks (64 registers) the spills made it slower again.
 template <typename scalar_t, typename acc_t, int VEC, int U>
-__global__ void __launch_bounds__(kThreads, grad_cols_ctas<scalar_t, U>())
+__global__ void __launch_bounds__(kThreads, kGradColsCtas)
     grad_sums_cols_kernel(GNArgs<scalar_t, acc_t> a, Sum2<acc_t>* __restrict__ part) {
   __shared__ acc_t sh_dz[kThreads * VEC];
   __shared__ acc_t sh_dzx[kThreads * VEC];
@@ -755,16 +766,19 @@ __global__ void __launch_bounds__(kThreads, grad_cols_ctas<scalar_t, U>())
     const int64_t off = (cb.n * a.S + first) * a.C + cb.cv * VEC;
     const scalar_t* xp = a.x + off;
     const scalar_t* dp = a.dy + off;
-    auto acc = [&](const Vec<scalar_t, VEC>& xr, const Vec<scalar_t, VEC>& dr) {
+    with_silu(a.silu, [&](auto silu) {
+      col_rows_batched<U, VEC>(xp, dp, first, cb.s1, a.R, step,
+                               [&](const Vec<scalar_t, VEC>& xr, const Vec<scalar_t, VEC>& dr) {
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) {
-        const acc_t xm = static_cast<acc_t>(xr.v[j]) - mu[j], dy = static_cast<acc_t>(dr.v[j]);
-        const acc_t dz = a.silu ? silu_dz<scalar_t>(dy, xm * sc[j] + be[j]) : dy;
-        sdz[j] += dz;
-        sdzx[j] += dz * xm;
-      }
-    };
-    col_rows_batched<U, VEC>(xp, dp, first, cb.s1, a.R, step, acc);
+                                 for (int j = 0; j < VEC; ++j) {
+                                   const acc_t xm = static_cast<acc_t>(xr.v[j]) - mu[j];
+                                   const acc_t dy = static_cast<acc_t>(dr.v[j]);
+                                   const acc_t dz = silu ? silu_dz<scalar_t>(dy, xm * sc[j] + be[j]) : dy;
+                                   sdz[j] += dz;
+                                   sdzx[j] += dz * xm;
+                                 }
+                               });
+    });
     // sum dz * xhat = rstd * (sum dz * (x - mean) - lo * sum dz)
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
@@ -909,13 +923,13 @@ __global__ void __launch_bounds__(kThreads) dx_rows_kernel(GNArgs<scalar_t, acc_
 // sc * dz + B + D * (x - mean) (sc = rstd * gamma, as in z): five values a channel in registers (eight before, 104 registers and two
 // blocks an SM), three blocks an SM (0.75 -> 0.54 ms at (28, 960, 72, 128)).
 template <typename scalar_t, typename acc_t, int VEC, int U>
-__global__ void __launch_bounds__(kThreads, grad_cols_ctas<scalar_t, U>()) dx_cols_kernel(GNArgs<scalar_t, acc_t> a) {
+__global__ void __launch_bounds__(kThreads, kGradColsCtas) dx_cols_kernel(GNArgs<scalar_t, acc_t> a) {
   const ColBlock cb = col_block(a, VEC);
   if (!cb.active) return;
   acc_t mu[VEC], sc[VEC], be[VEC], cbb[VEC], cd[VEC];
 #pragma unroll
   for (int j = 0; j < VEC; ++j) {
-    const int64_t c = cb.cv * VEC + j, ng = cb.n * a.G + c / a.cpg;
+    const int64_t c = cb.cv * VEC + j, ng = cb.n * a.G + group_of(c, a.cpg);
     const ChannelParams<acc_t> cp(a, cb.n, c);
     const acc_t m1 = a.m1[ng], m2 = a.m2[ng];
     mu[j] = cp.mean;
@@ -929,22 +943,22 @@ __global__ void __launch_bounds__(kThreads, grad_cols_ctas<scalar_t, U>()) dx_co
   const scalar_t* xp = a.x + off;
   const scalar_t* dp = a.dy + off;
   scalar_t* op = a.out + off;
-  auto dx = [&](const Vec<scalar_t, VEC>& xr, const Vec<scalar_t, VEC>& dr, scalar_t* o) {
-    acc_t v[VEC];
+  with_silu(a.silu, [&](auto silu) {
+    // dx's rows in the order they are visited, op one row further each time.
+    col_rows_batched<U, VEC>(xp, dp, first, cb.s1, a.R, step,
+                             [&](const Vec<scalar_t, VEC>& xr, const Vec<scalar_t, VEC>& dr) {
+                               acc_t v[VEC];
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) {
-      const acc_t xm = static_cast<acc_t>(xr.v[j]) - mu[j], dy = static_cast<acc_t>(dr.v[j]);
-      const acc_t dz = a.silu ? silu_dz<scalar_t>(dy, xm * sc[j] + be[j]) : dy;
-      v[j] = sc[j] * dz + cbb[j] + cd[j] * xm;
-    }
-    store_vec<VEC>(o, v);
-  };
-  // dx's rows in the order they are visited, op one row further each time.
-  col_rows_batched<U, VEC>(xp, dp, first, cb.s1, a.R, step,
-                           [&](const Vec<scalar_t, VEC>& xr, const Vec<scalar_t, VEC>& dr) {
-                             dx(xr, dr, op);
-                             op += step;
-                           });
+                               for (int j = 0; j < VEC; ++j) {
+                                 const acc_t xm = static_cast<acc_t>(xr.v[j]) - mu[j];
+                                 const acc_t dy = static_cast<acc_t>(dr.v[j]);
+                                 const acc_t dz = silu ? silu_dz<scalar_t>(dy, xm * sc[j] + be[j]) : dy;
+                                 v[j] = sc[j] * dz + cbb[j] + cd[j] * xm;
+                               }
+                               store_vec<VEC>(op, v);
+                               op += step;
+                             });
+  });
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -4228,13 +4242,59 @@ int grad_backward_choice() {
   return v == "twopass" ? 0 : v == "smem2" ? 2 : 3;
 }
 
-// Rows of x and dy a thread of version 1's channels_last backward kernels loads at a time: 2 for float (3 CTAs an SM
-// either way; 1.04-1.08x faster at 320 and 960 channels, H200), 1 for 16-bit input (2 would leave 2 CTAs an SM:
-// 1.03-1.04x slower); VD_GROUP_NORM_BACKWARD_COL_BATCH=1 or 2 pins it (benchmarks compare); read on every call.
+// Version 1's channels_last backward (grad_sums_cols_kernel, dx_cols_kernel), H200, 2026-11-29:
+// - Vectors of 8 bytes for 16-bit input (four channels a thread), 16 for float: four channels' five parameters leave
+//   registers for eight rows of x and of dy in flight at three CTAs an SM; eight channels held one row (bf16
+//   (28, 960, 72, 128) channels_last 843 -> 701 us at 64 rows a thread, 687 at 128).
+// - Rows a load (grad_col_batch): eight for 16-bit, four for float, two for double; VD_GROUP_NORM_BACKWARD_COL_BATCH=1
+//   pins one (the sums keep their order: the same bits).
+// - Rows a thread (grad_col_rows): 128, halved (down to 32) while there would be fewer than five blocks an SM; a
+//   block's parameters and its partial sums then weigh less a row (bf16 (28, 960, 72, 128): 761 us at 32, 696 at 64,
+//   687 at 128), but too few blocks leave SMs idle at the end (bf16 (14, 512, 72, 128): 219 us at 128 rows, 3.8
+//   blocks an SM; 198 at 64). VD_GROUP_NORM_BACKWARD_COL_ROWS=32|64|128 pins it.
+template <typename scalar_t>
+constexpr int grad_col_vec() {
+  return sizeof(scalar_t) == 2 ? 4 : max_vec<scalar_t>();
+}
+
 template <typename scalar_t>
 int grad_col_batch() {
-  const int64_t v = env_int("VD_GROUP_NORM_BACKWARD_COL_BATCH", 0);
-  return v == 1 || v == 2 ? static_cast<int>(v) : sizeof(scalar_t) == 2 ? 1 : 2;
+  if (env_int("VD_GROUP_NORM_BACKWARD_COL_BATCH", 0) == 1) return 1;
+  return sizeof(scalar_t) == 2 ? 8 : sizeof(scalar_t) == 4 ? 4 : 2;
+}
+
+template <typename A>
+int grad_col_rows(const A& a, int vec, int device) {
+  const int64_t pinned = env_int("VD_GROUP_NORM_BACKWARD_COL_ROWS", 0);
+  if (pinned == 32 || pinned == 64 || pinned == 128) return static_cast<int>(pinned);
+  int sms = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int64_t CV = a.C / vec, TCV = std::min<int64_t>(CV, kThreads), R = kThreads / TCV;
+  const int64_t blocks_per_row_block = a.N * ceil_div(CV, TCV);
+  int rows = 128;
+  while (rows > kRowsPerThread && blocks_per_row_block * ceil_div(a.S, R * rows) < 5 * static_cast<int64_t>(sms))
+    rows /= 2;
+  return rows;
+}
+
+// The pair for a vector width (1: unaligned input) and rows a load.
+template <typename scalar_t, typename acc_t>
+struct ColsGradKernels {
+  void (*sums)(GNArgs<scalar_t, acc_t>, Sum2<acc_t>*);
+  void (*dx)(GNArgs<scalar_t, acc_t>);
+};
+
+template <typename scalar_t, typename acc_t, int VEC, int U>
+ColsGradKernels<scalar_t, acc_t> cols_grad_pair() {
+  return {grad_sums_cols_kernel<scalar_t, acc_t, VEC, U>, dx_cols_kernel<scalar_t, acc_t, VEC, U>};
+}
+
+template <typename scalar_t, typename acc_t>
+ColsGradKernels<scalar_t, acc_t> cols_grad_kernels(bool vec, int U) {
+  constexpr int V = grad_col_vec<scalar_t>();
+  constexpr int kU = sizeof(scalar_t) == 2 ? 8 : sizeof(scalar_t) == 4 ? 4 : 2;
+  if (!vec) return cols_grad_pair<scalar_t, acc_t, 1, 1>();
+  return U == 1 ? cols_grad_pair<scalar_t, acc_t, V, 1>() : cols_grad_pair<scalar_t, acc_t, V, kU>();
 }
 
 // Whether version 7 keeps dz = dy * silu'(z) from its sums' pass for dx (in x's dtype, as eager's SiLU backward
@@ -4628,10 +4688,10 @@ bool backward_smem_cols(const GNShape& s, const at::Tensor& x, const at::Tensor&
         }
       }
     }
-    // float blocks over 16 CTAs (one stage of ~90 KB each, e.g. (28, 320, 72, 128)) stay with version 1, whose float
-    // kernels run near their own floor: 755 vs 600 us there, 465 vs 471 at (14, 512, 72, 128) (H200; bf16 at the
-    // same plan: 357 vs 463, 232 vs 363).
-    if (best.K == 0 || (sizeof(scalar_t) == 4 && best.K == 16)) return false;
+    // Blocks over 16 CTAs (one stage of ~90 KB each, e.g. (28, 320, 72, 128)) stay with version 1: float 755 vs 600
+    // us there, 465 vs 471 at (14, 512, 72, 128); bf16 296 vs 238 and 208 vs 195 since version 1's 8-byte vectors
+    // and 8-row loads (H200). At 8 CTAs and fewer this version wins: bf16 (28, 640, 36, 64) 126 vs 150 us.
+    if (best.K == 0 || best.K == 16) return false;
     // Larger clusters while there are fewer than two CTAs an SM and each thread keeps a row or more (as version 8).
     const int64_t items = s.N * (s.G / best.gb);
     int sms = 0;
@@ -4882,8 +4942,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_silu_backward_cuda(
 
     // Per (n, c) partial sums of dz and dz * xhat, their sums per (n, c) and the group means m1, m2 in one
     // workspace: allocations and launches are most of the host time on the small shapes.
-    const int v = vec ? L::kVec : 1;
-    plan(a, v, a.S, s.channels_last);
+    const int v = !vec ? 1 : s.channels_last ? grad_col_vec<scalar_t>() : L::kVec;
+    plan(a, v, a.S, s.channels_last, kVecsPerLane,
+         s.channels_last ? grad_col_rows(a, v, x.get_device()) : kRowsPerThread);
     const int64_t n_part = s.N * s.C * a.F * a.P * 2, n_sums = s.N * s.C * 2;
     const ParamGrads<scalar_t, acc_t> pg{wdtype, bdtype};
     at::Tensor ws = at::empty({n_part + n_sums + 2 * NG + pg.scratch(s.C)},
@@ -4894,15 +4955,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_silu_backward_cuda(
     acc_t* m1 = wp + n_part + n_sums;
     acc_t* m2 = m1 + NG;
     const unsigned blocks = grid_of(s.channels_last ? a.items : ceil_div(a.items, kWarps), kOp);
-    const int col_batch = grad_col_batch<scalar_t>();
+    const auto ck = cols_grad_kernels<scalar_t, acc_t>(vec, grad_col_batch<scalar_t>());
     if (!s.channels_last) {
       if (vec) grad_sums_rows_kernel<scalar_t, acc_t, L::kVec><<<blocks, kThreads, 0, stream>>>(a, pp);
       else grad_sums_rows_kernel<scalar_t, acc_t, 1><<<blocks, kThreads, 0, stream>>>(a, pp);
     } else {
-      auto kernel = !vec ? grad_sums_cols_kernel<scalar_t, acc_t, 1, 1>
-                    : col_batch == 2 ? grad_sums_cols_kernel<scalar_t, acc_t, L::kVec, 2>
-                                     : grad_sums_cols_kernel<scalar_t, acc_t, L::kVec, 1>;
-      kernel<<<blocks, kThreads, 0, stream>>>(a, pp);
+      ck.sums<<<blocks, kThreads, 0, stream>>>(a, pp);
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     grad_partials_kernel<acc_t><<<grid_of(ceil_div(s.N * s.C, kWarps), kOp), kThreads, 0, stream>>>(
@@ -4925,10 +4983,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_silu_backward_cuda(
         else dx_rows_kernel<scalar_t, acc_t, 1, false><<<blocks, kThreads, 0, stream>>>(a);
       }
     } else {
-      auto kernel = !vec ? dx_cols_kernel<scalar_t, acc_t, 1, 1>
-                    : col_batch == 2 ? dx_cols_kernel<scalar_t, acc_t, L::kVec, 2>
-                                     : dx_cols_kernel<scalar_t, acc_t, L::kVec, 1>;
-      kernel<<<blocks, kThreads, 0, stream>>>(a);
+      ck.dx<<<blocks, kThreads, 0, stream>>>(a);
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
