@@ -3756,19 +3756,24 @@ void plan(A& a, int vec, int64_t run, bool channels_last, int vecs_per_lane = kV
   }
 }
 
-// Rows a thread of the cols statistics: 128, halved (down to kRowsPerThread) while the blocks would be
-// fewer than ~1.75 an SM. A block's fixed part (its first row's pivots, the merge into per-group states,
-// the stores) then spreads over the most rows: at 32 rows 960-channel (28, 960, 72, 128) input took
-// 0.210 ms, at 128 0.157; with too few blocks (two-sample frames-major input) 64 rows beat 128 (0.038 vs
-// 0.045 ms) by keeping every SM busy.
+// Rows a thread of a "cols" kernel: 128, halved (down to kRowsPerThread) while the blocks would be fewer than
+// min_blocks_per_sm an SM: a block's fixed part spreads over the most rows that still keep every SM busy.
 template <typename A>
-int stats_cols_rows(const A& a, int vec, int device) {
+int cols_rows_per_thread(const A& a, int vec, int device, double min_blocks_per_sm) {
   int sms = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   const int64_t R = kThreads / std::min<int64_t>(a.C / vec, kThreads), ctiles = ceil_div(a.C / vec, kThreads);
   int rows = 128;
-  while (rows > kRowsPerThread && a.N * ceil_div(a.S, R * rows) * ctiles * 4 < 7 * static_cast<int64_t>(sms)) rows /= 2;
+  while (rows > kRowsPerThread && a.N * ceil_div(a.S, R * rows) * ctiles < min_blocks_per_sm * sms) rows /= 2;
   return rows;
+}
+
+// The cols statistics: ~1.75 blocks an SM. A block's fixed part (its first row's pivots, the merge into per-group
+// states, the stores): at 32 rows 960-channel (28, 960, 72, 128) input took 0.210 ms, at 128 0.157; with too few
+// blocks (two-sample frames-major input) 64 rows beat 128 (0.038 vs 0.045 ms) by keeping every SM busy.
+template <typename A>
+int stats_cols_rows(const A& a, int vec, int device) {
+  return cols_rows_per_thread(a, vec, device, 1.75);
 }
 
 // grad_weight / grad_bias in the parameters' dtypes (x's where absent), for both backward paths. The reduce kernel
@@ -4258,8 +4263,7 @@ constexpr int grad_col_vec() {
 }
 
 template <typename scalar_t>
-int grad_col_batch() {
-  if (env_int("VD_GROUP_NORM_BACKWARD_COL_BATCH", 0) == 1) return 1;
+constexpr int grad_col_batch() {
   return sizeof(scalar_t) == 2 ? 8 : sizeof(scalar_t) == 4 ? 4 : 2;
 }
 
@@ -4267,17 +4271,10 @@ template <typename A>
 int grad_col_rows(const A& a, int vec, int device) {
   const int64_t pinned = env_int("VD_GROUP_NORM_BACKWARD_COL_ROWS", 0);
   if (pinned == 32 || pinned == 64 || pinned == 128) return static_cast<int>(pinned);
-  int sms = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  const int64_t CV = a.C / vec, TCV = std::min<int64_t>(CV, kThreads), R = kThreads / TCV;
-  const int64_t blocks_per_row_block = a.N * ceil_div(CV, TCV);
-  int rows = 128;
-  while (rows > kRowsPerThread && blocks_per_row_block * ceil_div(a.S, R * rows) < 5 * static_cast<int64_t>(sms))
-    rows /= 2;
-  return rows;
+  return cols_rows_per_thread(a, vec, device, 5.0);
 }
 
-// The pair for a vector width (1: unaligned input) and rows a load.
+// The pair for aligned input (vec) or not, grad_col_batch rows a load or one (VD_GROUP_NORM_BACKWARD_COL_BATCH=1).
 template <typename scalar_t, typename acc_t>
 struct ColsGradKernels {
   void (*sums)(GNArgs<scalar_t, acc_t>, Sum2<acc_t>*);
@@ -4290,11 +4287,11 @@ ColsGradKernels<scalar_t, acc_t> cols_grad_pair() {
 }
 
 template <typename scalar_t, typename acc_t>
-ColsGradKernels<scalar_t, acc_t> cols_grad_kernels(bool vec, int U) {
+ColsGradKernels<scalar_t, acc_t> cols_grad_kernels(bool vec) {
   constexpr int V = grad_col_vec<scalar_t>();
-  constexpr int kU = sizeof(scalar_t) == 2 ? 8 : sizeof(scalar_t) == 4 ? 4 : 2;
   if (!vec) return cols_grad_pair<scalar_t, acc_t, 1, 1>();
-  return U == 1 ? cols_grad_pair<scalar_t, acc_t, V, 1>() : cols_grad_pair<scalar_t, acc_t, V, kU>();
+  if (env_int("VD_GROUP_NORM_BACKWARD_COL_BATCH", 0) == 1) return cols_grad_pair<scalar_t, acc_t, V, 1>();
+  return cols_grad_pair<scalar_t, acc_t, V, grad_col_batch<scalar_t>()>();
 }
 
 // Whether version 7 keeps dz = dy * silu'(z) from its sums' pass for dx (in x's dtype, as eager's SiLU backward
@@ -4955,7 +4952,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_silu_backward_cuda(
     acc_t* m1 = wp + n_part + n_sums;
     acc_t* m2 = m1 + NG;
     const unsigned blocks = grid_of(s.channels_last ? a.items : ceil_div(a.items, kWarps), kOp);
-    const auto ck = cols_grad_kernels<scalar_t, acc_t>(vec, grad_col_batch<scalar_t>());
+    const auto ck = cols_grad_kernels<scalar_t, acc_t>(vec);
     if (!s.channels_last) {
       if (vec) grad_sums_rows_kernel<scalar_t, acc_t, L::kVec><<<blocks, kThreads, 0, stream>>>(a, pp);
       else grad_sums_rows_kernel<scalar_t, acc_t, 1><<<blocks, kThreads, 0, stream>>>(a, pp);
