@@ -170,6 +170,18 @@ def main():
                 x = torch.randn(shape, device=dev, dtype=dtype).to(memory_format=torch.channels_last)
                 with env_var("VD_GROUP_NORM_KERNEL", "twopass"):
                     torch.ops.vd.group_norm_silu(x, groups, None, None, 1e-5, True)
+            # Version 1's channels_last apply: the dtype's rows a load (threads with fewer rows than a load and a
+            # remainder, 5-D, two column tiles) and one row a load.
+            for pin in (None, "1"):
+                with env_var("VD_GROUP_NORM_KERNEL", "twopass"), contextlib.ExitStack() as stack:
+                    if pin:
+                        stack.enter_context(env_var("VD_GROUP_NORM_APPLY_COL_BATCH", pin))
+                    for shape, groups in [((1, 320, 33, 17), 32), ((2, 40, 3, 5, 7), 4), ((3, 1280, 5, 61), 32),
+                                          ((2, 2560, 3, 5), 32)]:
+                        fmt = torch.channels_last if len(shape) == 4 else torch.channels_last_3d
+                        x = torch.randn(shape, device=dev, dtype=dtype).to(memory_format=fmt)
+                        w = torch.randn(shape[1], device=dev, dtype=dtype)
+                        torch.ops.vd.group_norm_silu_forward(x, groups, w, w, 1e-5, True)
             # NC* two-pass statistics: whole chunks (groups of 512 K elements), and groups of 8 * 2050 elements
             # (most start off a 16-byte boundary; short last chunks of single vectors).
             for shape, groups in [((1, 64, 256, 256), 8), ((2, 64, 50, 41), 8)]:

@@ -856,6 +856,31 @@ def test_backward_two_pass_channels_last(device, dtype, monkeypatch):
                 assert torch.equal(got, want), f"{name} {shape} {dtype} rows {rows}: batched loads differ from one row"
 
 
+@pytest.mark.parametrize("device", CUDA)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_forward_two_pass_channels_last(device, dtype, monkeypatch):
+    # Version 1's channels_last forward (VD_GROUP_NORM_KERNEL=twopass) as chosen: the apply loads eight rows a time
+    # for 16-bit input (8-byte vectors), four for float; threads with fewer rows than a load and a remainder, blocks
+    # shorter than the others, two column tiles, 5-D input; with and without SiLU; against the float64 reference,
+    # and the same bits as one 16-byte row a load (VD_GROUP_NORM_APPLY_COL_BATCH=1).
+    monkeypatch.setenv("VD_GROUP_NORM_KERNEL", "twopass")
+    chosen = ", 4, 8, 4>" if dtype.itemsize == 2 else ", 4, 4, 4>"
+    torch.manual_seed(0)
+    for shape, groups in [((2, 64, 7, 9), 8), ((1, 320, 33, 17), 32), ((2, 40, 3, 5, 7), 4), ((3, 1280, 5, 61), 32),
+                          ((2, 2560, 3, 5), 32)]:
+        C = shape[1]
+        x = channels_last((torch.randn(shape, device=device) * 3 + 1).to(dtype))
+        w, b = torch.randn(C, device=device, dtype=dtype), torch.randn(C, device=device, dtype=dtype)
+        for silu in (True, False):
+            out = check_kernel_serves("apply_cols_kernel", True, x, groups, w, b, silu, what=f"{shape}")
+            names = cuda_kernels_run(lambda: group_norm_silu(x, groups, w, b, 1e-5, silu))
+            assert any(chosen in n for n in names if "apply_cols" in n), sorted(set(names))
+            with monkeypatch.context() as m:
+                m.setenv("VD_GROUP_NORM_APPLY_COL_BATCH", "1")
+                single = group_norm_silu(x, groups, w, b, 1e-5, silu)
+            assert torch.equal(out, single), f"{shape} {dtype} silu={silu}: batched rows differ from one row a load"
+
+
 # The forward's statistics (group_norm_silu_forward; autograd saves them for the backward, as eager GroupNorm saves
 # its mean and rstd): (3, N, G) of mean high part, mean low part, rstd.
 FORWARD_WITH_STATS = torch.ops.vd.group_norm_silu_forward.default

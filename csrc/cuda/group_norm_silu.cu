@@ -573,13 +573,14 @@ __global__ void __launch_bounds__(kThreads) apply_rows_kernel(GNArgs<scalar_t, a
       [&](int64_t i) { a.out[i] = static_cast<scalar_t>(f(static_cast<acc_t>(a.x[i]))); });
 }
 
-// Six blocks an SM (at most 40 registers; 16-bit input spills 32 bytes of its channel values): with 59
-// registers (four blocks, one load in flight a thread) the 960-channel pass ran at 62 % of the DRAM rate
-// (ncu). Measured against 4, 5 and 8 blocks: 5-22 % faster than 4 on the two-pass shapes, 8 (32
-// registers, more spills) slower. The mean's low part joins the shift,
-// (x - mean - lo) * sc + beta = (x - mean) * sc + (beta - lo * sc): three values a channel, not four.
-template <typename scalar_t, typename acc_t, int VEC>
-__global__ void __launch_bounds__(kThreads, 6) apply_cols_kernel(GNArgs<scalar_t, acc_t> a) {
+// U rows of x loaded before any is used, BLOCKS CTAs an SM (apply_cols_choice picks them). With one row a load
+// (16-byte vectors), six blocks an SM (at most 40 registers; 16-bit input spills 32 bytes of its channel values)
+// had been 5-22 % faster than 4 on the two-pass shapes, 8 (32 registers, more spills) slower; with 59 registers
+// (four blocks, one load in flight a thread) the 960-channel pass ran at 62 % of the DRAM rate (ncu). The mean's
+// low part joins the shift, (x - mean - lo) * sc + beta = (x - mean) * sc + (beta - lo * sc): three values a
+// channel, not four.
+template <typename scalar_t, typename acc_t, int VEC, int U = 1, int BLOCKS = 6>
+__global__ void __launch_bounds__(kThreads, BLOCKS) apply_cols_kernel(GNArgs<scalar_t, acc_t> a) {
   const ColBlock cb = col_block(a, VEC);
   if (!cb.active) return;  // no barrier below
   acc_t mu[VEC], sc[VEC], be[VEC];
@@ -593,16 +594,26 @@ __global__ void __launch_bounds__(kThreads, 6) apply_cols_kernel(GNArgs<scalar_t
   const int64_t first = cb.s0 + cb.rowlane, step = static_cast<int64_t>(a.R) * a.C;
   const scalar_t* xp = a.x + (cb.n * a.S + first) * a.C + cb.cv * VEC;
   scalar_t* yp = a.out + (xp - a.x);
-  for (int64_t s = first; s < cb.s1; s += a.R, xp += step, yp += step) {
+  auto row = [&](const Vec<scalar_t, VEC>& raw, scalar_t* y) {
     acc_t v[VEC];
-    load_vec<VEC>(xp, v);
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
-      const acc_t z = (v[j] - mu[j]) * sc[j] + be[j];
+      const acc_t z = (static_cast<acc_t>(raw.v[j]) - mu[j]) * sc[j] + be[j];
       v[j] = a.silu ? silu_fast(z) : z;
     }
-    store_vec<VEC>(yp, v);
+    store_vec<VEC>(y, v);
+  };
+  int64_t s = first;
+  if constexpr (U > 1) {
+    for (; s + (U - 1) * a.R < cb.s1; s += U * a.R, xp += U * step, yp += U * step) {
+      Vec<scalar_t, VEC> raw[U];
+#pragma unroll
+      for (int k = 0; k < U; ++k) raw[k] = *reinterpret_cast<const Vec<scalar_t, VEC>*>(xp + k * step);
+#pragma unroll
+      for (int k = 0; k < U; ++k) row(raw[k], yp + k * step);
+    }
   }
+  for (; s < cb.s1; s += a.R, xp += step, yp += step) row(*reinterpret_cast<const Vec<scalar_t, VEC>*>(xp), yp);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -4765,6 +4776,30 @@ bool forward_fused(const GNShape& s, int64_t F, const scalar_t* x, scalar_t* out
   }
 }
 
+// Version 1's channels_last forward apply (apply_cols_kernel), H200, 2026-11-29: rows loaded eight at a time in 8-byte
+// vectors (four channels a thread) for 16-bit input, four at a time in 16-byte vectors for float, four CTAs an SM.
+// Against one 16-byte row a load at six CTAs (bf16, device us of the apply kernel): (28, 960, 72, 128) 318 -> 248,
+// (14, 128, 576, 1024) 1258 -> 1017, channels_last_3d (2, 320, 14, 72, 128) 113 -> 84; fp32 (2, 320, 14, 72, 128)
+// 171 -> 165. The outputs are the same bits. VD_GROUP_NORM_APPLY_COL_BATCH=1 keeps one 16-byte row a load.
+template <typename scalar_t, typename acc_t>
+struct ApplyCols {
+  void (*kernel)(GNArgs<scalar_t, acc_t>);
+  int vec;  // elements a vector, for plan()
+};
+
+template <typename scalar_t, typename acc_t>
+ApplyCols<scalar_t, acc_t> apply_cols_choice(bool vec) {
+  constexpr int V = max_vec<scalar_t>();
+  if (!vec) return {apply_cols_kernel<scalar_t, acc_t, 1>, 1};
+  if constexpr (sizeof(scalar_t) <= 4) {
+    if (env_int("VD_GROUP_NORM_APPLY_COL_BATCH", 0) != 1) {
+      if constexpr (sizeof(scalar_t) == 2) return {apply_cols_kernel<scalar_t, acc_t, 4, 8, 4>, 4};
+      else return {apply_cols_kernel<scalar_t, acc_t, 4, 4, 4>, 4};
+    }
+  }
+  return {apply_cols_kernel<scalar_t, acc_t, V>, V};
+}
+
 template <typename scalar_t>
 GNArgs<scalar_t, at::opmath_type<scalar_t>> make_args(const GNShape& s, const at::Tensor& w, const at::Tensor& b,
                                                       bool silu) {
@@ -4848,16 +4883,17 @@ at::Tensor forward_cuda(const at::Tensor& x_in, const GNShape& s, const std::opt
     if (((any && l2_first && !two_pass) || use == GNKernels::kL2) && l2()) return;
     if (((any && !small) || use == GNKernels::kOnChip) && onchip()) return;
     const at::Tensor buf = L::stats(a, s.channels_last, vec, eps, x.options(), x.get_device(), stream, st);
-    const int v = vec ? L::kVec : 1;
-    plan(a, v, a.S, s.channels_last);
-    a.reverse = apply_reversed();
-    const unsigned blocks = grid_of(s.channels_last ? a.items : ceil_div(a.items, kWarps), kOp);
     if (!s.channels_last) {
+      plan(a, vec ? L::kVec : 1, a.S, false);
+      a.reverse = apply_reversed();
+      const unsigned blocks = grid_of(ceil_div(a.items, kWarps), kOp);
       if (vec) apply_rows_kernel<scalar_t, acc_t, L::kVec><<<blocks, kThreads, 0, stream>>>(a);
       else apply_rows_kernel<scalar_t, acc_t, 1><<<blocks, kThreads, 0, stream>>>(a);
     } else {
-      if (vec) apply_cols_kernel<scalar_t, acc_t, L::kVec><<<blocks, kThreads, 0, stream>>>(a);
-      else apply_cols_kernel<scalar_t, acc_t, 1><<<blocks, kThreads, 0, stream>>>(a);
+      const ApplyCols<scalar_t, acc_t> ac = apply_cols_choice<scalar_t, acc_t>(vec);
+      plan(a, ac.vec, a.S, true);
+      a.reverse = apply_reversed();
+      ac.kernel<<<grid_of(a.items, kOp), kThreads, 0, stream>>>(a);
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
