@@ -4776,11 +4776,12 @@ bool forward_fused(const GNShape& s, int64_t F, const scalar_t* x, scalar_t* out
   }
 }
 
-// Version 1's channels_last forward apply (apply_cols_kernel), H200, 2026-11-29: rows loaded eight at a time in 8-byte
-// vectors (four channels a thread) for 16-bit input, four at a time in 16-byte vectors for float, four CTAs an SM.
-// Against one 16-byte row a load at six CTAs (bf16, device us of the apply kernel): (28, 960, 72, 128) 318 -> 248,
-// (14, 128, 576, 1024) 1258 -> 1017, channels_last_3d (2, 320, 14, 72, 128) 113 -> 84; fp32 (2, 320, 14, 72, 128)
-// 171 -> 165. The outputs are the same bits. VD_GROUP_NORM_APPLY_COL_BATCH=1 keeps one 16-byte row a load.
+// Version 1's channels_last forward apply (apply_cols_kernel), H200, 2026-11-29: for 16-bit input, rows loaded eight
+// at a time in 8-byte vectors (four channels a thread), four CTAs an SM. Against one 16-byte row a load at six CTAs
+// (bf16, device us of the apply kernel): (28, 960, 72, 128) 318 -> 248, (14, 128, 576, 1024) 1258 -> 1017,
+// channels_last_3d (2, 320, 14, 72, 128) 113 -> 84; the outputs are the same bits. VD_GROUP_NORM_APPLY_COL_BATCH=1
+// keeps one row a load. Float keeps one: four rows a load at four CTAs measured mixed (whole op, us: (14, 128, 576,
+// 1024) 3051 -> 3127, (2, 320, 14, 72, 128) 275 -> 270, (2, 320, 14, 32, 32) 50.6 -> 43.3).
 template <typename scalar_t, typename acc_t>
 struct ApplyCols {
   void (*kernel)(GNArgs<scalar_t, acc_t>);
@@ -4791,11 +4792,8 @@ template <typename scalar_t, typename acc_t>
 ApplyCols<scalar_t, acc_t> apply_cols_choice(bool vec) {
   constexpr int V = max_vec<scalar_t>();
   if (!vec) return {apply_cols_kernel<scalar_t, acc_t, 1>, 1};
-  if constexpr (sizeof(scalar_t) <= 4) {
-    if (env_int("VD_GROUP_NORM_APPLY_COL_BATCH", 0) != 1) {
-      if constexpr (sizeof(scalar_t) == 2) return {apply_cols_kernel<scalar_t, acc_t, 4, 8, 4>, 4};
-      else return {apply_cols_kernel<scalar_t, acc_t, 4, 4, 4>, 4};
-    }
+  if constexpr (sizeof(scalar_t) == 2) {
+    if (env_int("VD_GROUP_NORM_APPLY_COL_BATCH", 0) != 1) return {apply_cols_kernel<scalar_t, acc_t, 4, 8, 4>, 4};
   }
   return {apply_cols_kernel<scalar_t, acc_t, V>, V};
 }
