@@ -32,13 +32,18 @@ from common import (DTYPES, device_time_per_call, env_var, environment, measure_
 import vdcompile  # noqa: E402,F401
 
 
+def kernel_name(name: str) -> str:
+    """A profiler's CUDA kernel name without the vd namespace and the argument list."""
+    return name.replace("void vd::(anonymous namespace)::", "").split("(")[0]
+
+
 def served_by(fn) -> str:
     """The CUDA kernels named like "...kernel..." that one call launches, vd namespace dropped, "; "-joined."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
     names = sorted({e.name for e in prof.events() if e.device_time > 0 and "kernel" in e.name})
-    return "; ".join(n.replace("void vd::(anonymous namespace)::", "").split("(")[0] for n in names)
+    return "; ".join(kernel_name(n) for n in names)
 
 
 def main(argv=None):

@@ -21,6 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import DTYPES, cuda_kernel_times, env_var, environment, rotation_sets, write_json  # noqa: E402
+from gn_env_ab import kernel_name  # noqa: E402
 
 import vdcompile  # noqa: E402,F401
 
@@ -34,10 +35,6 @@ def inputs(shape, layout, dtype, dev):
     fmt = {"cl": torch.channels_last, "cl3": torch.channels_last_3d, "nchw": torch.contiguous_format}[layout]
     n = rotation_sets(torch.Size(shape).numel() * dtype.itemsize, dev)
     return [torch.randn(shape, device=dev, dtype=dtype).contiguous(memory_format=fmt) for _ in range(max(n, 2))]
-
-
-def short(name: str) -> str:
-    return name.replace("void vd::(anonymous namespace)::", "").split("(")[0]
 
 
 def main(argv=None):
@@ -72,7 +69,7 @@ def main(argv=None):
                     first = out.clone()
                 same[v] = same.get(v, True) and torch.equal(out, first)
                 for k, ts in t.items():
-                    times.setdefault(v, {}).setdefault(short(k), []).append(sum(ts) / ITERS)
+                    times.setdefault(v, {}).setdefault(kernel_name(k), []).append(sum(ts) / ITERS)
         for v in variants:
             kernels = {k: statistics.median(ts) for k, ts in times[v].items()}
             total = sum(kernels.values())

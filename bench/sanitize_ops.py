@@ -172,10 +172,8 @@ def main():
                     torch.ops.vd.group_norm_silu(x, groups, None, None, 1e-5, True)
             # Version 1's channels_last apply: the dtype's rows a load (threads with fewer rows than a load and a
             # remainder, 5-D, two column tiles) and one row a load.
-            for pin in (None, "1"):
-                with env_var("VD_GROUP_NORM_KERNEL", "twopass"), contextlib.ExitStack() as stack:
-                    if pin:
-                        stack.enter_context(env_var("VD_GROUP_NORM_APPLY_COL_BATCH", pin))
+            for batch in ("0", "1"):
+                with env_var("VD_GROUP_NORM_KERNEL", "twopass"), env_var("VD_GROUP_NORM_APPLY_COL_BATCH", batch):
                     for shape, groups in [((1, 320, 33, 17), 32), ((2, 40, 3, 5, 7), 4), ((3, 1280, 5, 61), 32),
                                           ((2, 2560, 3, 5), 32)]:
                         fmt = torch.channels_last if len(shape) == 4 else torch.channels_last_3d

@@ -4881,17 +4881,15 @@ at::Tensor forward_cuda(const at::Tensor& x_in, const GNShape& s, const std::opt
     if (((any && l2_first && !two_pass) || use == GNKernels::kL2) && l2()) return;
     if (((any && !small) || use == GNKernels::kOnChip) && onchip()) return;
     const at::Tensor buf = L::stats(a, s.channels_last, vec, eps, x.options(), x.get_device(), stream, st);
+    const ApplyCols<scalar_t, acc_t> ac = apply_cols_choice<scalar_t, acc_t>(vec);
+    plan(a, s.channels_last ? ac.vec : vec ? L::kVec : 1, a.S, s.channels_last);
+    a.reverse = apply_reversed();
+    const unsigned blocks = grid_of(s.channels_last ? a.items : ceil_div(a.items, kWarps), kOp);
     if (!s.channels_last) {
-      plan(a, vec ? L::kVec : 1, a.S, false);
-      a.reverse = apply_reversed();
-      const unsigned blocks = grid_of(ceil_div(a.items, kWarps), kOp);
       if (vec) apply_rows_kernel<scalar_t, acc_t, L::kVec><<<blocks, kThreads, 0, stream>>>(a);
       else apply_rows_kernel<scalar_t, acc_t, 1><<<blocks, kThreads, 0, stream>>>(a);
     } else {
-      const ApplyCols<scalar_t, acc_t> ac = apply_cols_choice<scalar_t, acc_t>(vec);
-      plan(a, ac.vec, a.S, true);
-      a.reverse = apply_reversed();
-      ac.kernel<<<grid_of(a.items, kOp), kThreads, 0, stream>>>(a);
+      ac.kernel<<<blocks, kThreads, 0, stream>>>(a);
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
