@@ -2242,7 +2242,7 @@ __global__ void __launch_bounds__(kStreamColsThreads, 1)
     }
     for (int e = 0; e < kStreamColsJobs; ++e) {
       wgmma::mbar_init(bar(jfull[e]), 1);
-      wgmma::mbar_init(bar(jempty[e]), kStreamColsFoldWarps);
+      wgmma::mbar_init(bar(jempty[e]), 32 * kStreamColsFoldWarps);  // every folder thread that read job[e]
     }
     wgmma::mbar_init_fence();
   }
@@ -2447,8 +2447,7 @@ __global__ void __launch_bounds__(kStreamColsThreads, 1)
       const int e = j % kStreamColsJobs;
       wgmma::mbar_wait(bar(jfull[e]), (j / kStreamColsJobs) & 1);
       const int64_t blk = job[e];
-      __syncwarp();
-      if (lane == 0) wgmma::mbar_arrive(bar(jempty[e]));
+      wgmma::mbar_arrive(bar(jempty[e]));  // each reader itself (as version 12's readers of a stage)
       if (blk < 0) break;
       // Group gi's Q slots, lane l holding q = l, l + 32, ... (all loads first), merged in that order about the
       // first tile's pivot, then over the warp's tree: a fixed order, the same bits whichever CTA folds.
