@@ -180,6 +180,14 @@ def main():
                         x = torch.randn(shape, device=dev, dtype=dtype).to(memory_format=fmt)
                         w = torch.randn(shape[1], device=dev, dtype=dtype)
                         torch.ops.vd.group_norm_silu_forward(x, groups, w, w, 1e-5, True)
+            # Version 1's channels_last statistics at the rows a thread the op picks (whole rounds of blocks) and at
+            # pinned odd counts (one row a thread; blocks ending mid-batch).
+            for rows in ("", "1", "7"):
+                with env_var("VD_GROUP_NORM_KERNEL", "twopass"), env_var("VD_GROUP_NORM_STATS_COL_ROWS", rows):
+                    for shape, groups in [((3, 320, 19, 23), 32), ((2, 40, 3, 5, 7), 4), ((2, 2560, 3, 5), 32)]:
+                        fmt = torch.channels_last if len(shape) == 4 else torch.channels_last_3d
+                        x = torch.randn(shape, device=dev, dtype=dtype).to(memory_format=fmt)
+                        torch.ops.vd.group_norm_silu_forward(x, groups, None, None, 1e-5, True)
             # NC* two-pass statistics: whole chunks (groups of 512 K elements), and groups of 8 * 2050 elements
             # (most start off a 16-byte boundary; short last chunks of single vectors).
             for shape, groups in [((1, 64, 256, 256), 8), ((2, 64, 50, 41), 8)]:

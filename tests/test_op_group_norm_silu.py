@@ -881,6 +881,30 @@ def test_forward_two_pass_channels_last(device, dtype, monkeypatch):
             assert torch.equal(out, single), f"{shape} {dtype} silu={silu}: batched rows differ from one row a load"
 
 
+@pytest.mark.parametrize("device", CUDA)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_forward_cols_statistics_rows(device, dtype, monkeypatch):
+    # The channels_last statistics of the two-pass kernels at the rows a thread the op picks (blocks filling whole
+    # rounds of the device's slots), at the power of two (VD_GROUP_NORM_STATS_COL_FILL=0) and at pinned odd counts
+    # (VD_GROUP_NORM_STATS_COL_ROWS: one row a thread, blocks ending mid-batch), against the float64 reference.
+    monkeypatch.setenv("VD_GROUP_NORM_KERNEL", "twopass")
+    torch.manual_seed(0)
+    for shape, groups in [((3, 320, 19, 23), 32), ((2, 40, 3, 5, 7), 4), ((2, 2560, 3, 5), 32)]:
+        C = shape[1]
+        x = channels_last((torch.randn(shape, device=device) * 3 + 1).to(dtype))
+        w, b = torch.randn(C, device=device, dtype=dtype), torch.randn(C, device=device, dtype=dtype)
+        ref = reference_group_norm_silu(x.double(), groups, w.double(), b.double(), 1e-5, True)
+        for setting in ({}, {"VD_GROUP_NORM_STATS_COL_FILL": "0"}, {"VD_GROUP_NORM_STATS_COL_ROWS": "1"},
+                        {"VD_GROUP_NORM_STATS_COL_ROWS": "7"}, {"VD_GROUP_NORM_STATS_COL_ROWS": "77"}):
+            what = f"{shape} {dtype} {setting}"
+            with monkeypatch.context() as m:
+                for k, v in setting.items():
+                    m.setenv(k, v)
+                out, stats = FORWARD_WITH_STATS(x, groups, w, b, 1e-5, True)
+            check_stats(stats, x, groups, 1e-5, what)
+            assert_close_to(out, ref, x.dtype, what=what)
+
+
 # The forward's statistics (group_norm_silu_forward; autograd saves them for the backward, as eager GroupNorm saves
 # its mean and rstd): (3, N, G) of mean high part, mean low part, rstd.
 FORWARD_WITH_STATS = torch.ops.vd.group_norm_silu_forward.default

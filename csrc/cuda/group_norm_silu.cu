@@ -3778,12 +3778,34 @@ int cols_rows_per_thread(const A& a, int vec, int device, double min_blocks_per_
   return rows;
 }
 
-// The cols statistics: ~1.75 blocks an SM. A block's fixed part (its first row's pivots, the merge into per-group
-// states, the stores): at 32 rows 960-channel (28, 960, 72, 128) input took 0.210 ms, at 128 0.157; with too few
-// blocks (two-sample frames-major input) 64 rows beat 128 (0.038 vs 0.045 ms) by keeping every SM busy.
+// The cols statistics' rows a thread: ~1.75 blocks an SM. A block's fixed part (its first row's pivots, the merge
+// into per-group states, the stores): at 32 rows 960-channel (28, 960, 72, 128) input took 0.210 ms, at 128 0.157;
+// with too few blocks (two-sample frames-major input) 64 rows beat 128 (0.038 vs 0.045 ms) by keeping every SM busy.
+// Then, given per_sm resident blocks an SM (0: unknown) and at most kStatsColFillRounds rounds of the device's slots,
+// fewer rows a thread so the blocks fill whole rounds: 128 rows gave (28, 960, 72, 128) 1008 blocks on 396 slots, a
+// last round 55 % full (H200, the kernel's µs, power of two -> filled: bf16 157.5 -> 153.5, fp32 276.6 -> 268.5;
+// bf16 channels_last_3d (2, 1280, 14, 18, 32), 0.64 rounds, 29.4 -> 27.6). Over 10 rounds filling lost (the VAE's
+// (14, 128, 576, 1024): bf16 564.6 -> 567.2, fp32 1010.8 -> 1043.2), so many rounds keep the power of two.
+// VD_GROUP_NORM_STATS_COL_FILL=0 keeps it always; VD_GROUP_NORM_STATS_COL_ROWS=n pins n rows (1-1024).
+constexpr int64_t kStatsColFillRounds = 8;
+
 template <typename A>
-int stats_cols_rows(const A& a, int vec, int device) {
-  return cols_rows_per_thread(a, vec, device, 1.75);
+int stats_cols_rows(const A& a, int vec, int device, int per_sm) {
+  const int64_t pinned = env_int("VD_GROUP_NORM_STATS_COL_ROWS", 0);
+  if (pinned >= 1 && pinned <= 1024) return static_cast<int>(pinned);
+  const int rows = cols_rows_per_thread(a, vec, device, 1.75);
+  if (per_sm <= 0 || env_str("VD_GROUP_NORM_STATS_COL_FILL") == "0") return rows;
+  int sms = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int64_t R = kThreads / std::min<int64_t>(a.C / vec, kThreads), ctiles = ceil_div(a.C / vec, kThreads);
+  const int64_t slots = static_cast<int64_t>(per_sm) * sms, columns = a.N * ctiles;
+  const int64_t rounds = ceil_div(columns * ceil_div(a.S, R * rows), slots);
+  if (rounds > kStatsColFillRounds) return rows;
+  // The most blocks a sample-column that whole rounds hold (at least the current count, as rounds were rounded up).
+  const int64_t P = rounds * slots / columns;
+  // Not under kRowsPerThread, cols_rows_per_thread's floor: a block's fixed part and the finalize's merge per state
+  // (bf16 channels_last_3d (2, 320, 14, 32, 32), 0.38 rounds at 32 rows, filled at 13 rows: the call 25.4 -> 26.6 us).
+  return static_cast<int>(std::clamp<int64_t>(ceil_div(a.S, R * P), std::min(rows, kRowsPerThread), rows));
 }
 
 // grad_weight / grad_bias in the parameters' dtypes (x's where absent), for both backward paths. The reduce kernel
@@ -3829,6 +3851,10 @@ struct Launcher {
     return !channels_last || a.C % kVec == 0;
   }
 
+  static auto stats_cols_choice(bool vec) {
+    return vec ? stats_cols_kernel<scalar_t, acc_t, kVec> : stats_cols_kernel<scalar_t, acc_t, 1>;
+  }
+
   // mean (hi, lo) and rstd per (n, g), 3 * N * G values of acc_t, a points at them afterwards; the
   // returned buffer holds them (and the partial states before them: one allocation, host time counts on
   // the small shapes), or out does where given (the forward's statistics output).
@@ -3836,9 +3862,11 @@ struct Launcher {
                           int device, cudaStream_t stream, acc_t* out = nullptr) {
     const int v = vec ? kVec : 1;
     Args s = a;
+    auto cols_kernel = stats_cols_choice(vec);
     // 16-bit and float "rows" statistics: chunks of kStatBatches batches (stats_rows_kernel)
     plan(s, v, s.cpg * s.S, channels_last, sizeof(scalar_t) <= 4 && vec ? kVecsPerLane * kStatBatches : kVecsPerLane,
-         channels_last ? stats_cols_rows(s, v, device) : kRowsPerThread);
+         channels_last ? stats_cols_rows(s, v, device, resident_blocks(cols_kernel, device, kThreads, 0))
+                       : kRowsPerThread);
     const int64_t K = channels_last ? s.P * s.ctiles : s.F * s.P;
     const int64_t NG = s.N * s.G;
     // cols: a group's slot of a column tile it does not reach stays zero (n = 0, skipped by the merge).
@@ -3854,8 +3882,7 @@ struct Launcher {
       if (vec) stats_rows_kernel<scalar_t, acc_t, kVec><<<blocks, kThreads, 0, stream>>>(s, pp);
       else stats_rows_kernel<scalar_t, acc_t, 1><<<blocks, kThreads, 0, stream>>>(s, pp);
     } else {
-      if (vec) stats_cols_kernel<scalar_t, acc_t, kVec><<<blocks, kThreads, 0, stream>>>(s, pp);
-      else stats_cols_kernel<scalar_t, acc_t, 1><<<blocks, kThreads, 0, stream>>>(s, pp);
+      cols_kernel<<<blocks, kThreads, 0, stream>>>(s, pp);
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     stats_finalize_kernel<acc_t><<<grid_of(NG, kOp), kThreads, 0, stream>>>(

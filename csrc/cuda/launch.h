@@ -15,7 +15,10 @@
 #include <cstdint>
 #include <cstdlib>
 #include <limits>
+#include <map>
+#include <mutex>
 #include <string>
+#include <tuple>
 #include <type_traits>
 
 #include "../fold_cache.h"
@@ -75,6 +78,23 @@ inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 1
 inline unsigned grid_of(int64_t blocks, const char* op) {
   TORCH_CHECK(blocks <= std::numeric_limits<int32_t>::max(), op, ": input too large for one launch");
   return static_cast<unsigned>(blocks);
+}
+
+// CTAs of `kernel` (`threads` threads, `smem` bytes of dynamic shared memory) resident at once on one SM of
+// `device`; cached (the answer depends only on these), so a plan can ask it on every call.
+template <typename Kernel>
+int resident_blocks(Kernel kernel, int device, int threads, size_t smem) {
+  static std::mutex mu;
+  static std::map<std::tuple<const void*, int, int, size_t>, int> cache;
+  const auto key = std::make_tuple(reinterpret_cast<const void*>(kernel), device, threads, smem);
+  const std::lock_guard<std::mutex> lock(mu);
+  const auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+  int per_sm = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem) != cudaSuccess) per_sm = 0;
+  (void)cudaGetLastError();  // a refusal is an answer (none known): callers fall back to their plain rule
+  cache.emplace(key, per_sm);
+  return per_sm;
 }
 
 // A copy of t in device memory of its own (cudaMalloc, freed with the copy), for what the weight caches
