@@ -425,14 +425,17 @@ def test_channels_last_version_8_three_ctas(device, dtype, smem_family, monkeypa
 def test_channels_last_fp32_unaligned_rows_two_pass(device, monkeypatch):
     # fp32 blocks whose rows are not whole 32-byte sectors (cpg 30: 240-byte rows) in one stage of version 8 ran
     # slower than the two-pass kernels: the op's own choice takes those (not version 5 either), the same rows in a
-    # ring of stages or in 16-bit keep version 8, and the pinned "smem" family still runs version 8 on them.
+    # ring of stages keep version 8, 16-bit ones too unless the blocks make ten rounds or more of version 8's
+    # resident clusters, and the pinned "smem" family still runs version 8 on them.
     if torch.cuda.get_device_capability(device)[0] < 9:
         pytest.skip("version 8 needs the tensor copy engine and clusters (sm_90+)")
     monkeypatch.delenv("VD_GROUP_NORM_KERNEL", raising=False)
     torch.manual_seed(0)
     for shape, dtype, want in [((1, 960, 64, 64), torch.float32, False),   # K 16, one 60 KB stage: two-pass
                                ((2, 960, 48, 100), torch.float32, False),  # 2 boxes of 152 rows: one 71 KB stage
-                               ((1, 960, 64, 64), torch.bfloat16, True),   # 16-bit: version 8
+                               ((1, 960, 64, 64), torch.bfloat16, True),   # 16-bit, 8 blocks: version 8
+                               ((8, 960, 64, 96), torch.float16, True),    # 64 blocks: version 8
+                               ((32, 960, 64, 96), torch.bfloat16, False),  # 256 blocks: two-pass
                                ((2, 1920, 32, 48), torch.float32, True)]:  # K 8, 45 KB parts in 2 stages
         C = shape[1]
         x = channels_last((torch.randn(shape, device=device) * 3 + 1).to(dtype))

@@ -4560,6 +4560,10 @@ inline int cols_slots(int64_t TCV, int64_t cpg, int vec) {
   return ns;
 }
 
+// Rounds of blocks over version 8's resident clusters from which 16-bit one-stage parts of rows off 32-byte sectors
+// go to the two-pass kernels (forward_smem_cols).
+constexpr int64_t kSmemColsTwoPassRounds = 10;
+
 // VD_GROUP_NORM_THREE_CTAS=0: version 8 keeps two CTAs an SM (benchmarks compare both in one process).
 inline bool three_ctas_allowed() {
   const char* e = std::getenv("VD_GROUP_NORM_THREE_CTAS");
@@ -4635,6 +4639,15 @@ bool forward_smem_cols(const GNShape& s, const at::Tensor& x, scalar_t* out, con
       }
     }
     if (clusters == 0) return false;
+    // 16-bit parts in one stage with such rows: the two-pass kernels pass version 8 where its clusters walk many
+    // rounds of blocks (H200, bf16 / fp16 960 channels, µs, version 8 / two-pass: (32, 960, 64, 96) 333 / 311,
+    // (28, 960, 64, 96) 286 / 277, (32, 960, 64, 64) 223 / 220; with fewer blocks version 8 stays ahead:
+    // (16, 960, 64, 96) 160 / 162, (16, 960, 64, 64) 113 / 116, (8, 960, 64, 96) 87 / 92).
+    if (two_pass != nullptr && kElt == 2 && stages == 1 && row_bytes % 32 != 0 &&
+        items >= kSmemColsTwoPassRounds * clusters) {
+      *two_pass = true;
+      return false;
+    }
     CUtensorMap tx;
     if (!cols_tensor_map(&tx, x, s, W, rbox)) return false;
     SmemColsArgs<scalar_t> a{};
