@@ -505,9 +505,10 @@ def stream_family_ok(device):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_version_12_stream(device, dtype):
     # Version 12 (sm_90): tiles of 32 KB taken from a device-wide counter, statistics per tile in global slots,
-    # merged per group by every CTA holding a tile of it. Taken by default for float32 groups over 1.5 MB; pinned
-    # ("stream") for 16-bit and for smaller groups. Pins where it runs, and that its output matches the reference
-    # and is the same bit for bit on every call (tiles go to whichever CTA asks first).
+    # merged per group by every CTA holding a tile of it. Taken by default for float32 groups over 1.5 MB, 16-bit
+    # frames-major groups over 1.5 MB and contiguous 16-bit groups over 4 MB; pinned ("stream") for smaller groups.
+    # Pins where it runs, and that its output matches the reference and is the same bit for bit on every call
+    # (tiles go to whichever CTA asks first).
     stream_family_ok(device)
     torch.manual_seed(0)
     fp32 = dtype == torch.float32
@@ -515,7 +516,10 @@ def test_version_12_stream(device, dtype):
         ((2, 64, 256, 256), 8, 0, fp32),          # 2 MB fp32 groups: 64 tiles a group, 16 groups
         ((1, 32, 6, 90, 100), 4, 6, fp32),        # frames-major, segments of 72000: nine tiles of 8000 each
         ((1, 64, 512, 512), 16, 0, fp32),         # 4 MB groups (fp32): 128 tiles, more than a round of CTAs
-        ((1, 128, 300, 400), 2, 0, False),        # cpg 64 in 30 MB (fp32) groups: over 512 tiles, two-pass
+        ((1, 32, 520, 512), 4, 0, True),          # 4.3 MB groups in 16-bit (8.5 MB fp32)
+        ((1, 32, 400, 512), 4, 0, fp32),          # 3.3 MB in 16-bit: two-pass
+        ((1, 32, 8, 128, 128), 4, 8, True),       # frames-major, 2 MB groups in 16-bit: past version 6
+        ((1, 128, 300, 400), 2, 0, not fp32),     # cpg 64 in 30 MB (fp32) groups: over 512 tiles, two-pass
         ((1, 256, 256, 256), 2, 0, False),        # cpg 128: two-pass
         ((2, 320, 72, 128), 32, 0, False),        # 1.2 MB groups: version 6
     ]:

@@ -4054,8 +4054,10 @@ bool forward_smem(const GNShape& s, int64_t F, const scalar_t* x, scalar_t* out,
   }
 }
 
-// Groups over version 6's largest cluster (16 parts of kSmemBigPartBytes) go to version 12 unless pinned there.
+// Groups over version 6's largest cluster (16 parts of kSmemBigPartBytes) go to version 12 unless pinned there;
+// contiguous 16-bit groups over 4 MB (forward_stream).
 constexpr int64_t kStreamMinGroupBytes = 16 * kSmemBigPartBytes;
+constexpr int64_t kStream16MinGroupBytes = 4 * 1024 * 1024;
 
 // The CTAs of `kernel` (one an SM's worth, clusters of 1) resident at once; 0 where the device cannot launch
 // cooperatively, as versions 12 and 13 need (a CTA waits for tiles other CTAs hold).
@@ -4231,7 +4233,13 @@ bool forward_stream(const GNShape& s, int64_t F, const scalar_t* x, scalar_t* ou
     if (s.channels_last || !vec) return false;
     const int64_t cpg = s.C / s.G, S = s.S / F, seg = cpg * S;
     const int64_t group_bytes = F * seg * static_cast<int64_t>(sizeof(scalar_t));
-    if (!pinned && (sizeof(scalar_t) != 4 || group_bytes <= kStreamMinGroupBytes)) return false;
+    // 16-bit input: frames-major groups past version 6, contiguous ones over kStream16MinGroupBytes (H200, bf16, µs,
+    // two-pass / version 12: (14, 256, 576, 1024), 9.4 MB groups, 3078 / 2567; (14, 128, 576, 1024), 4.7 MB, 1553 /
+    // 1453, (4, 128, 576, 1024) 463 / 425; (14, 128, 640, 640), 3.3 MB, 1087 / 1115 (fp16 1056 / 1112); (14, 256, 288,
+    // 512), 2.4 MB, 792 / 804; frames-major (2, 320, 14, 72, 128), 2.6 MB, 146 / 142, (1, 320, 25, 72, 128), 4.6 MB,
+    // 132 / 118).
+    const int64_t min_bytes = sizeof(scalar_t) == 4 || F > 1 ? kStreamMinGroupBytes : kStream16MinGroupBytes;
+    if (!pinned && group_bytes <= min_bytes) return false;
     // A vector never straddles two channels; segments and tiles start on 16 bytes.
     if (S % kVec != 0 || cpg > kStreamMaxCpg || seg >= (int64_t{1} << 31)) return false;
     // Tiles of up to TE elements, as even as whole vectors allow (a segment of 2.25 tiles: three of 0.75).
