@@ -241,6 +241,9 @@ def main():
                     w = torch.randn(shape[1], device=dev, dtype=dtype)
                     torch.ops.vd.group_norm_silu_forward(x, groups, w, w, 1e-5, True)
                     torch.ops.vd.group_norm_silu(x, groups, None, None, 1e-5, False)
+                # Version 13 with enough blocks that each CTA's ring of fold jobs wraps (its job slots reused).
+                x = torch.randn(32, 960, 64, 96, device=dev, dtype=dtype).to(memory_format=torch.channels_last)
+                torch.ops.vd.group_norm_silu_forward(x, 32, None, None, 1e-5, True)
             ran.append("group_norm_silu_stream")
         if "group_norm_silu_three_ctas" in only and has_cuda_kernels("group_norm_silu"):
             # Version 8 at three CTAs an SM (one stage of <= ~72 KB, group states folded over warps): a last rank
