@@ -184,7 +184,8 @@ def main():
             # pinned odd counts (one row a thread; blocks ending mid-batch).
             for rows in ("", "1", "7"):
                 with env_var("VD_GROUP_NORM_KERNEL", "twopass"), env_var("VD_GROUP_NORM_STATS_COL_ROWS", rows):
-                    for shape, groups in [((3, 320, 19, 23), 32), ((2, 40, 3, 5, 7), 4), ((2, 2560, 3, 5), 32)]:
+                    for shape, groups in [((3, 320, 19, 23), 32), ((2, 40, 3, 5, 7), 4), ((2, 2560, 3, 5), 32),
+                                          ((2, 1280, 14, 18, 32), 32)]:  # filled past the power of two (132 SMs)
                         fmt = torch.channels_last if len(shape) == 4 else torch.channels_last_3d
                         x = torch.randn(shape, device=dev, dtype=dtype).to(memory_format=fmt)
                         torch.ops.vd.group_norm_silu_forward(x, groups, None, None, 1e-5, True)
@@ -241,8 +242,9 @@ def main():
                     w = torch.randn(shape[1], device=dev, dtype=dtype)
                     torch.ops.vd.group_norm_silu_forward(x, groups, w, w, 1e-5, True)
                     torch.ops.vd.group_norm_silu(x, groups, None, None, 1e-5, False)
-                # Version 13 with enough blocks that each CTA's ring of fold jobs wraps (its job slots reused).
-                x = torch.randn(32, 960, 64, 96, device=dev, dtype=dtype).to(memory_format=torch.channels_last)
+                # Version 13 with ~18 one-tile blocks a CTA (one CTA an SM), so each CTA's ring of 8 fold jobs wraps
+                # (its job slots reused).
+                x = torch.randn(2400, 64, 5, 7, device=dev, dtype=dtype).to(memory_format=torch.channels_last)
                 torch.ops.vd.group_norm_silu_forward(x, 32, None, None, 1e-5, True)
             ran.append("group_norm_silu_stream")
         if "group_norm_silu_three_ctas" in only and has_cuda_kernels("group_norm_silu"):

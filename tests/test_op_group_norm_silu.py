@@ -519,7 +519,7 @@ def test_version_12_stream(device, dtype):
         ((1, 32, 520, 512), 4, 0, True),          # 4.3 MB groups in 16-bit (8.5 MB fp32)
         ((1, 32, 400, 512), 4, 0, fp32),          # 3.3 MB in 16-bit: two-pass
         ((1, 32, 8, 128, 128), 4, 8, True),       # frames-major, 2 MB groups in 16-bit: past version 6
-        ((1, 128, 300, 400), 2, 0, not fp32),     # cpg 64 in 30 MB (fp32) groups: over 512 tiles, two-pass
+        ((1, 128, 300, 400), 2, 0, not fp32),     # cpg 64: fp32 30 MB groups, over 512 tiles: two-pass; 16-bit 469
         ((1, 256, 256, 256), 2, 0, False),        # cpg 128: two-pass
         ((2, 320, 72, 128), 32, 0, False),        # 1.2 MB groups: version 6
     ]:
@@ -892,11 +892,14 @@ def test_forward_two_pass_channels_last(device, dtype, monkeypatch):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_forward_cols_statistics_rows(device, dtype, monkeypatch):
     # The channels_last statistics of the two-pass kernels at the rows a thread the op picks (blocks filling whole
-    # rounds of the device's slots), at the power of two (VD_GROUP_NORM_STATS_COL_FILL=0) and at pinned odd counts
-    # (VD_GROUP_NORM_STATS_COL_ROWS: one row a thread, blocks ending mid-batch), against the float64 reference.
+    # rounds of the device's slots, not under 32 rows: the small shapes keep 32), at the power of two
+    # (VD_GROUP_NORM_STATS_COL_FILL=0) and at pinned odd counts (VD_GROUP_NORM_STATS_COL_ROWS: one row a thread,
+    # blocks ending mid-batch), against the float64 reference. (2, 1280, 14, 18, 32) on a 132-SM device: 252 blocks
+    # at the power of two (16-bit 64 rows a thread, fp32 128 in two column tiles), filled at 41 / 82 rows.
     monkeypatch.setenv("VD_GROUP_NORM_KERNEL", "twopass")
     torch.manual_seed(0)
-    for shape, groups in [((3, 320, 19, 23), 32), ((2, 40, 3, 5, 7), 4), ((2, 2560, 3, 5), 32)]:
+    for shape, groups in [((3, 320, 19, 23), 32), ((2, 40, 3, 5, 7), 4), ((2, 2560, 3, 5), 32),
+                          ((2, 1280, 14, 18, 32), 32)]:
         C = shape[1]
         x = channels_last((torch.randn(shape, device=device) * 3 + 1).to(dtype))
         w, b = torch.randn(C, device=device, dtype=dtype), torch.randn(C, device=device, dtype=dtype)

@@ -3784,8 +3784,8 @@ int cols_rows_per_thread(const A& a, int vec, int device, double min_blocks_per_
 // Then, given per_sm resident blocks an SM (0: unknown) and at most kStatsColFillRounds rounds of the device's slots,
 // fewer rows a thread so the blocks fill whole rounds: 128 rows gave (28, 960, 72, 128) 1008 blocks on 396 slots, a
 // last round 55 % full (H200, the kernel's µs, power of two -> filled: bf16 157.5 -> 153.5, fp32 276.6 -> 268.5;
-// bf16 channels_last_3d (2, 1280, 14, 18, 32), 0.64 rounds, 29.4 -> 27.6). Over 10 rounds filling lost (the VAE's
-// (14, 128, 576, 1024): bf16 564.6 -> 567.2, fp32 1010.8 -> 1043.2), so many rounds keep the power of two.
+// bf16 channels_last_3d (2, 1280, 14, 18, 32), 0.64 rounds, 29.4 -> 27.6). At 10 and 20 rounds filling lost (the
+// VAE's (14, 128, 576, 1024): bf16 564.6 -> 567.2, fp32 1010.8 -> 1043.2), so the rule stops at 8 (8-10: not measured).
 // VD_GROUP_NORM_STATS_COL_FILL=0 keeps it always; VD_GROUP_NORM_STATS_COL_ROWS=n pins n rows (1-1024).
 constexpr int64_t kStatsColFillRounds = 8;
 
@@ -3936,7 +3936,8 @@ bool cluster_ok(Kernel kernel, int K, int device, int threads, size_t smem) {
 
 // Which forward kernels may run. VD_GROUP_NORM_KERNEL=smem|stream|l2|onchip|twopass restricts the choice to one
 // family (benchmarks compare them in one process); unset: as measured (bench/notes/norm_and_elementwise.md),
-// version 6 (version 8 for channels_last) first, then version 12 (float32 NC* groups past version 6), then
+// version 6 (version 8 for channels_last) first, then version 12 (NC* groups past version 6: float32, 16-bit
+// frames-major, 16-bit contiguous over 4 MB; version 13 for float32 channels_last past version 8), then
 // version 4 (for 16-bit NC* x only where x fits the L2), version 3 first for inputs under kSmallBytes, then
 // version 1.
 enum class GNKernels { kAny, kSmem, kStream, kL2, kOnChip, kTwoPass };
@@ -4219,8 +4220,7 @@ bool forward_stream_cols(const GNShape& s, const at::Tensor& xt, scalar_t* out, 
 
 // Runs version 12 when the shape, dtype, alignment and device allow it; false leaves the work to the others.
 // F: the frames of a frames-major x (its groups are F segments), else 1. pinned: also groups version 6 would take,
-// and 16-bit x (against the two-pass kernels there: 3 and 7 % faster on two rows, 2 % slower on a third; H200,
-// bench/notes/norm_and_elementwise.md).
+// and 16-bit contiguous groups of up to 4 MB (the rule below).
 template <typename scalar_t>
 bool forward_stream(const GNShape& s, int64_t F, const scalar_t* x, scalar_t* out, const scalar_t* w,
                     const scalar_t* b, double eps, bool silu, bool vec, StatsOut stats, int device,

@@ -81,7 +81,8 @@ inline unsigned grid_of(int64_t blocks, const char* op) {
 }
 
 // CTAs of `kernel` (`threads` threads, `smem` bytes of dynamic shared memory) resident at once on one SM of
-// `device`; cached (the answer depends only on these), so a plan can ask it on every call.
+// `device`, the current device (the callers' device guard); cached (the answer depends only on these), so a plan
+// can ask it on every call.
 template <typename Kernel>
 int resident_blocks(Kernel kernel, int device, int threads, size_t smem) {
   static std::mutex mu;
