@@ -33,6 +33,15 @@ def env_var(key: str, value: str):
             os.environ[key] = old
 
 
+def env_vars(settings: str):
+    """env_var for each NAME=VALUE of "NAME=VALUE[,NAME=VALUE...]" (a benchmark's variant; "" sets none), as one
+    context."""
+    stack = contextlib.ExitStack()
+    for pair in filter(None, settings.split(",")):
+        stack.enter_context(env_var(*pair.split("=", 1)))
+    return stack
+
+
 def time_cuda(fn: Callable[[int], object], n_sets: int = 1, warmup: int = 5, iters: int = 50,
               min_ms: float = 200.0) -> float:
     """Median milliseconds of ``fn(i)`` (i cycles over ``n_sets`` input sets) timed with CUDA events."""

@@ -17,7 +17,6 @@ figure counts x and dy read once, dx written once; the forward runs once, before
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import statistics
 import sys
@@ -26,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (DTYPES, device_time_per_call, env_var, environment, measure_ceilings,  # noqa: E402
+from common import (DTYPES, device_time_per_call, env_vars, environment, measure_ceilings,  # noqa: E402
                     rotation_sets, time_cuda, write_json)
 
 import vdcompile  # noqa: E402,F401
@@ -61,15 +60,8 @@ def main(argv=None):
     p.add_argument("--backward", action="store_true")
     args = p.parse_args(argv)
     dev = torch.device("cuda")
-    # (key, [(variable, setting), ...]): the key names the settings too, so two settings of one variable are two
-    # variants.
-    variants = [("default", [])] + [(e, [tuple(kv.split("=", 1)) for kv in e.split(",")]) for e in args.env]
-
-    def settings(pairs):
-        stack = contextlib.ExitStack()
-        for name, setting in pairs:
-            stack.enter_context(env_var(name, setting))
-        return stack
+    # (key, settings): the key names the settings too, so two settings of one variable are two variants.
+    variants = [("default", "")] + [(e, e) for e in args.env]
 
     ceil = measure_ceilings(dev)
     rows = []
@@ -128,12 +120,12 @@ def main(argv=None):
                 r["inductor_ms"] = time_cuda(through(ind) if args.backward else lambda i: ind(xs[i]), n_sets)
             times = {key: [] for key, _ in variants}
             for _ in range(args.rounds):
-                for key, pairs in variants:
-                    with settings(pairs):
+                for key, settings in variants:
+                    with env_vars(settings):
                         times[key].append(device_time_per_call(ours, n_sets))
-            for key, pairs in variants:
+            for key, settings in variants:
                 ms = statistics.median(times[key])
-                with settings(pairs):
+                with env_vars(settings):
                     kern, out = served_by(lambda: ours(0)), ours(0)
                     out = out[0] if isinstance(out, tuple) else out
                     call_ms = time_cuda(ours, n_sets)  # events a call, as eager and inductor are timed

@@ -12,7 +12,6 @@ bench/results/.
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import statistics
 import sys
@@ -20,7 +19,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import DTYPES, cuda_kernel_times, env_var, environment, rotation_sets, write_json  # noqa: E402
+from common import DTYPES, cuda_kernel_times, env_vars, environment, rotation_sets, write_json  # noqa: E402
 from gn_env_ab import kernel_name  # noqa: E402
 
 import vdcompile  # noqa: E402,F401
@@ -60,9 +59,7 @@ def main(argv=None):
         same: dict[str, bool] = {}
         for _ in range(3):
             for v in variants:
-                with contextlib.ExitStack() as stack:
-                    for pair in filter(None, v.split(",")):
-                        stack.enter_context(env_var(*pair.split("=", 1)))
+                with env_vars(v):
                     t = cuda_kernel_times(call, iters=ITERS)
                     out = call(0)
                 if first is None:

@@ -845,7 +845,7 @@ def test_backward_two_pass_channels_last(device, dtype, monkeypatch):
     torch.manual_seed(0)
     for shape, groups in [((2, 64, 7, 9), 8), ((1, 320, 33, 17), 32), ((2, 40, 3, 5, 7), 4), ((3, 1280, 5, 61), 32)]:
         C = shape[1]
-        x = channels_last((torch.randn(shape, device=device) * 3 + 1).to(dtype))
+        x = layout_input(shape, "channels_last", dtype, device)
         g = channels_last(torch.randn(shape, device=device, dtype=dtype))
         w, b = torch.randn(C, device=device, dtype=dtype), torch.randn(C, device=device, dtype=dtype)
         _, stats = FORWARD_WITH_STATS(x, groups, w, b, 1e-5, True)
@@ -876,7 +876,7 @@ def test_forward_two_pass_channels_last(device, dtype, monkeypatch):
     for shape, groups in [((2, 64, 7, 9), 8), ((1, 320, 33, 17), 32), ((2, 40, 3, 5, 7), 4), ((3, 1280, 5, 61), 32),
                           ((2, 2560, 3, 5), 32)]:
         C = shape[1]
-        x = channels_last((torch.randn(shape, device=device) * 3 + 1).to(dtype))
+        x = layout_input(shape, "channels_last", dtype, device)
         w, b = torch.randn(C, device=device, dtype=dtype), torch.randn(C, device=device, dtype=dtype)
         for silu in (True, False):
             out = check_kernel_serves("apply_cols_kernel", True, x, groups, w, b, silu, what=f"{shape}")
@@ -901,7 +901,7 @@ def test_forward_cols_statistics_rows(device, dtype, monkeypatch):
     for shape, groups in [((3, 320, 19, 23), 32), ((2, 40, 3, 5, 7), 4), ((2, 2560, 3, 5), 32),
                           ((2, 1280, 14, 18, 32), 32)]:
         C = shape[1]
-        x = channels_last((torch.randn(shape, device=device) * 3 + 1).to(dtype))
+        x = layout_input(shape, "channels_last", dtype, device)
         w, b = torch.randn(C, device=device, dtype=dtype), torch.randn(C, device=device, dtype=dtype)
         ref = reference_group_norm_silu(x.double(), groups, w.double(), b.double(), 1e-5, True)
         for setting in ({}, {"VD_GROUP_NORM_STATS_COL_FILL": "0"}, {"VD_GROUP_NORM_STATS_COL_ROWS": "1"},

@@ -3747,6 +3747,17 @@ inline int64_t l2_cache_bytes(int device) {
   return v;
 }
 
+// The "cols" kernels' tiling of C / vec vector columns: TCV columns a block (at most kThreads), R rows of threads,
+// ctiles column tiles.
+struct ColsTiling {
+  int64_t TCV, R, ctiles;
+};
+
+inline ColsTiling cols_tiling(int64_t C, int vec) {
+  const int64_t CV = C / vec, TCV = std::min<int64_t>(CV, kThreads);
+  return {TCV, kThreads / TCV, ceil_div(CV, TCV)};
+}
+
 // Fills the split fields of a: "rows" chunks over runs of `run` elements, or the "cols" tiling.
 template <typename A>
 void plan(A& a, int vec, int64_t run, bool channels_last, int vecs_per_lane = kVecsPerLane,
@@ -3756,10 +3767,10 @@ void plan(A& a, int vec, int64_t run, bool channels_last, int vecs_per_lane = kV
     a.P = ceil_div(run, a.CH);
     a.items = ceil_div(a.N * a.F * a.C * a.S, run) * a.P;  // runs * chunks per run
   } else {
-    const int64_t CV = a.C / vec;
-    a.TCV = static_cast<int>(std::min<int64_t>(CV, kThreads));
-    a.R = kThreads / a.TCV;
-    a.ctiles = ceil_div(CV, a.TCV);
+    const ColsTiling t = cols_tiling(a.C, vec);
+    a.TCV = static_cast<int>(t.TCV);
+    a.R = static_cast<int>(t.R);
+    a.ctiles = t.ctiles;
     a.RB = static_cast<int64_t>(a.R) * rows_per_thread;
     a.P = ceil_div(a.S, a.RB);
     a.items = a.N * a.P * a.ctiles;  // blocks
@@ -3772,9 +3783,9 @@ template <typename A>
 int cols_rows_per_thread(const A& a, int vec, int device, double min_blocks_per_sm) {
   int sms = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  const int64_t R = kThreads / std::min<int64_t>(a.C / vec, kThreads), ctiles = ceil_div(a.C / vec, kThreads);
+  const ColsTiling t = cols_tiling(a.C, vec);
   int rows = 128;
-  while (rows > kRowsPerThread && a.N * ceil_div(a.S, R * rows) * ctiles < min_blocks_per_sm * sms) rows /= 2;
+  while (rows > kRowsPerThread && a.N * ceil_div(a.S, t.R * rows) * t.ctiles < min_blocks_per_sm * sms) rows /= 2;
   return rows;
 }
 
@@ -3797,15 +3808,15 @@ int stats_cols_rows(const A& a, int vec, int device, int per_sm) {
   if (per_sm <= 0 || env_str("VD_GROUP_NORM_STATS_COL_FILL") == "0") return rows;
   int sms = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  const int64_t R = kThreads / std::min<int64_t>(a.C / vec, kThreads), ctiles = ceil_div(a.C / vec, kThreads);
-  const int64_t slots = static_cast<int64_t>(per_sm) * sms, columns = a.N * ctiles;
-  const int64_t rounds = ceil_div(columns * ceil_div(a.S, R * rows), slots);
+  const ColsTiling t = cols_tiling(a.C, vec);
+  const int64_t slots = static_cast<int64_t>(per_sm) * sms, columns = a.N * t.ctiles;
+  const int64_t rounds = ceil_div(columns * ceil_div(a.S, t.R * rows), slots);
   if (rounds > kStatsColFillRounds) return rows;
   // The most blocks a sample-column that whole rounds hold (at least the current count, as rounds were rounded up).
   const int64_t P = rounds * slots / columns;
   // Not under kRowsPerThread, cols_rows_per_thread's floor: a block's fixed part and the finalize's merge per state
   // (bf16 channels_last_3d (2, 320, 14, 32, 32), 0.38 rounds at 32 rows, filled at 13 rows: the call 25.4 -> 26.6 us).
-  return static_cast<int>(std::clamp<int64_t>(ceil_div(a.S, R * P), std::min(rows, kRowsPerThread), rows));
+  return static_cast<int>(std::clamp<int64_t>(ceil_div(a.S, t.R * P), std::min(rows, kRowsPerThread), rows));
 }
 
 // grad_weight / grad_bias in the parameters' dtypes (x's where absent), for both backward paths. The reduce kernel
@@ -3851,10 +3862,6 @@ struct Launcher {
     return !channels_last || a.C % kVec == 0;
   }
 
-  static auto stats_cols_choice(bool vec) {
-    return vec ? stats_cols_kernel<scalar_t, acc_t, kVec> : stats_cols_kernel<scalar_t, acc_t, 1>;
-  }
-
   // mean (hi, lo) and rstd per (n, g), 3 * N * G values of acc_t, a points at them afterwards; the
   // returned buffer holds them (and the partial states before them: one allocation, host time counts on
   // the small shapes), or out does where given (the forward's statistics output).
@@ -3862,7 +3869,7 @@ struct Launcher {
                           int device, cudaStream_t stream, acc_t* out = nullptr) {
     const int v = vec ? kVec : 1;
     Args s = a;
-    auto cols_kernel = stats_cols_choice(vec);
+    auto cols_kernel = vec ? stats_cols_kernel<scalar_t, acc_t, kVec> : stats_cols_kernel<scalar_t, acc_t, 1>;
     // 16-bit and float "rows" statistics: chunks of kStatBatches batches (stats_rows_kernel)
     plan(s, v, s.cpg * s.S, channels_last, sizeof(scalar_t) <= 4 && vec ? kVecsPerLane * kStatBatches : kVecsPerLane,
          channels_last ? stats_cols_rows(s, v, device, resident_blocks(cols_kernel, device, kThreads, 0))
