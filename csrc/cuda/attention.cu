@@ -310,18 +310,6 @@ __global__ void __launch_bounds__(kRowThreads) attn_fwd_rows_kernel(const AttnAr
 // Forward, tensor-core kernel (fp16 / bf16). Needs head_dim % 8 == 0, unit stride along D and
 // 16-byte aligned rows (the host makes a copy otherwise). DP: head_dim padded to 64 / 128 / 256.
 
-__device__ __forceinline__ unsigned smem_addr(const void* p) {
-  return static_cast<unsigned>(__cvta_generic_to_shared(p));
-}
-
-// 16-byte global -> shared copy; zero-fills when !valid (src must still be a valid address).
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
-               "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
-
 // From a shared-space address (the copy-engine kernels address their slots that way) or a pointer.
 __device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], unsigned addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"

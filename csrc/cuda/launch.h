@@ -1,5 +1,5 @@
-// Small pieces shared by the CUDA kernels: the 16-byte vector type, packing a pair of 16-bit outputs and
-// host-side launch sizing.
+// Small pieces shared by the CUDA kernels: the 16-byte vector type, packing a pair of 16-bit outputs, 16-byte
+// asynchronous copies into shared memory and host-side launch sizing.
 #pragma once
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -55,6 +55,24 @@ __device__ __forceinline__ uint32_t pack_pair(float lo, float hi) {
     return *reinterpret_cast<const uint32_t*>(&h);
   }
 }
+
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+// 16-byte global -> shared copy (sm_80+); zero-fills when !valid (src must still be a valid address). A thread that
+// reads back only its own copies needs no barrier: cp.async.wait_group makes them visible to it.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
+               "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+// Until at most N of this thread's committed groups are still in flight.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all() { cp_async_wait<0>(); }
 
 // The value of environment variable `name`, empty where it is unset (the kernels' benchmark and test switches).
 inline std::string env_str(const char* name) {
