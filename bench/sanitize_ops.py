@@ -13,6 +13,7 @@ group_norm_silu_stream is versions 12 and 13 alone (also run with group_norm_sil
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import sys
 
@@ -181,9 +182,11 @@ def main():
                         w = torch.randn(shape[1], device=dev, dtype=dtype)
                         torch.ops.vd.group_norm_silu_forward(x, groups, w, w, 1e-5, True)
             # Version 1's channels_last statistics at the rows a thread the op picks (whole rounds of blocks) and at
-            # pinned odd counts (one row a thread; blocks ending mid-batch).
-            for rows in ("", "1", "7"):
-                with env_var("VD_GROUP_NORM_KERNEL", "twopass"), env_var("VD_GROUP_NORM_STATS_COL_ROWS", rows):
+            # pinned odd counts (one row a thread; blocks ending mid-batch), with plain loads and with the copies'
+            # ring of 3 and 4 batches a thread (77 rows: the ring wraps several times).
+            for rows, depth in itertools.product(("", "1", "7", "77"), ("0", "3", "4")):
+                with env_var("VD_GROUP_NORM_KERNEL", "twopass"), env_var("VD_GROUP_NORM_STATS_COL_ROWS", rows), \
+                        env_var("VD_GROUP_NORM_STATS_COL_DEPTH", depth):
                     for shape, groups in [((3, 320, 19, 23), 32), ((2, 40, 3, 5, 7), 4), ((2, 2560, 3, 5), 32),
                                           ((2, 1280, 14, 18, 32), 32)]:  # filled past the power of two (132 SMs)
                         fmt = torch.channels_last if len(shape) == 4 else torch.channels_last_3d

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 import re
 import pytest
 import torch
@@ -913,6 +914,67 @@ def test_forward_cols_statistics_rows(device, dtype, monkeypatch):
                 out, stats = FORWARD_WITH_STATS(x, groups, w, b, 1e-5, True)
             check_stats(stats, x, groups, 1e-5, what)
             assert_close_to(out, ref, x.dtype, what=what)
+
+
+def stats_cols_depths(fn):
+    """The ring depth (the last template argument) of each cols statistics kernel ``fn()`` launches."""
+    names = [n for n in cuda_kernels_run(fn) if "stats_cols_kernel" in n]
+    return [int(re.search(r"stats_cols_kernel<([^>]*)>", n).group(1).split(",")[-1]) for n in names]
+
+
+@pytest.mark.parametrize("device", CUDA)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_forward_cols_statistics_ring(device, dtype, monkeypatch):
+    # The channels_last statistics with each thread's rows copied into a ring of shared memory
+    # (VD_GROUP_NORM_STATS_COL_DEPTH batches a thread) sum the same rows in the same order as plain loads (depth 0):
+    # the same bits, at the power-of-two rows (VD_GROUP_NORM_STATS_COL_FILL=0: the fill depends on the kernel's
+    # resident blocks) and at pinned counts (one row a thread; blocks ending mid-batch; more batches than the ring
+    # holds).
+    monkeypatch.setenv("VD_GROUP_NORM_KERNEL", "twopass")
+    torch.manual_seed(0)
+    for shape, groups in [((3, 320, 19, 23), 32), ((2, 40, 3, 5, 7), 4), ((2, 960, 14, 18, 32), 32)]:
+        x = layout_input(shape, "channels_last", dtype, device)
+        ref = reference_group_norm_silu(x.double(), groups, None, None, 1e-5, True)
+        for rows in (None, "1", "7", "77"):
+            with monkeypatch.context() as m:
+                if rows:
+                    m.setenv("VD_GROUP_NORM_STATS_COL_ROWS", rows)
+                else:
+                    m.setenv("VD_GROUP_NORM_STATS_COL_FILL", "0")
+                m.setenv("VD_GROUP_NORM_STATS_COL_DEPTH", "0")
+                plain_out, plain = FORWARD_WITH_STATS(x, groups, None, None, 1e-5, True)
+                for depth in (3, 4):
+                    what = f"{shape} {dtype} rows={rows} depth={depth}"
+                    m.setenv("VD_GROUP_NORM_STATS_COL_DEPTH", str(depth))
+                    ran = stats_cols_depths(lambda: FORWARD_WITH_STATS(x, groups, None, None, 1e-5, True))
+                    assert ran == [depth], f"{what}: {ran}"
+                    out, stats = FORWARD_WITH_STATS(x, groups, None, None, 1e-5, True)
+                    assert torch.equal(stats, plain), f"{what}: statistics differ from plain loads"
+                    assert torch.equal(out, plain_out), f"{what}: output differs from plain loads"
+            check_stats(plain, x, groups, 1e-5, f"{shape} {dtype} rows={rows}")
+            assert_close_to(plain_out, ref, x.dtype, what=f"{shape} {dtype} rows={rows}")
+
+
+@pytest.mark.parametrize("device", CUDA)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_forward_cols_statistics_ring_rule(device, dtype, monkeypatch):
+    # The op takes the ring where the blocks make at least 1.5 rounds of the device's slots (three blocks an SM on
+    # sm_90) and plain loads under it. 960 channels: 36 blocks a sample of 72 x 128 at 128 rows a thread; N samples
+    # for ~1.6 rounds (18 on 132 SMs: 0.3 GB of bf16), and 2 samples of 14 x 18 x 32 (0.6 rounds at 32 rows).
+    monkeypatch.setenv("VD_GROUP_NORM_KERNEL", "twopass")
+    torch.manual_seed(0)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    big = (math.ceil(1.6 * 3 * sms / 36), 960, 72, 128)
+    for shape, depth in [(big, 4), ((2, 960, 14, 18, 32), 0)]:
+        x = layout_input(shape, "channels_last", dtype, device)
+        ran = stats_cols_depths(lambda: FORWARD_WITH_STATS(x, 32, None, None, 1e-5, True))
+        assert ran == [depth], f"{shape} {dtype}: {ran}"
+        out, stats = FORWARD_WITH_STATS(x, 32, None, None, 1e-5, True)
+        with monkeypatch.context() as m:
+            m.setenv("VD_GROUP_NORM_STATS_COL_DEPTH", "4" if depth == 0 else "0")
+            other_out, other = FORWARD_WITH_STATS(x, 32, None, None, 1e-5, True)
+        assert torch.equal(stats, other) and torch.equal(out, other_out), f"{shape} {dtype}: ring and plain differ"
+        del x, out, other_out
 
 
 # The forward's statistics (group_norm_silu_forward; autograd saves them for the backward, as eager GroupNorm saves

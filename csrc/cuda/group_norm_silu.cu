@@ -412,16 +412,111 @@ __global__ void __launch_bounds__(kThreads) stats_rows_kernel(GNArgs<scalar_t, a
   }
 }
 
+// A thread's rows of a "cols" block, kColBatch at a time: f(raw, cnt) for each batch of cnt (1..kColBatch) rows
+// first, first + step, ... (< end) of the vector column at base (rows ld elements apart). DEPTH = 0: plain loads
+// of each batch, issued only after the last batch is summed. DEPTH > 0: each batch copied into the thread's own
+// slots of a ring of DEPTH batches in shared memory (cp.async, kThreads threads a ring; thread tid's 16 bytes of
+// batch slot b, row k at ring[(b * kColBatch + k) * kThreads + tid]: a warp's copies and reads conflict-free), the
+// next DEPTH - 1 batches in flight while one is summed. The registers held no more than a batch (64 bytes) a thread
+// in flight, 46 KB an SM at three CTAs, while 4.2 TB/s over 132 SMs asks ~32 KB an SM a microsecond of latency;
+// the copies hold the bytes in shared memory instead. The thread reads back only its own copies: no barrier.
+template <int DEPTH, typename T, int VEC, typename F>
+__device__ __forceinline__ void stats_col_batches(const T* base, int64_t first, int64_t end, int64_t step,
+                                                  int64_t ld, uint4* ring, F&& f) {
+  using V = Vec<T, VEC>;
+  static_assert(sizeof(V) == 16, "16-byte vectors");
+  if constexpr (DEPTH == 0) {
+    for (int64_t s = first; s < end; s += kColBatch * step) {
+      V raw[kColBatch];
+      int cnt = 0;
+#pragma unroll
+      for (int k = 0; k < kColBatch; ++k) {
+        const int64_t r = s + k * step;
+        if (r < end) {
+          raw[k] = *reinterpret_cast<const V*>(base + r * ld);
+          ++cnt;
+        }
+      }
+      f(raw, cnt);
+    }
+  } else {
+    if (first >= end) return;
+    // Counts in 32 bits (a thread walks at most 1024 rows); the next copy's source advanced a batch at a time.
+    const int rows = static_cast<int>((end - first + step - 1) / step), batches = (rows + kColBatch - 1) / kColBatch;
+    const int64_t row_step = step * ld;
+    const T* src = base + first * ld;
+    uint4* mine = ring + threadIdx.x;
+    // Batch b into slot b % DEPTH; a group committed for every b (empty past the end), so that wait_group's count
+    // always means the same batches.
+    auto issue = [&](int b) {
+      if (b < batches) {
+        uint4* slot = mine + (b % DEPTH) * kColBatch * kThreads;
+        const int left = rows - b * kColBatch;
+#pragma unroll
+        for (int k = 0; k < kColBatch; ++k)
+          if (k < left) cp_async16(slot + k * kThreads, src + k * row_step, true);
+        src += kColBatch * row_step;
+      }
+      cp_async_commit();
+    };
+#pragma unroll
+    for (int b = 0; b < DEPTH - 1; ++b) issue(b);
+    for (int b = 0; b < batches; ++b) {
+      // The slot refilled here was read into registers and summed last iteration (a data dependence orders it).
+      issue(b + DEPTH - 1);
+      cp_async_wait<DEPTH - 1>();
+      const uint4* slot = mine + (b % DEPTH) * kColBatch * kThreads;
+      const int cnt = rows - b * kColBatch < kColBatch ? rows - b * kColBatch : kColBatch;
+      V raw[kColBatch];
+#pragma unroll
+      for (int k = 0; k < kColBatch; ++k)
+        if (k < cnt) raw[k] = *reinterpret_cast<const V*>(slot + k * kThreads);
+      f(raw, cnt);
+    }
+  }
+}
+
+// The cols statistics' shared memory a block: DEPTH batches of kColBatch 16-byte rows a thread (the copies' ring),
+// which the per-thread states reuse once every thread has summed its rows.
+template <typename acc_t, int VEC, int DEPTH>
+constexpr size_t stats_cols_smem() {
+  const size_t ring = static_cast<size_t>(DEPTH) * kColBatch * kThreads * 16;
+  const size_t states = kThreads * VEC * 2 * sizeof(acc_t) + kThreads * sizeof(int);
+  return DEPTH == 0 ? 0 : (ring > states ? ring : states);
+}
+
 // N*C: one state per (n, g, p, column tile), stored at part[((n * G + g) * P + p) * ctiles + ct]; a group
-// outside a tile leaves its slot as the caller zeroed it.
-template <typename scalar_t, typename acc_t, int VEC>
+// outside a tile leaves its slot as the caller zeroed it. DEPTH: stats_col_batches's (> 0: 16-bit and float only,
+// stats_cols_smem<acc_t, VEC, DEPTH>() bytes of dynamic shared memory).
+template <typename scalar_t, typename acc_t, int VEC, int DEPTH = 0>
 __global__ void __launch_bounds__(kThreads, 3) stats_cols_kernel(GNArgs<scalar_t, acc_t> a,
                                                               Welford<double>* __restrict__ part) {
-  __shared__ acc_t sh_mean[kThreads * VEC];
-  __shared__ acc_t sh_m2[kThreads * VEC];
-  __shared__ int sh_n[kThreads];
+  static_assert(DEPTH == 0 || (VEC > 1 && (sizeof(scalar_t) == 2 || std::is_same_v<scalar_t, float>)),
+                "the copies' ring: 16-byte vectors of 16-bit or float input");
+  acc_t* sh_mean;
+  acc_t* sh_m2;
+  int* sh_n;
+  uint4* ring = nullptr;
+  if constexpr (DEPTH > 0) {
+    extern __shared__ uint4 stats_cols_dyn[];
+    ring = stats_cols_dyn;
+    sh_mean = reinterpret_cast<acc_t*>(stats_cols_dyn);
+    sh_m2 = sh_mean + kThreads * VEC;
+    sh_n = reinterpret_cast<int*>(sh_m2 + kThreads * VEC);
+  } else {
+    __shared__ acc_t st_mean[kThreads * VEC];
+    __shared__ acc_t st_m2[kThreads * VEC];
+    __shared__ int st_n[kThreads];
+    sh_mean = st_mean;
+    sh_m2 = st_m2;
+    sh_n = st_n;
+  }
   const ColBlock cb = col_block(a, VEC);
   const int tid = threadIdx.x;
+  // Every thread's states are stored after all have summed (with DEPTH > 0 they reuse the ring).
+  auto states_after_ring = [&]() {
+    if constexpr (DEPTH > 0) __syncthreads();
+  };
   if constexpr (sizeof(scalar_t) == 2 && VEC > 1) {
     // 16-bit input: shifted sums about the thread's first row, rows loaded kColBatch at a time (as in
     // stats_rows_kernel; the Welford push held one load in flight). Few enough registers for 3 blocks
@@ -432,20 +527,16 @@ __global__ void __launch_bounds__(kThreads, 3) stats_cols_kernel(GNArgs<scalar_t
       const Vec<scalar_t, VEC> first = *reinterpret_cast<const Vec<scalar_t, VEC>*>(base + (cb.s0 + cb.rowlane) * a.C);
 #pragma unroll
       for (int j = 0; j < VEC; ++j) ss.piv[j] = static_cast<float>(first.v[j]);
-      for (int64_t s = cb.s0 + cb.rowlane; s < cb.s1; s += kColBatch * a.R) {
-        Vec<scalar_t, VEC> raw[kColBatch];
+      stats_col_batches<DEPTH, scalar_t, VEC>(base, cb.s0 + cb.rowlane, cb.s1, a.R, a.C, ring,
+                                              [&](const Vec<scalar_t, VEC>(&raw)[kColBatch], int cnt) {
 #pragma unroll
-        for (int k = 0; k < kColBatch; ++k) {
-          const int64_t r = s + k * a.R;
-          if (r < cb.s1) raw[k] = *reinterpret_cast<const Vec<scalar_t, VEC>*>(base + r * a.C);
-        }
-#pragma unroll
-        for (int k = 0; k < kColBatch; ++k) {
-          if (s + k * a.R >= cb.s1) break;
-          ss.add(raw[k]);
-        }
-      }
+                                                for (int k = 0; k < kColBatch; ++k) {
+                                                  if (k >= cnt) break;
+                                                  ss.add(raw[k]);
+                                                }
+                                              });
     }
+    states_after_ring();
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
       const float mean_d = ss.n > 0 ? ss.s1[j] / ss.n : 0.f;
@@ -458,20 +549,10 @@ __global__ void __launch_bounds__(kThreads, 3) stats_cols_kernel(GNArgs<scalar_t
     LaneWelford<float, VEC> bw;
     if (cb.active) {
       const float* base = a.x + cb.n * a.S * a.C + cb.cv * VEC;
-      for (int64_t s = cb.s0 + cb.rowlane; s < cb.s1; s += kColBatch * a.R) {
-        Vec<float, VEC> raw[kColBatch];
-        int cnt = 0;
-#pragma unroll
-        for (int k = 0; k < kColBatch; ++k) {
-          const int64_t r = s + k * a.R;
-          if (r < cb.s1) {
-            raw[k] = *reinterpret_cast<const Vec<float, VEC>*>(base + r * a.C);
-            ++cnt;
-          }
-        }
-        bw.add(raw, cnt);
-      }
+      stats_col_batches<DEPTH, float, VEC>(base, cb.s0 + cb.rowlane, cb.s1, a.R, a.C, ring,
+                                           [&](const Vec<float, VEC>(&raw)[kColBatch], int cnt) { bw.add(raw, cnt); });
     }
+    states_after_ring();
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
       sh_mean[tid * VEC + j] = bw.mean[j];
@@ -3800,6 +3881,29 @@ int cols_rows_per_thread(const A& a, int vec, int device, double min_blocks_per_
 // VD_GROUP_NORM_STATS_COL_FILL=0 keeps it always; VD_GROUP_NORM_STATS_COL_ROWS=n pins n rows (1-1024).
 constexpr int64_t kStatsColFillRounds = 8;
 
+// Batches in flight a thread of the cols statistics (stats_col_batches's DEPTH) where the blocks make at least
+// kStatsColRingRounds rounds of the device's slots at the power-of-two rows; plain loads (0) otherwise. Kernel µs
+// (H200; plain / ring of 3 / ring of 4 batches): bf16 (28, 960, 72, 128), 2.6 rounds: 152.5 / 145.2 / 146.8;
+// (14, 128, 576, 1024), 10 rounds: 559.4 / 507.5 / 504.3; fp32 (28, 960, 72, 128): 268.8 / 250.5 / 245.4. Under a
+// round the ring's first batches cost more than the bytes it keeps in flight gain: bf16 (14, 512, 72, 128), 0.64
+// rounds: 48.6 / 49.3 / 50.2; channels_last_3d (2, 640, 14, 36, 64), 0.85 rounds: 37.5 / 38.0 / 38.8.
+// VD_GROUP_NORM_STATS_COL_DEPTH=0|3|4 pins it.
+constexpr int kStatsColDepth = 4;
+constexpr double kStatsColRingRounds = 1.5;
+
+template <typename A>
+int stats_cols_depth(const A& a, int vec, int device, int per_sm) {
+  const std::string e = env_str("VD_GROUP_NORM_STATS_COL_DEPTH");
+  if (!e.empty()) return std::atoi(e.c_str());
+  if (per_sm <= 0) return 0;
+  int sms = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const ColsTiling t = cols_tiling(a.C, vec);
+  const int rows = cols_rows_per_thread(a, vec, device, 1.75);
+  const double blocks = static_cast<double>(a.N * t.ctiles * ceil_div(a.S, t.R * rows));
+  return blocks >= kStatsColRingRounds * per_sm * sms ? kStatsColDepth : 0;
+}
+
 template <typename A>
 int stats_cols_rows(const A& a, int vec, int device, int per_sm) {
   const int64_t pinned = env_int("VD_GROUP_NORM_STATS_COL_ROWS", 0);
@@ -3862,6 +3966,34 @@ struct Launcher {
     return !channels_last || a.C % kVec == 0;
   }
 
+  // The cols statistics' kernel, its dynamic shared memory and resident blocks an SM (0: unknown).
+  using ColsKernel = void (*)(Args, Welford<double>*);
+  struct ColsStats {
+    ColsKernel kernel;
+    size_t smem;
+    int per_sm;
+  };
+
+  // The copies' ring of `depth` batches (stats_col_batches) where 16-bit or float input and the device take it;
+  // otherwise cols unchanged (plain loads).
+  static void cols_stats_ring(ColsStats& cols, int depth, int device) {
+    if constexpr (sizeof(scalar_t) == 2 || std::is_same_v<scalar_t, float>) {
+      ColsKernel k = nullptr;
+      size_t smem = 0;
+      switch (depth) {
+        case 3: k = stats_cols_kernel<scalar_t, acc_t, kVec, 3>, smem = stats_cols_smem<acc_t, kVec, 3>(); break;
+        case 4: k = stats_cols_kernel<scalar_t, acc_t, kVec, 4>, smem = stats_cols_smem<acc_t, kVec, 4>(); break;
+        default: return;
+      }
+      // resident_clusters at K = 1: allows the kernel all the opt-in shared memory, 0 without sm_90 code.
+      const int resident = resident_clusters(k, 1, device, kThreads, smem);
+      int sms = 0;
+      C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+      if (resident < sms) return;
+      cols = ColsStats{k, smem, resident / sms};
+    }
+  }
+
   // mean (hi, lo) and rstd per (n, g), 3 * N * G values of acc_t, a points at them afterwards; the
   // returned buffer holds them (and the partial states before them: one allocation, host time counts on
   // the small shapes), or out does where given (the forward's statistics output).
@@ -3869,11 +4001,14 @@ struct Launcher {
                           int device, cudaStream_t stream, acc_t* out = nullptr) {
     const int v = vec ? kVec : 1;
     Args s = a;
-    auto cols_kernel = vec ? stats_cols_kernel<scalar_t, acc_t, kVec> : stats_cols_kernel<scalar_t, acc_t, 1>;
+    ColsStats cols{vec ? stats_cols_kernel<scalar_t, acc_t, kVec> : stats_cols_kernel<scalar_t, acc_t, 1>, 0, 0};
+    if (channels_last) {
+      cols.per_sm = resident_blocks(cols.kernel, device, kThreads, 0);
+      if (vec) cols_stats_ring(cols, stats_cols_depth(s, v, device, cols.per_sm), device);
+    }
     // 16-bit and float "rows" statistics: chunks of kStatBatches batches (stats_rows_kernel)
     plan(s, v, s.cpg * s.S, channels_last, sizeof(scalar_t) <= 4 && vec ? kVecsPerLane * kStatBatches : kVecsPerLane,
-         channels_last ? stats_cols_rows(s, v, device, resident_blocks(cols_kernel, device, kThreads, 0))
-                       : kRowsPerThread);
+         channels_last ? stats_cols_rows(s, v, device, cols.per_sm) : kRowsPerThread);
     const int64_t K = channels_last ? s.P * s.ctiles : s.F * s.P;
     const int64_t NG = s.N * s.G;
     // cols: a group's slot of a column tile it does not reach stays zero (n = 0, skipped by the merge).
@@ -3889,7 +4024,7 @@ struct Launcher {
       if (vec) stats_rows_kernel<scalar_t, acc_t, kVec><<<blocks, kThreads, 0, stream>>>(s, pp);
       else stats_rows_kernel<scalar_t, acc_t, 1><<<blocks, kThreads, 0, stream>>>(s, pp);
     } else {
-      cols_kernel<<<blocks, kThreads, 0, stream>>>(s, pp);
+      cols.kernel<<<blocks, kThreads, cols.smem, stream>>>(s, pp);
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     stats_finalize_kernel<acc_t><<<grid_of(NG, kOp), kThreads, 0, stream>>>(
