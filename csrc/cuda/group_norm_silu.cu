@@ -3881,17 +3881,22 @@ int cols_rows_per_thread(const A& a, int vec, int device, double min_blocks_per_
 // VD_GROUP_NORM_STATS_COL_FILL=0 keeps it always; VD_GROUP_NORM_STATS_COL_ROWS=n pins n rows (1-1024).
 constexpr int64_t kStatsColFillRounds = 8;
 
-// Batches in flight a thread of the cols statistics (stats_col_batches's DEPTH) where the blocks make at least
-// kStatsColRingRounds rounds of the device's slots at the power-of-two rows; plain loads (0) otherwise. Kernel µs
-// (H200; plain / ring of 3 / ring of 4 batches): bf16 (28, 960, 72, 128), 2.6 rounds: 152.5 / 145.2 / 146.8;
-// (14, 128, 576, 1024), 10 rounds: 559.4 / 507.5 / 504.3; fp32 (28, 960, 72, 128): 268.8 / 250.5 / 245.4. Under a
-// round the ring's first batches cost more than the bytes it keeps in flight gain: bf16 (14, 512, 72, 128), 0.64
-// rounds: 48.6 / 49.3 / 50.2; channels_last_3d (2, 640, 14, 36, 64), 0.85 rounds: 37.5 / 38.0 / 38.8.
+// Batches in flight a thread of the cols statistics (stats_col_batches's DEPTH): 3 for 16-bit input, 4 for float,
+// where the blocks make at least kStatsColRingRounds rounds of the device's slots at the power-of-two rows; plain
+// loads (0) otherwise. Kernel µs (H200; plain / ring of 3 / ring of 4 batches):
+// - bf16 (28, 960, 72, 128), 2.6 rounds: 152.5 / 145.2 / 146.8; (32, 960, 64, 96), 1.9 rounds: 114.8 / 112.4 / 114.4;
+//   (14, 128, 576, 1024), 10 rounds: 559.4 / 507.5 / 504.3 (fp16 545.5 / 495.5 / 492.4).
+// - fp32 (28, 960, 72, 128): 268.8 / 250.5 / 245.4; (14, 512, 72, 128), 1.3 rounds: 80.9 / 77.8 / 77.9.
+// - Under a round the ring's first batches cost more than the bytes it keeps in flight gain: bf16 (16, 960, 64, 96),
+//   0.97 rounds: 62.6 / 62.8 / 64.5; (14, 512, 72, 128), 0.64 rounds: 48.6 / 49.3 / 50.2.
 // VD_GROUP_NORM_STATS_COL_DEPTH=0|3|4 pins it.
-constexpr int kStatsColDepth = 4;
-constexpr double kStatsColRingRounds = 1.5;
+template <typename scalar_t>
+constexpr int stats_col_ring_depth() {
+  return sizeof(scalar_t) == 2 ? 3 : 4;
+}
+constexpr double kStatsColRingRounds = 1.0;
 
-template <typename A>
+template <typename scalar_t, typename A>
 int stats_cols_depth(const A& a, int vec, int device, int per_sm) {
   const std::string e = env_str("VD_GROUP_NORM_STATS_COL_DEPTH");
   if (!e.empty()) return std::atoi(e.c_str());
@@ -3901,7 +3906,7 @@ int stats_cols_depth(const A& a, int vec, int device, int per_sm) {
   const ColsTiling t = cols_tiling(a.C, vec);
   const int rows = cols_rows_per_thread(a, vec, device, 1.75);
   const double blocks = static_cast<double>(a.N * t.ctiles * ceil_div(a.S, t.R * rows));
-  return blocks >= kStatsColRingRounds * per_sm * sms ? kStatsColDepth : 0;
+  return blocks >= kStatsColRingRounds * per_sm * sms ? stats_col_ring_depth<scalar_t>() : 0;
 }
 
 template <typename A>
@@ -4004,7 +4009,7 @@ struct Launcher {
     ColsStats cols{vec ? stats_cols_kernel<scalar_t, acc_t, kVec> : stats_cols_kernel<scalar_t, acc_t, 1>, 0, 0};
     if (channels_last) {
       cols.per_sm = resident_blocks(cols.kernel, device, kThreads, 0);
-      if (vec) cols_stats_ring(cols, stats_cols_depth(s, v, device, cols.per_sm), device);
+      if (vec) cols_stats_ring(cols, stats_cols_depth<scalar_t>(s, v, device, cols.per_sm), device);
     }
     // 16-bit and float "rows" statistics: chunks of kStatBatches batches (stats_rows_kernel)
     plan(s, v, s.cpg * s.S, channels_last, sizeof(scalar_t) <= 4 && vec ? kVecsPerLane * kStatBatches : kVecsPerLane,
