@@ -412,14 +412,62 @@ __global__ void __launch_bounds__(kThreads) stats_rows_kernel(GNArgs<scalar_t, a
   }
 }
 
+// A thread's rows of NS streams through its own slots of a ring of DEPTH batches in shared memory (DEPTH >= 2):
+// rows 0 .. rows - 1, row r of stream s at src[s] + r * row_step (elements of T), as vectors V of 4, 8 or 16 bytes;
+// f(raw, cnt) for each batch of cnt (1..UB) rows in order, raw[s][k] row k of stream s. Each batch is copied with
+// cp.async (thread tid's vector of slot b, row k, stream s at ring[((b * UB + k) * NS + s) * kThreads + tid]: a
+// warp's copies and reads conflict-free), the next DEPTH - 1 batches in flight while one is used, so the bytes in
+// flight sit in shared memory, not in registers. The thread reads back only its own copies: no barrier; a slot is
+// refilled only after the values read from it were used (a data dependence orders the two).
+template <int DEPTH, int UB, int NS, typename V, typename T, typename F>
+__device__ __forceinline__ void ring_rows(const T* const (&src)[NS], int rows, int64_t row_step, void* ring, F&& f) {
+  static_assert(DEPTH >= 2 && (sizeof(V) == 4 || sizeof(V) == 8 || sizeof(V) == 16), "a ring of 4-16 byte vectors");
+  const int batches = (rows + UB - 1) / UB;
+  const T* next[NS];
+#pragma unroll
+  for (int s = 0; s < NS; ++s) next[s] = src[s];
+  V* mine = reinterpret_cast<V*>(ring) + threadIdx.x;
+  constexpr int kSlot = UB * NS * kThreads;
+  // Batch b into slot b % DEPTH; a group committed for every b (empty past the end), so that wait_group's count
+  // always means the same batches.
+  auto issue = [&](int b) {
+    if (b < batches) {
+      V* slot = mine + (b % DEPTH) * kSlot;
+      const int left = rows - b * UB;
+#pragma unroll
+      for (int k = 0; k < UB; ++k)
+        if (k < left) {
+#pragma unroll
+          for (int s = 0; s < NS; ++s) cp_async<sizeof(V)>(slot + (k * NS + s) * kThreads, next[s] + k * row_step);
+        }
+#pragma unroll
+      for (int s = 0; s < NS; ++s) next[s] += UB * row_step;
+    }
+    cp_async_commit();
+  };
+#pragma unroll
+  for (int b = 0; b < DEPTH - 1; ++b) issue(b);
+  for (int b = 0; b < batches; ++b) {
+    issue(b + DEPTH - 1);
+    cp_async_wait<DEPTH - 1>();
+    const V* slot = mine + (b % DEPTH) * kSlot;
+    const int cnt = rows - b * UB < UB ? rows - b * UB : UB;
+    V raw[NS][UB];
+#pragma unroll
+    for (int k = 0; k < UB; ++k)
+      if (k < cnt) {
+#pragma unroll
+        for (int s = 0; s < NS; ++s) raw[s][k] = slot[(k * NS + s) * kThreads];
+      }
+    f(raw, cnt);
+  }
+}
+
 // A thread's rows of a "cols" block, kColBatch at a time: f(raw, cnt) for each batch of cnt (1..kColBatch) rows
 // first, first + step, ... (< end) of the vector column at base (rows ld elements apart). DEPTH = 0: plain loads
-// of each batch, issued only after the last batch is summed. DEPTH > 0: each batch copied into the thread's own
-// slots of a ring of DEPTH batches in shared memory (cp.async, kThreads threads a ring; thread tid's 16 bytes of
-// batch slot b, row k at ring[(b * kColBatch + k) * kThreads + tid]: a warp's copies and reads conflict-free), the
-// next DEPTH - 1 batches in flight while one is summed. The registers held no more than a batch (64 bytes) a thread
-// in flight, 46 KB an SM at three CTAs, while 4.2 TB/s over 132 SMs asks ~32 KB an SM a microsecond of latency;
-// the copies hold the bytes in shared memory instead. The thread reads back only its own copies: no barrier.
+// of each batch, issued only after the last batch is summed. DEPTH > 0: ring_rows's ring of DEPTH batches. The
+// registers held no more than a batch (64 bytes) a thread in flight, 46 KB an SM at three CTAs, while 4.2 TB/s over
+// 132 SMs asks ~32 KB an SM a microsecond of latency.
 template <int DEPTH, typename T, int VEC, typename F>
 __device__ __forceinline__ void stats_col_batches(const T* base, int64_t first, int64_t end, int64_t step,
                                                   int64_t ld, uint4* ring, F&& f) {
@@ -441,38 +489,11 @@ __device__ __forceinline__ void stats_col_batches(const T* base, int64_t first, 
     }
   } else {
     if (first >= end) return;
-    // Counts in 32 bits (a thread walks at most 1024 rows); the next copy's source advanced a batch at a time.
-    const int rows = static_cast<int>((end - first + step - 1) / step), batches = (rows + kColBatch - 1) / kColBatch;
-    const int64_t row_step = step * ld;
-    const T* src = base + first * ld;
-    uint4* mine = ring + threadIdx.x;
-    // Batch b into slot b % DEPTH; a group committed for every b (empty past the end), so that wait_group's count
-    // always means the same batches.
-    auto issue = [&](int b) {
-      if (b < batches) {
-        uint4* slot = mine + (b % DEPTH) * kColBatch * kThreads;
-        const int left = rows - b * kColBatch;
-#pragma unroll
-        for (int k = 0; k < kColBatch; ++k)
-          if (k < left) cp_async16(slot + k * kThreads, src + k * row_step, true);
-        src += kColBatch * row_step;
-      }
-      cp_async_commit();
-    };
-#pragma unroll
-    for (int b = 0; b < DEPTH - 1; ++b) issue(b);
-    for (int b = 0; b < batches; ++b) {
-      // The slot refilled here was read into registers and summed last iteration (a data dependence orders it).
-      issue(b + DEPTH - 1);
-      cp_async_wait<DEPTH - 1>();
-      const uint4* slot = mine + (b % DEPTH) * kColBatch * kThreads;
-      const int cnt = rows - b * kColBatch < kColBatch ? rows - b * kColBatch : kColBatch;
-      V raw[kColBatch];
-#pragma unroll
-      for (int k = 0; k < kColBatch; ++k)
-        if (k < cnt) raw[k] = *reinterpret_cast<const V*>(slot + k * kThreads);
-      f(raw, cnt);
-    }
+    // Counts in 32 bits: a thread walks at most 1024 rows.
+    const int rows = static_cast<int>((end - first + step - 1) / step);
+    const T* const src[1] = {base + first * ld};
+    ring_rows<DEPTH, kColBatch, 1, V>(src, rows, step * ld, ring,
+                                      [&](const V(&raw)[1][kColBatch], int cnt) { f(raw[0], cnt); });
   }
 }
 
