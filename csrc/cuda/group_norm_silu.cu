@@ -412,62 +412,14 @@ __global__ void __launch_bounds__(kThreads) stats_rows_kernel(GNArgs<scalar_t, a
   }
 }
 
-// A thread's rows of NS streams through its own slots of a ring of DEPTH batches in shared memory (DEPTH >= 2):
-// rows 0 .. rows - 1, row r of stream s at src[s] + r * row_step (elements of T), as vectors V of 4, 8 or 16 bytes;
-// f(raw, cnt) for each batch of cnt (1..UB) rows in order, raw[s][k] row k of stream s. Each batch is copied with
-// cp.async (thread tid's vector of slot b, row k, stream s at ring[((b * UB + k) * NS + s) * kThreads + tid]: a
-// warp's copies and reads conflict-free), the next DEPTH - 1 batches in flight while one is used, so the bytes in
-// flight sit in shared memory, not in registers. The thread reads back only its own copies: no barrier; a slot is
-// refilled only after the values read from it were used (a data dependence orders the two).
-template <int DEPTH, int UB, int NS, typename V, typename T, typename F>
-__device__ __forceinline__ void ring_rows(const T* const (&src)[NS], int rows, int64_t row_step, void* ring, F&& f) {
-  static_assert(DEPTH >= 2 && (sizeof(V) == 4 || sizeof(V) == 8 || sizeof(V) == 16), "a ring of 4-16 byte vectors");
-  const int batches = (rows + UB - 1) / UB;
-  const T* next[NS];
-#pragma unroll
-  for (int s = 0; s < NS; ++s) next[s] = src[s];
-  V* mine = reinterpret_cast<V*>(ring) + threadIdx.x;
-  constexpr int kSlot = UB * NS * kThreads;
-  // Batch b into slot b % DEPTH; a group committed for every b (empty past the end), so that wait_group's count
-  // always means the same batches.
-  auto issue = [&](int b) {
-    if (b < batches) {
-      V* slot = mine + (b % DEPTH) * kSlot;
-      const int left = rows - b * UB;
-#pragma unroll
-      for (int k = 0; k < UB; ++k)
-        if (k < left) {
-#pragma unroll
-          for (int s = 0; s < NS; ++s) cp_async<sizeof(V)>(slot + (k * NS + s) * kThreads, next[s] + k * row_step);
-        }
-#pragma unroll
-      for (int s = 0; s < NS; ++s) next[s] += UB * row_step;
-    }
-    cp_async_commit();
-  };
-#pragma unroll
-  for (int b = 0; b < DEPTH - 1; ++b) issue(b);
-  for (int b = 0; b < batches; ++b) {
-    issue(b + DEPTH - 1);
-    cp_async_wait<DEPTH - 1>();
-    const V* slot = mine + (b % DEPTH) * kSlot;
-    const int cnt = rows - b * UB < UB ? rows - b * UB : UB;
-    V raw[NS][UB];
-#pragma unroll
-    for (int k = 0; k < UB; ++k)
-      if (k < cnt) {
-#pragma unroll
-        for (int s = 0; s < NS; ++s) raw[s][k] = slot[(k * NS + s) * kThreads];
-      }
-    f(raw, cnt);
-  }
-}
-
 // A thread's rows of a "cols" block, kColBatch at a time: f(raw, cnt) for each batch of cnt (1..kColBatch) rows
 // first, first + step, ... (< end) of the vector column at base (rows ld elements apart). DEPTH = 0: plain loads
-// of each batch, issued only after the last batch is summed. DEPTH > 0: ring_rows's ring of DEPTH batches. The
-// registers held no more than a batch (64 bytes) a thread in flight, 46 KB an SM at three CTAs, while 4.2 TB/s over
-// 132 SMs asks ~32 KB an SM a microsecond of latency.
+// of each batch, issued only after the last batch is summed; the registers held no more than a batch (64 bytes) a
+// thread in flight, 46 KB an SM at three CTAs, while 4.2 TB/s over 132 SMs asks ~32 KB an SM a microsecond of
+// latency. DEPTH > 0: each batch copied with cp.async into the thread's own slots of a ring of DEPTH batches in
+// shared memory (thread tid's row k of slot b at ring[(b * kColBatch + k) * kThreads + tid]: a warp's copies and
+// reads conflict-free), the next DEPTH - 1 batches in flight while one is summed. The thread reads back only its own
+// copies: no barrier; a slot is refilled only after the values read from it were used (a data dependence orders it).
 template <int DEPTH, typename T, int VEC, typename F>
 __device__ __forceinline__ void stats_col_batches(const T* base, int64_t first, int64_t end, int64_t step,
                                                   int64_t ld, uint4* ring, F&& f) {
@@ -491,9 +443,37 @@ __device__ __forceinline__ void stats_col_batches(const T* base, int64_t first, 
     if (first >= end) return;
     // Counts in 32 bits: a thread walks at most 1024 rows.
     const int rows = static_cast<int>((end - first + step - 1) / step);
-    const T* const src[1] = {base + first * ld};
-    ring_rows<DEPTH, kColBatch, 1, V>(src, rows, step * ld, ring,
-                                      [&](const V(&raw)[1][kColBatch], int cnt) { f(raw[0], cnt); });
+    const int batches = (rows + kColBatch - 1) / kColBatch;
+    const int64_t row_step = step * ld;
+    const T* next = base + first * ld;
+    V* mine = reinterpret_cast<V*>(ring) + threadIdx.x;
+    constexpr int kSlot = kColBatch * kThreads;
+    // Batch b into slot b % DEPTH; a group committed for every b (empty past the end), so that wait_group's count
+    // always means the same batches.
+    auto issue = [&](int b) {
+      if (b < batches) {
+        V* slot = mine + (b % DEPTH) * kSlot;
+        const int left = rows - b * kColBatch;
+#pragma unroll
+        for (int k = 0; k < kColBatch; ++k)
+          if (k < left) cp_async16(slot + k * kThreads, next + k * row_step, true);
+        next += kColBatch * row_step;
+      }
+      cp_async_commit();
+    };
+#pragma unroll
+    for (int b = 0; b < DEPTH - 1; ++b) issue(b);
+    for (int b = 0; b < batches; ++b) {
+      issue(b + DEPTH - 1);
+      cp_async_wait<DEPTH - 1>();
+      const V* slot = mine + (b % DEPTH) * kSlot;
+      const int cnt = rows - b * kColBatch < kColBatch ? rows - b * kColBatch : kColBatch;
+      V raw[kColBatch];
+#pragma unroll
+      for (int k = 0; k < kColBatch; ++k)
+        if (k < cnt) raw[k] = slot[k * kThreads];
+      f(raw, cnt);
+    }
   }
 }
 
@@ -3902,6 +3882,12 @@ int cols_rows_per_thread(const A& a, int vec, int device, double min_blocks_per_
 // VD_GROUP_NORM_STATS_COL_FILL=0 keeps it always; VD_GROUP_NORM_STATS_COL_ROWS=n pins n rows (1-1024).
 constexpr int64_t kStatsColFillRounds = 8;
 
+// The power-of-two rows a thread both rules below start from.
+template <typename A>
+int stats_cols_pow2(const A& a, int vec, int device) {
+  return cols_rows_per_thread(a, vec, device, 1.75);
+}
+
 // Batches in flight a thread of the cols statistics (stats_col_batches's DEPTH): 3 for 16-bit input, 4 for float,
 // where the blocks make at least kStatsColRingRounds rounds of the device's slots at the power-of-two rows; plain
 // loads (0) otherwise. Kernel µs (H200; plain / ring of 3 / ring of 4 batches):
@@ -3917,24 +3903,24 @@ constexpr int stats_col_ring_depth() {
 }
 constexpr double kStatsColRingRounds = 1.0;
 
+// rows: stats_cols_pow2's.
 template <typename scalar_t, typename A>
-int stats_cols_depth(const A& a, int vec, int device, int per_sm) {
+int stats_cols_depth(const A& a, int vec, int device, int per_sm, int rows) {
   const std::string e = env_str("VD_GROUP_NORM_STATS_COL_DEPTH");
   if (!e.empty()) return std::atoi(e.c_str());
   if (per_sm <= 0) return 0;
   int sms = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   const ColsTiling t = cols_tiling(a.C, vec);
-  const int rows = cols_rows_per_thread(a, vec, device, 1.75);
   const double blocks = static_cast<double>(a.N * t.ctiles * ceil_div(a.S, t.R * rows));
   return blocks >= kStatsColRingRounds * per_sm * sms ? stats_col_ring_depth<scalar_t>() : 0;
 }
 
+// rows: stats_cols_pow2's.
 template <typename A>
-int stats_cols_rows(const A& a, int vec, int device, int per_sm) {
+int stats_cols_rows(const A& a, int vec, int device, int per_sm, int rows) {
   const int64_t pinned = env_int("VD_GROUP_NORM_STATS_COL_ROWS", 0);
   if (pinned >= 1 && pinned <= 1024) return static_cast<int>(pinned);
-  const int rows = cols_rows_per_thread(a, vec, device, 1.75);
   if (per_sm <= 0 || env_str("VD_GROUP_NORM_STATS_COL_FILL") == "0") return rows;
   int sms = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
@@ -4028,13 +4014,14 @@ struct Launcher {
     const int v = vec ? kVec : 1;
     Args s = a;
     ColsStats cols{vec ? stats_cols_kernel<scalar_t, acc_t, kVec> : stats_cols_kernel<scalar_t, acc_t, 1>, 0, 0};
+    const int pow2 = channels_last ? stats_cols_pow2(s, v, device) : 0;
     if (channels_last) {
       cols.per_sm = resident_blocks(cols.kernel, device, kThreads, 0);
-      if (vec) cols_stats_ring(cols, stats_cols_depth<scalar_t>(s, v, device, cols.per_sm), device);
+      if (vec) cols_stats_ring(cols, stats_cols_depth<scalar_t>(s, v, device, cols.per_sm, pow2), device);
     }
     // 16-bit and float "rows" statistics: chunks of kStatBatches batches (stats_rows_kernel)
     plan(s, v, s.cpg * s.S, channels_last, sizeof(scalar_t) <= 4 && vec ? kVecsPerLane * kStatBatches : kVecsPerLane,
-         channels_last ? stats_cols_rows(s, v, device, cols.per_sm) : kRowsPerThread);
+         channels_last ? stats_cols_rows(s, v, device, cols.per_sm, pow2) : kRowsPerThread);
     const int64_t K = channels_last ? s.P * s.ctiles : s.F * s.P;
     const int64_t NG = s.N * s.G;
     // cols: a group's slot of a column tile it does not reach stays zero (n = 0, skipped by the merge).

@@ -66,16 +66,6 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool vali
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
                "r"(valid ? 16 : 0));
 }
-// BYTES (4, 8 or 16) global -> shared: 16 through the L2 only (.cg), 4 and 8 through L1 too (.cg takes 16 only).
-template <int BYTES>
-__device__ __forceinline__ void cp_async(void* dst, const void* src) {
-  if constexpr (BYTES == 16) {
-    cp_async16(dst, src, true);
-  } else {
-    static_assert(BYTES == 4 || BYTES == 8, "cp.async copies 4, 8 or 16 bytes");
-    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(smem_addr(dst)), "l"(src), "n"(BYTES));
-  }
-}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 // Until at most N of this thread's committed groups are still in flight.
 template <int N>
