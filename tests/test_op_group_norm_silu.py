@@ -555,7 +555,8 @@ def test_version_12_stream_pinned(device, dtype, monkeypatch):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_version_13_stream_cols(device, dtype, monkeypatch):
     # Version 13 (sm_90): version 12's tiles and slots over channels_last blocks of gb groups (a tile: rows of a block,
-    # one tensor copy), each group's slots merged once, by a folder warp of the CTA that counts the block's last tile.
+    # one tensor copy), each group's slots merged once, by a folder warp of the CTA that counts the block's last tile
+    # (four folder warps by default, fewer with VD_GROUP_NORM_STREAM_COLS_FOLDERS: the same bits).
     # It serves the float32 rows version 8 declines that are larger than the L2; VD_GROUP_NORM_STREAM_COLS=0 leaves
     # them to the two-pass kernels. Pins where it runs, that its output matches the reference, is the same bit for
     # bit on every call (tiles go to whichever CTA asks first, blocks are folded by whichever CTA counts last) and
@@ -580,6 +581,10 @@ def test_version_13_stream_cols(device, dtype, monkeypatch):
             with monkeypatch.context() as m:
                 m.setenv("VD_GROUP_NORM_STREAM_COLS_COPY", "rows")
                 assert_same_bits(out, x, 32, w, b, f"{shape}: bulk copies differ")
+            for folders in ("1", "3"):  # a group's fold is the same whichever folder warp takes it
+                with monkeypatch.context() as m:
+                    m.setenv("VD_GROUP_NORM_STREAM_COLS_FOLDERS", folders)
+                    assert_same_bits(out, x, 32, w, b, f"{shape}: {folders} folder warps differ")
 
 
 @pytest.mark.parametrize("device", CUDA)

@@ -2221,7 +2221,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1) stream_rows_kernel(const St
 //     each word nonzero once written (as version 12's);
 //   counter (1 warp): counts each of the CTA's tiles on its block's counter once the reducers are done with it; the
 //     one that counts a block's last tile hands the block to its CTA's
-//   folders (2 warps): each merges some of the block's groups, a group's Q slots in slot order (waiting for any not
+//   folders (4 warps): each merges some of the block's groups, a group's Q slots in slot order (waiting for any not
 //     yet visible), and publishes the group's (pivot, mean offset, rstd) as one record, with the statistics for the
 //     backward. Version 12's mergers read every slot of every group their CTA touches; here that would be a block's
 //     Q tiles times gb groups, for nearly every block;
@@ -2233,8 +2233,8 @@ __global__ void __launch_bounds__(kStreamThreads, 1) stream_rows_kernel(const St
 // and merging in the reducers (a fence and an atomic's round trip a group a tile; gb 8) 1542; one warp counting and
 // folding (gb 4) 1719; the merger's gamma and beta in one round trip 1350; counting apart from folding 844 (likely:
 // the CTA busy folding counted the next block last and folded it too); two folder warps, one load round a group, 768
-// against the two-pass kernels' 777; tensor copies 733; 4 stages of the 209 KB the static arrays leave 684, the
-// default (bench/notes/norm_and_elementwise.md). The CTA that takes a block's last tile folding it at once (no
+// against the two-pass kernels' 777; tensor copies 733; 4 stages of the 209 KB the static arrays leave 684; four
+// folder warps, a group each, 666 against 701 with two (bench/notes/norm_and_elementwise.md). The CTA that takes a block's last tile folding it at once (no
 // counting; the folders wait on the slots) was slower: 821 against 716 us.
 // No wait depends on a normalizer of another CTA (records wait only for reducers, which read loaded stages), and
 // tiles are taken in increasing order: as in version 12, the resident rings holding more than a block's Q tiles
@@ -2243,7 +2243,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1) stream_rows_kernel(const St
 constexpr int kStreamColsMaxW = 256;  // channels a block
 constexpr int kStreamColsMaxGb = 16;  // groups a block (a lane a group polls, merges)
 constexpr int kStreamColsTabs = 4;    // channel tables in flight
-constexpr int kStreamColsFoldWarps = 2;
+constexpr int kStreamColsFoldWarps = 4;  // at most; StreamColsArgs::folders of them fold
 constexpr int kStreamColsThreads = kStreamThreads + 32 * (1 + kStreamColsFoldWarps);  // + the counter and folders
 constexpr int kStreamColsJobs = 8;       // blocks counted out, waiting for the folders
 constexpr int kStreamColsStages = 4;
@@ -2269,6 +2269,7 @@ struct StreamColsArgs {
   uint4* fin;         // [N * G]: (pivot, mean offset, rstd, 1) once the group is merged
   unsigned* counter;  // the next tile to take; all four zeroed before the launch
   StatsOut stats;
+  int folders;        // folder warps that fold (1 to kStreamColsFoldWarps; the others exit)
 };
 
 // Tile t: its block (n * NB + b; -1: no more tiles), its index q in the block, its first element and its rows.
@@ -2324,7 +2325,7 @@ __global__ void __launch_bounds__(kStreamColsThreads, 1)
     }
     for (int e = 0; e < kStreamColsJobs; ++e) {
       wgmma::mbar_init(bar(jfull[e]), 1);
-      wgmma::mbar_init(bar(jempty[e]), 32 * kStreamColsFoldWarps);  // every folder thread that read job[e]
+      wgmma::mbar_init(bar(jempty[e]), 32 * a.folders);  // every folder thread that read job[e]
     }
     wgmma::mbar_init_fence();
   }
@@ -2525,6 +2526,7 @@ __global__ void __launch_bounds__(kStreamColsThreads, 1)
 
   if (warp >= 3 + kStreamReduceWarps + kStreamNormWarps) {  // folders: warp fw folds groups fw, fw + F, ...
     const int fw = warp - (3 + kStreamReduceWarps + kStreamNormWarps);
+    if (fw >= a.folders) return;
     for (int j = 0;; ++j) {
       const int e = j % kStreamColsJobs;
       wgmma::mbar_wait(bar(jfull[e]), (j / kStreamColsJobs) & 1);
@@ -2533,7 +2535,7 @@ __global__ void __launch_bounds__(kStreamColsThreads, 1)
       if (blk < 0) break;
       // Group gi's Q slots, lane l holding q = l, l + 32, ... (all loads first), merged in that order about the
       // first tile's pivot, then over the warp's tree: a fixed order, the same bits whichever CTA folds.
-      for (int gi = fw; gi < a.gb; gi += kStreamColsFoldWarps) {
+      for (int gi = fw; gi < a.gb; gi += a.folders) {
         const int64_t ng = blk * a.gb + gi;
         const uint4* sl = a.slots + ng * a.Q;
         uint4 v[kStreamMaxSlotsPerLane];
@@ -4367,6 +4369,11 @@ bool forward_stream_cols(const GNShape& s, const at::Tensor& xt, scalar_t* out, 
     a.done = reinterpret_cast<unsigned*>(a.fin + NG);
     a.counter = a.done + s.N * NB;
     a.stats = stats;
+    // A folder warp folds a block's groups one after another, each a round trip for its slots: at (28, 960, 72, 128)
+    // fp32 on the H200 (4 groups a block), 1 / 2 / 4 folders 809 / 701 / 666 us. VD_GROUP_NORM_STREAM_COLS_FOLDERS
+    // sets fewer (benchmarks).
+    a.folders = static_cast<int>(std::clamp<int64_t>(
+        env_int("VD_GROUP_NORM_STREAM_COLS_FOLDERS", kStreamColsFoldWarps), 1, kStreamColsFoldWarps));
     // Cooperative: every CTA resident at once (a CTA waits for blocks whose tiles others hold).
     launch_cooperative(kernel, std::min<int64_t>(P, tiles), kStreamColsThreads, smem, stream, a, tx);
     return true;
