@@ -2234,8 +2234,9 @@ __global__ void __launch_bounds__(kStreamThreads, 1) stream_rows_kernel(const St
 // folding (gb 4) 1719; the merger's gamma and beta in one round trip 1350; counting apart from folding 844 (likely:
 // the CTA busy folding counted the next block last and folded it too); two folder warps, one load round a group, 768
 // against the two-pass kernels' 777; tensor copies 733; 4 stages of the 209 KB the static arrays leave 684; four
-// folder warps, a group each, 666 against 701 with two (bench/notes/norm_and_elementwise.md). The CTA that takes a block's last tile folding it at once (no
-// counting; the folders wait on the slots) was slower: 821 against 716 us.
+// folder warps, a group each, 666 against 701 with two (bench/notes/norm_and_elementwise.md). Slower: the CTA that
+// takes a block's last tile folding it at once (no counting; the folders wait on the slots), 821 against 716 us; each
+// CTA's merger reading its blocks' slots itself (no counter, folders or records), 826 against 701.
 // No wait depends on a normalizer of another CTA (records wait only for reducers, which read loaded stages), and
 // tiles are taken in increasing order: as in version 12, the resident rings holding more than a block's Q tiles
 // (the host checks) keeps the grid from filling with tiles of a block still being taken.
