@@ -3877,7 +3877,7 @@ int cols_rows_per_thread(const A& a, int vec, int device, double min_blocks_per_
 // The cols statistics' rows a thread: ~1.75 blocks an SM. A block's fixed part (its first row's pivots, the merge
 // into per-group states, the stores): at 32 rows 960-channel (28, 960, 72, 128) input took 0.210 ms, at 128 0.157;
 // with too few blocks (two-sample frames-major input) 64 rows beat 128 (0.038 vs 0.045 ms) by keeping every SM busy.
-// Then, given per_sm resident blocks an SM (0: unknown) and at most kStatsColFillRounds rounds of the device's slots,
+// Then, given the blocks resident on the device (slots; 0: unknown) and at most kStatsColFillRounds rounds of them,
 // fewer rows a thread so the blocks fill whole rounds: 128 rows gave (28, 960, 72, 128) 1008 blocks on 396 slots, a
 // last round 55 % full (H200, the kernel's µs, power of two -> filled: bf16 157.5 -> 153.5, fp32 276.6 -> 268.5;
 // bf16 channels_last_3d (2, 1280, 14, 18, 32), 0.64 rounds, 29.4 -> 27.6). At 10 and 20 rounds filling lost (the
@@ -3906,29 +3906,25 @@ constexpr int stats_col_ring_depth() {
 }
 constexpr double kStatsColRingRounds = 1.0;
 
-// rows: stats_cols_pow2's.
+// slots: the statistics kernel's blocks resident on the device (0: unknown); rows: stats_cols_pow2's.
 template <typename scalar_t, typename A>
-int stats_cols_depth(const A& a, int vec, int device, int per_sm, int rows) {
+int stats_cols_depth(const A& a, int vec, int64_t slots, int rows) {
   const std::string e = env_str("VD_GROUP_NORM_STATS_COL_DEPTH");
   if (!e.empty()) return std::atoi(e.c_str());
-  if (per_sm <= 0) return 0;
-  int sms = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  if (slots <= 0) return 0;
   const ColsTiling t = cols_tiling(a.C, vec);
   const double blocks = static_cast<double>(a.N * t.ctiles * ceil_div(a.S, t.R * rows));
-  return blocks >= kStatsColRingRounds * per_sm * sms ? stats_col_ring_depth<scalar_t>() : 0;
+  return blocks >= kStatsColRingRounds * slots ? stats_col_ring_depth<scalar_t>() : 0;
 }
 
-// rows: stats_cols_pow2's.
+// slots and rows: as stats_cols_depth's.
 template <typename A>
-int stats_cols_rows(const A& a, int vec, int device, int per_sm, int rows) {
+int stats_cols_rows(const A& a, int vec, int64_t slots, int rows) {
   const int64_t pinned = env_int("VD_GROUP_NORM_STATS_COL_ROWS", 0);
   if (pinned >= 1 && pinned <= 1024) return static_cast<int>(pinned);
-  if (per_sm <= 0 || env_str("VD_GROUP_NORM_STATS_COL_FILL") == "0") return rows;
-  int sms = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  if (slots <= 0 || env_str("VD_GROUP_NORM_STATS_COL_FILL") == "0") return rows;
   const ColsTiling t = cols_tiling(a.C, vec);
-  const int64_t slots = static_cast<int64_t>(per_sm) * sms, columns = a.N * t.ctiles;
+  const int64_t columns = a.N * t.ctiles;
   const int64_t rounds = ceil_div(columns * ceil_div(a.S, t.R * rows), slots);
   if (rounds > kStatsColFillRounds) return rows;
   // The most blocks a sample-column that whole rounds hold (at least the current count, as rounds were rounded up).
@@ -3981,17 +3977,17 @@ struct Launcher {
     return !channels_last || a.C % kVec == 0;
   }
 
-  // The cols statistics' kernel, its dynamic shared memory and resident blocks an SM (0: unknown).
+  // The cols statistics' kernel, its dynamic shared memory and its blocks resident on the device (0: unknown).
   using ColsKernel = void (*)(Args, Welford<double>*);
   struct ColsStats {
     ColsKernel kernel;
     size_t smem;
-    int per_sm;
+    int64_t slots;
   };
 
   // The copies' ring of `depth` batches (stats_col_batches) where 16-bit or float input and the device take it;
   // otherwise cols unchanged (plain loads).
-  static void cols_stats_ring(ColsStats& cols, int depth, int device) {
+  static void cols_stats_ring(ColsStats& cols, int depth, int device, int sms) {
     if constexpr (sizeof(scalar_t) == 2 || std::is_same_v<scalar_t, float>) {
       ColsKernel k = nullptr;
       size_t smem = 0;
@@ -4002,10 +3998,8 @@ struct Launcher {
       }
       // resident_clusters at K = 1: allows the kernel all the opt-in shared memory, 0 without sm_90 code.
       const int resident = resident_clusters(k, 1, device, kThreads, smem);
-      int sms = 0;
-      C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
       if (resident < sms) return;
-      cols = ColsStats{k, smem, resident / sms};
+      cols = ColsStats{k, smem, resident};
     }
   }
 
@@ -4019,12 +4013,14 @@ struct Launcher {
     ColsStats cols{vec ? stats_cols_kernel<scalar_t, acc_t, kVec> : stats_cols_kernel<scalar_t, acc_t, 1>, 0, 0};
     const int pow2 = channels_last ? stats_cols_pow2(s, v, device) : 0;
     if (channels_last) {
-      cols.per_sm = resident_blocks(cols.kernel, device, kThreads, 0);
-      if (vec) cols_stats_ring(cols, stats_cols_depth<scalar_t>(s, v, device, cols.per_sm, pow2), device);
+      int sms = 0;
+      C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+      cols.slots = int64_t{resident_blocks(cols.kernel, device, kThreads, 0)} * sms;
+      if (vec) cols_stats_ring(cols, stats_cols_depth<scalar_t>(s, v, cols.slots, pow2), device, sms);
     }
     // 16-bit and float "rows" statistics: chunks of kStatBatches batches (stats_rows_kernel)
     plan(s, v, s.cpg * s.S, channels_last, sizeof(scalar_t) <= 4 && vec ? kVecsPerLane * kStatBatches : kVecsPerLane,
-         channels_last ? stats_cols_rows(s, v, device, cols.per_sm, pow2) : kRowsPerThread);
+         channels_last ? stats_cols_rows(s, v, cols.slots, pow2) : kRowsPerThread);
     const int64_t K = channels_last ? s.P * s.ctiles : s.F * s.P;
     const int64_t NG = s.N * s.G;
     // cols: a group's slot of a column tile it does not reach stays zero (n = 0, skipped by the merge).
