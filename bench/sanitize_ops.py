@@ -235,6 +235,11 @@ def main():
                     torch.ops.vd.group_norm_silu(x, groups, None, None, 1e-5, False)
                 x = torch.randn(1, 6, 32, 30, 40, device=dev, dtype=dtype).transpose(1, 2)
                 torch.ops.vd.group_norm_silu_forward(x, 4, None, None, 1e-5, True)
+                # The ring filling the shared memory in seven and in eight stages (tiles under 32 KB).
+                for stages in ("7", "8"):
+                    with env_var("VD_GROUP_NORM_STREAM_RING_KB", "999"), env_var("VD_GROUP_NORM_STREAM_STAGES", stages):
+                        x = torch.randn(4, 64, 128, 256, device=dev, dtype=dtype)
+                        torch.ops.vd.group_norm_silu_forward(x, 8, None, None, 1e-5, True)
                 # Version 13 (channels_last): more tiles than the rings hold (stages and tables reused; each block's
                 # last box past the sample), one tile a block, 5-D; vectors straddling groups; 16-byte rows (float32:
                 # 13 boxes a tile).

@@ -505,8 +505,9 @@ def stream_family_ok(device):
 @pytest.mark.parametrize("device", CUDA)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_version_12_stream(device, dtype):
-    # Version 12 (sm_90): tiles of 32 KB taken from a device-wide counter, statistics per tile in global slots,
-    # merged per group by every CTA holding a tile of it. Taken by default for float32 groups over 1.5 MB, 16-bit
+    # Version 12 (sm_90): tiles of up to 32 KB (a stage of the ring: six of 32 KB, or all the shared memory in seven
+    # or eight where a group is 1.5 rounds of the grid's tiles or more) taken from a device-wide counter, statistics
+    # per tile in global slots, merged per group by every CTA holding a tile of it. Taken by default for float32 groups over 1.5 MB, 16-bit
     # frames-major groups over 1.5 MB and contiguous 16-bit groups over 4 MB; pinned ("stream") for smaller groups.
     # Pins where it runs, and that its output matches the reference and is the same bit for bit on every call
     # (tiles go to whichever CTA asks first).
@@ -518,6 +519,8 @@ def test_version_12_stream(device, dtype):
         ((1, 32, 6, 90, 100), 4, 6, fp32),        # frames-major, segments of 72000: nine tiles of 8000 each
         ((1, 64, 512, 512), 16, 0, fp32),         # 4 MB groups (fp32): 128 tiles, more than a round of CTAs
         ((1, 32, 520, 512), 4, 0, True),          # 4.3 MB groups in 16-bit (8.5 MB fp32)
+        ((1, 16, 600, 1000), 4, 0, True),         # fp32 9.6 MB groups, 293 tiles of 32 KB: eight stages (16-bit six)
+        ((1, 16, 600, 800), 2, 0, True),          # fp32 15.4 MB, 469 tiles: eight stages would cut 541, seven 475
         ((1, 32, 400, 512), 4, 0, fp32),          # 3.3 MB in 16-bit: two-pass
         ((1, 32, 8, 128, 128), 4, 8, True),       # frames-major, 2 MB groups in 16-bit: past version 6
         ((1, 128, 300, 400), 2, 0, not fp32),     # cpg 64: fp32 30 MB groups, over 512 tiles: two-pass; 16-bit 469
@@ -532,6 +535,13 @@ def test_version_12_stream(device, dtype):
             assert_same_bits(out, x, groups, w, b, f"{shape}: not repeatable", times=3)
 
 
+def stream_case(shape, frames, dtype, device):
+    """x (contiguous, or frames-major where `frames`; values about -1 with spread 2), a weight and a bias."""
+    x = layout_input(shape, "frames-major" if frames else "contiguous", dtype, device, scale=2, shift=-1)
+    C = shape[1]
+    return x, torch.randn(C, device=device, dtype=dtype), torch.randn(C, device=device, dtype=dtype)
+
+
 @pytest.mark.parametrize("device", CUDA)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_version_12_stream_pinned(device, dtype, monkeypatch):
@@ -543,12 +553,29 @@ def test_version_12_stream_pinned(device, dtype, monkeypatch):
     torch.manual_seed(0)
     for shape, groups, frames in [((2, 64, 16, 16), 32, 0), ((3, 40, 5, 4, 12), 4, 5), ((1, 8, 8, 1), 2, 0),
                                   ((2, 128, 100, 100), 32, 0), ((2, 64, 14, 36, 64), 8, 14)]:
-        C = shape[1]
-        x = layout_input(shape, "frames-major" if frames else "contiguous", dtype, device, scale=2, shift=-1)
-        w, b = torch.randn(C, device=device, dtype=dtype), torch.randn(C, device=device, dtype=dtype)
+        x, w, b = stream_case(shape, frames, dtype, device)
         vec = 16 // dtype.itemsize
         want = torch.Size(shape[2 + bool(frames):]).numel() % vec == 0
         check_pinned_case("stream_rows_kernel", want, x, groups, w, b, f"{shape} {dtype}")
+
+
+@pytest.mark.parametrize("device", CUDA)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_version_12_stream_ring(device, dtype, monkeypatch):
+    # Version 12's ring cut other ways (VD_GROUP_NORM_STREAM_RING_KB, VD_GROUP_NORM_STREAM_STAGES): six stages of 32
+    # KB (the ring before it filled the shared memory), two of 32 KB, eight of 12.5 KB (more tiles a group), three of
+    # 21.25 KB: each matches the reference and repeats its bits.
+    stream_family_ok(device)
+    monkeypatch.setenv("VD_GROUP_NORM_KERNEL", "stream")
+    torch.manual_seed(0)
+    for ring_kb, stages in [(192, 6), (64, 2), (100, 8), (64, 3)]:
+        monkeypatch.setenv("VD_GROUP_NORM_STREAM_RING_KB", str(ring_kb))
+        monkeypatch.setenv("VD_GROUP_NORM_STREAM_STAGES", str(stages))
+        for shape, groups, frames in [((1, 64, 256, 256), 8, 0), ((1, 32, 6, 90, 100), 4, 6)]:
+            x, w, b = stream_case(shape, frames, dtype, device)
+            what = f"{shape} {dtype} ring {ring_kb} KB in {stages}"
+            out = check_kernel_serves("stream_rows_kernel", True, x, groups, w, b, what=what)
+            assert_same_bits(out, x, groups, w, b, f"{what}: not repeatable", times=2)
 
 
 @pytest.mark.parametrize("device", CUDA)

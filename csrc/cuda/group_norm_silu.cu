@@ -1895,7 +1895,7 @@ __global__ void __launch_bounds__(kSmemThreads, 2) smem_rows_kernel(const SmemAr
 // Version 12 forward ("stream"), NC* and frames-major groups past version 6's clusters, sm_90: x read once from
 // DRAM, y written once, in one launch. The two-pass kernels read x twice (67 % of the copy figure at best), and
 // the designs that held a whole group on chip (version 9: the grid as one cluster; version 11: a lag through L2)
-// coupled every CTA to the slowest one at each group. Here a group's segments are cut into tiles of
+// coupled every CTA to the slowest one at each group. Here a group's segments are cut into tiles of up to
 // kStreamTileBytes, numbered group by group, and one CTA an SM runs with specialised warps:
 //   producer (one thread): whenever a stage of its ring is free, takes the next tile number from a device-wide
 //     counter and bulk-copies the tile into the stage. A slow SM takes fewer tiles instead of holding back the
@@ -1912,11 +1912,11 @@ __global__ void __launch_bounds__(kSmemThreads, 2) smem_rows_kernel(const SmemAr
 // left racecheck reporting the reads as racing the next fill). Nothing waits for another CTA's normalizers: a
 // table waits only for reducers, which read stages that are already loaded. Tiles are taken in increasing order,
 // so every tile below the last one taken is held by a running CTA and gets reduced; the rings of the resident
-// grid (P * kStreamStages tiles) hold more than a group's Q tiles (the host checks), so the grid cannot fill with
+// grid (P * stages tiles) hold more than a group's Q tiles (the host checks), so the grid cannot fill with
 // tiles of a group that is still being taken.
 
-constexpr int kStreamTileBytes = 32 * 1024;
-constexpr int kStreamStages = 6;
+constexpr int kStreamTileBytes = 32 * 1024;  // a stage, at most (StreamArgs::stage_bytes)
+constexpr int kStreamMaxStages = 8;
 constexpr int kStreamReduceWarps = 4;
 constexpr int kStreamNormWarps = 8;
 constexpr int kStreamThreads = 32 * (2 + kStreamReduceWarps + kStreamNormWarps);
@@ -1937,6 +1937,7 @@ struct StreamArgs {
   int G, cpg, Qs, Q;  // groups a sample, channels a group, tiles a segment, tiles a group
   int seg, S;         // elements of a segment (cpg * S) and of a channel in it; seg < 2^31
   int te;             // elements a tile (whole vectors; a segment's last tile may hold fewer)
+  int stages, stage_bytes;  // the ring: stages * stage_bytes bytes of dynamic shared memory, te <= a stage
   float eps;
   uint4* slots;       // a slot a tile, zeroed before the launch
   unsigned* counter;  // the next tile to take, zeroed before the launch
@@ -1966,40 +1967,45 @@ __device__ __forceinline__ bool slot_ready(const uint4& v) {
   return v.x != 0u && v.y != 0u && v.z != 0u && v.w != 0u;
 }
 
-// Where tile t lies: its group, its first element and its element count; o is its offset in its segment.
-template <typename scalar_t>
+// Where tile t lies: its group (-1: no more tiles), its index in the group, its first element and its element
+// count; o is its offset in its segment. The producer works it out once and leaves it beside the stage.
 struct StreamTile {
   int64_t g, first;
-  int o, n;
-  __device__ __forceinline__ StreamTile(const StreamArgs<scalar_t>& a, int64_t t) {
-    g = t / a.Q;
-    const int q = static_cast<int>(t - g * a.Q), f = q / a.Qs, qs = q - f * a.Qs;
-    const int64_t n_ = g / a.G, gi = g - n_ * a.G;
-    o = qs * a.te;
-    n = min(a.te, a.seg - o);
-    first = n_ * a.nstride + f * a.fstride + gi * a.seg + o;
-  }
+  int q, o, n;
 };
+
+template <typename scalar_t>
+__device__ __forceinline__ StreamTile stream_tile(const StreamArgs<scalar_t>& a, int64_t t) {
+  StreamTile tl;
+  tl.g = t / a.Q;
+  tl.q = static_cast<int>(t - tl.g * a.Q);
+  const int f = tl.q / a.Qs, qs = tl.q - f * a.Qs;
+  const int64_t n_ = tl.g / a.G, gi = tl.g - n_ * a.G;
+  tl.o = qs * a.te;
+  tl.n = min(a.te, a.seg - tl.o);
+  tl.first = n_ * a.nstride + f * a.fstride + gi * a.seg + tl.o;
+  return tl;
+}
 
 template <typename scalar_t, bool SILU>
 __global__ void __launch_bounds__(kStreamThreads, 1) stream_rows_kernel(const StreamArgs<scalar_t> a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr int VEC = max_vec<scalar_t>();
-  constexpr int TV = kStreamTileBytes / 16;  // 16-byte vectors a tile
-  extern __shared__ __align__(128) unsigned char smem[];  // [kStreamStages][kStreamTileBytes]
-  __shared__ __align__(8) uint64_t full[kStreamStages], empty[kStreamStages];
+  constexpr int TV = kStreamTileBytes / 16;  // 16-byte vectors a tile, at most
+  extern __shared__ __align__(128) unsigned char smem[];  // [a.stages][a.stage_bytes]
+  __shared__ __align__(8) uint64_t full[kStreamMaxStages], empty[kStreamMaxStages];
   __shared__ __align__(8) uint64_t tfull[kStreamTabs], tempty[kStreamTabs];
-  __shared__ int64_t tile_of[kStreamStages];          // the tile in each stage; -1: no more tiles
+  __shared__ StreamTile tinfo[kStreamMaxStages];       // the tile in each stage; g = -1: no more tiles
   __shared__ float2 ctab[kStreamTabs][kStreamMaxCpg];  // a group's (scale, shift) a channel
   __shared__ float tpivot[kStreamTabs];
   __shared__ Welford<float> red[2][kStreamReduceWarps];
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   auto bar = [](const uint64_t& b) { return static_cast<uint32_t>(__cvta_generic_to_shared(&b)); };
   auto stage = [&](int s) {
-    return reinterpret_cast<const uint4*>(smem + static_cast<size_t>(s) * kStreamTileBytes);
+    return reinterpret_cast<const uint4*>(smem + static_cast<size_t>(s) * a.stage_bytes);
   };
   if (tid == 0) {
-    for (int s = 0; s < kStreamStages; ++s) {
+    for (int s = 0; s < a.stages; ++s) {
       wgmma::mbar_init(bar(full[s]), 1);
       wgmma::mbar_init(bar(empty[s]), kStreamThreads - 32);  // every thread that reads it: all but the producer's
     }
@@ -2015,16 +2021,16 @@ __global__ void __launch_bounds__(kStreamThreads, 1) stream_rows_kernel(const St
     if (lane == 0) {
       const uint64_t drop = l2_policies().drop;  // x is read once: keep L2 for the slots and y
       for (int k = 0;; ++k) {
-        const int s = k % kStreamStages;
-        if (k >= kStreamStages) wgmma::mbar_wait(bar(empty[s]), (k / kStreamStages - 1) & 1);
+        const int s = k % a.stages;
+        if (k >= a.stages) wgmma::mbar_wait(bar(empty[s]), (k / a.stages - 1) & 1);
         const int64_t t = atomicAdd(a.counter, 1u);
         if (t >= a.tiles) {
-          tile_of[s] = -1;
+          tinfo[s].g = -1;
           wgmma::mbar_arrive(bar(full[s]));
           break;
         }
-        tile_of[s] = t;
-        const StreamTile<scalar_t> tl(a, t);
+        const StreamTile tl = stream_tile(a, t);
+        tinfo[s] = tl;
         const uint32_t bytes = static_cast<uint32_t>(tl.n) * sizeof(scalar_t);
         wgmma::mbar_expect_tx(bar(full[s]), bytes);
         wgmma::bulk_load_hint(static_cast<uint32_t>(__cvta_generic_to_shared(stage(s))), a.x + tl.first, bytes,
@@ -2038,12 +2044,12 @@ __global__ void __launch_bounds__(kStreamThreads, 1) stream_rows_kernel(const St
     int m = -1;
     int64_t gprev = -1;
     for (int k = 0;; ++k) {
-      const int s = k % kStreamStages;
-      wgmma::mbar_wait(bar(full[s]), (k / kStreamStages) & 1);
-      const int64_t t = tile_of[s];
+      const int s = k % a.stages;
+      wgmma::mbar_wait(bar(full[s]), (k / a.stages) & 1);
+      const int64_t g = tinfo[s].g;
+      const bool first = tinfo[s].q == 0;
       wgmma::mbar_arrive(bar(empty[s]));
-      if (t < 0) break;
-      const int64_t g = t / a.Q;
+      if (g < 0) break;
       if (g == gprev) continue;
       gprev = g;
       ++m;
@@ -2097,7 +2103,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1) stream_rows_kernel(const St
       }
       if (lane == 0) {
         tpivot[e] = pivot;
-        if (a.stats.p != nullptr && t % a.Q == 0) a.stats.write(g, pivot, mo, rstd);
+        if (a.stats.p != nullptr && first) a.stats.write(g, pivot, mo, rstd);
       }
       wgmma::mbar_arrive(bar(tfull[e]));
     }
@@ -2108,11 +2114,10 @@ __global__ void __launch_bounds__(kStreamThreads, 1) stream_rows_kernel(const St
     constexpr int RT = 32 * kStreamReduceWarps;
     const int rt = tid - 64, rw = warp - 2;
     for (int k = 0;; ++k) {
-      const int s = k % kStreamStages;
-      wgmma::mbar_wait(bar(full[s]), (k / kStreamStages) & 1);
-      const int64_t t = tile_of[s];
-      if (t < 0) break;
-      const StreamTile<scalar_t> tl(a, t);
+      const int s = k % a.stages;
+      wgmma::mbar_wait(bar(full[s]), (k / a.stages) & 1);
+      const StreamTile tl = tinfo[s];
+      if (tl.g < 0) break;
       const uint4* st = stage(s);
       const int nv = tl.n / VEC;
       // One pass of sums about the thread's first element (two passes over the stage measured 15-17 % slower
@@ -2144,8 +2149,8 @@ __global__ void __launch_bounds__(kStreamThreads, 1) stream_rows_kernel(const St
         Welford<float> tw = red[b][0];
 #pragma unroll
         for (int i = 1; i < kStreamReduceWarps; ++i) tw = combine_f(tw, red[b][i]);
-        st_relaxed_v4(a.slots + t, make_uint4(slot_word(tp), slot_word(tw.mean), slot_word(tw.m2),
-                                              slot_word(tw.n)));
+        st_relaxed_v4(a.slots + tl.g * a.Q + tl.q,
+                      make_uint4(slot_word(tp), slot_word(tw.mean), slot_word(tw.m2), slot_word(tw.n)));
       }
     }
     return;
@@ -2159,11 +2164,10 @@ __global__ void __launch_bounds__(kStreamThreads, 1) stream_rows_kernel(const St
   int m = -1, e = 0;
   int64_t gprev = -1;
   for (int k = 0;; ++k) {
-    const int s = k % kStreamStages;
-    wgmma::mbar_wait(bar(full[s]), (k / kStreamStages) & 1);
-    const int64_t t = tile_of[s];
-    if (t < 0) break;
-    const StreamTile<scalar_t> tl(a, t);
+    const int s = k % a.stages;
+    wgmma::mbar_wait(bar(full[s]), (k / a.stages) & 1);
+    const StreamTile tl = tinfo[s];
+    if (tl.g < 0) break;
     if (tl.g != gprev) {
       if (m >= 0) wgmma::mbar_arrive(bar(tempty[e]));  // done with the last group's table
       ++m;
@@ -4388,7 +4392,6 @@ bool forward_stream(const GNShape& s, int64_t F, const scalar_t* x, scalar_t* ou
     return false;
   } else {
     constexpr int kVec = max_vec<scalar_t>();
-    constexpr int64_t TE = kStreamTileBytes / static_cast<int64_t>(sizeof(scalar_t));
     if (s.channels_last || !vec) return false;
     const int64_t cpg = s.C / s.G, S = s.S / F, seg = cpg * S;
     const int64_t group_bytes = F * seg * static_cast<int64_t>(sizeof(scalar_t));
@@ -4401,14 +4404,54 @@ bool forward_stream(const GNShape& s, int64_t F, const scalar_t* x, scalar_t* ou
     if (!pinned && group_bytes <= min_bytes) return false;
     // A vector never straddles two channels; segments and tiles start on 16 bytes.
     if (S % kVec != 0 || cpg > kStreamMaxCpg || seg >= (int64_t{1} << 31)) return false;
-    // Tiles of up to TE elements, as even as whole vectors allow (a segment of 2.25 tiles: three of 0.75).
-    const int64_t vecs = seg / kVec, te = kVec * ceil_div(vecs, ceil_div(seg, TE)), Qs = ceil_div(seg, te);
-    const int64_t Q = F * Qs, tiles = s.N * s.G * Q;
-    const size_t smem = static_cast<size_t>(kStreamStages) * kStreamTileBytes;
     auto kernel = silu ? stream_rows_kernel<scalar_t, true> : stream_rows_kernel<scalar_t, false>;
+    // The ring, in stages of up to kStreamTileBytes (a tile a stage), by how many rounds of the grid a group's 32 KB
+    // tiles make: 6 stages of 32 KB under 1.5 rounds; from 1.5 rounds all the shared memory the static arrays leave
+    // (222 KB on sm_90) in 7 stages, in 8 for float32 from 2 rounds. H200, µs, 192 KB in 6 / 222 KB in 7 / in 8:
+    //   fp32 3.3 rounds (2, 192, 576, 1024) 677 / 654 / 593; 2.2 rounds (14, 128, 576, 1024) 2669 / 2495 / 2411 and
+    //   (8, 128, 576, 1024) 1527 / 1428 / 1383; 1.5 rounds (14, 128, 640, 640) 1540 / 1543 / 1558; 1.1 rounds
+    //   (14, 256, 288, 512) 1152 / 1194 / 1243;
+    //   bf16 2.2 rounds (14, 256, 576, 1024) 2609 / 2471 / 2485; 1.6 rounds (14, 192, 576, 1024) 1791 / 1739 / 1788;
+    //   1.1 rounds (14, 128, 576, 1024) 1324 / 1351 / 1385; under a round (frames-major (2, 320 or 640, 14, ...),
+    //   fp32) 6 and 7 within 1 %, 8 slower.
+    // VD_GROUP_NORM_STREAM_RING_KB and VD_GROUP_NORM_STREAM_STAGES set others (benchmarks).
+    cudaFuncAttributes fa{};
+    C10_CUDA_CHECK(cudaFuncGetAttributes(&fa, kernel));
+    const int64_t room = std::min<int64_t>(max_dynamic_smem(fa, device), kStreamMaxStages * kStreamTileBytes) / 1024;
+    if (room < 64) return false;
+    // A ring's stage bytes and the tiles it cuts: te elements (whole vectors, as even as they allow: a segment of
+    // 2.25 tiles makes three of 0.75), Qs a segment.
+    const int64_t vecs = seg / kVec;
+    int64_t te = 0, Qs = 0;
+    auto cut = [&](int64_t ring_bytes, int64_t n) {
+      const int64_t sb = std::min<int64_t>(ring_bytes / n / 128 * 128, kStreamTileBytes);
+      te = kVec * ceil_div(vecs, ceil_div(seg, sb / static_cast<int64_t>(sizeof(scalar_t))));
+      Qs = ceil_div(seg, te);
+      return sb;
+    };
+    const int64_t q32 = F * ceil_div(seg, kStreamTileBytes / static_cast<int64_t>(sizeof(scalar_t)));
+    const int64_t p32 = cooperative_ctas(kernel, device, kStreamThreads, static_cast<size_t>(room) * 1024);
+    const bool fill = 2 * q32 >= 3 * p32, fine = fill && sizeof(scalar_t) == 4 && q32 >= 2 * p32;
+    int64_t ring_kb = 6 * kStreamTileBytes / 1024, nst = 6;
+    if (fill) {  // finer stages only while a group stays within the merger's 32 * kStreamMaxSlotsPerLane slots
+      ring_kb = room;
+      nst = ceil_div(room * 1024, int64_t{kStreamTileBytes});
+      if (fine) {
+        cut(room * 1024, 8);
+        if (F * Qs <= 32 * kStreamMaxSlotsPerLane) nst = 8;
+      }
+      cut(room * 1024, nst);
+      if (F * Qs > 32 * kStreamMaxSlotsPerLane) ring_kb = 6 * kStreamTileBytes / 1024, nst = 6;
+    }
+    const int64_t ring = std::clamp<int64_t>(env_int("VD_GROUP_NORM_STREAM_RING_KB", ring_kb), 64, room) * 1024;
+    const int stages =
+        static_cast<int>(std::clamp<int64_t>(env_int("VD_GROUP_NORM_STREAM_STAGES", nst), 2, kStreamMaxStages));
+    const int64_t stage_bytes = cut(ring, stages);
+    const int64_t Q = F * Qs, tiles = s.N * s.G * Q;
+    const size_t smem = static_cast<size_t>(stages) * stage_bytes;
     const int P = cooperative_ctas(kernel, device, kStreamThreads, smem);
     // The merger holds a group's slots in registers; the resident rings must hold more than a group's tiles.
-    if (P == 0 || Q > 32 * kStreamMaxSlotsPerLane || int64_t{P} * kStreamStages <= Q ||
+    if (P == 0 || Q > 32 * kStreamMaxSlotsPerLane || int64_t{P} * stages <= Q ||
         tiles + P >= (int64_t{1} << 32))
       return false;
     // The tiles' slots and the tile counter, zeroed on the stream (a slot of zeros: not written yet).
@@ -4426,6 +4469,8 @@ bool forward_stream(const GNShape& s, int64_t F, const scalar_t* x, scalar_t* ou
     a.cpg = static_cast<int>(cpg);
     a.Qs = static_cast<int>(Qs);
     a.te = static_cast<int>(te);
+    a.stages = stages;
+    a.stage_bytes = static_cast<int>(stage_bytes);
     a.Q = static_cast<int>(Q);
     a.seg = static_cast<int>(seg);
     a.S = static_cast<int>(S);
