@@ -506,9 +506,10 @@ def stream_family_ok(device):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_version_12_stream(device, dtype):
     # Version 12 (sm_90): tiles of up to 32 KB (a stage of the ring: six of 32 KB, or all the shared memory in seven
-    # or eight where a group is 1.5 rounds of the grid's tiles or more) taken from a device-wide counter, statistics
-    # per tile in global slots, merged per group by every CTA holding a tile of it. Taken by default for float32 groups over 1.5 MB, 16-bit
-    # frames-major groups over 1.5 MB and contiguous 16-bit groups over 4 MB; pinned ("stream") for smaller groups.
+    # where a group is 1.5 rounds of the grid's tiles or more, eight in float32 from two rounds) taken from a
+    # device-wide counter, statistics per tile in global slots, merged per group by every CTA holding a tile of it.
+    # Taken by default for float32 groups over 1.5 MB, 16-bit frames-major groups over 1.5 MB and contiguous 16-bit
+    # groups over 4 MB; pinned ("stream") for smaller groups.
     # Pins where it runs, and that its output matches the reference and is the same bit for bit on every call
     # (tiles go to whichever CTA asks first).
     stream_family_ok(device)
@@ -523,7 +524,7 @@ def test_version_12_stream(device, dtype):
         ((1, 16, 600, 800), 2, 0, True),          # fp32 15.4 MB, 469 tiles: eight stages would cut 541, seven 475
         ((1, 32, 400, 512), 4, 0, fp32),          # 3.3 MB in 16-bit: two-pass
         ((1, 32, 8, 128, 128), 4, 8, True),       # frames-major, 2 MB groups in 16-bit: past version 6
-        ((1, 128, 300, 400), 2, 0, not fp32),     # cpg 64: fp32 30 MB groups, over 512 tiles: two-pass; 16-bit 469
+        ((1, 128, 300, 400), 2, 0, not fp32),     # cpg 64: fp32 30 MB, over 512 tiles: two-pass; 16-bit 475 in 7 stages
         ((1, 256, 256, 256), 2, 0, False),        # cpg 128: two-pass
         ((2, 320, 72, 128), 32, 0, False),        # 1.2 MB groups: version 6
     ]:
