@@ -4419,34 +4419,27 @@ bool forward_stream(const GNShape& s, int64_t F, const scalar_t* x, scalar_t* ou
     C10_CUDA_CHECK(cudaFuncGetAttributes(&fa, kernel));
     const int64_t room = std::min<int64_t>(max_dynamic_smem(fa, device), kStreamMaxStages * kStreamTileBytes) / 1024;
     if (room < 64) return false;
-    // A ring's stage bytes and the tiles it cuts: te elements (whole vectors, as even as they allow: a segment of
-    // 2.25 tiles makes three of 0.75), Qs a segment.
-    const int64_t vecs = seg / kVec;
-    int64_t te = 0, Qs = 0;
-    auto cut = [&](int64_t ring_bytes, int64_t n) {
-      const int64_t sb = std::min<int64_t>(ring_bytes / n / 128 * 128, kStreamTileBytes);
-      te = kVec * ceil_div(vecs, ceil_div(seg, sb / static_cast<int64_t>(sizeof(scalar_t))));
-      Qs = ceil_div(seg, te);
-      return sb;
+    // A ring's stages, and the tiles a stage cuts: te elements (whole vectors, as even as they allow: a segment of
+    // 2.25 tiles makes three of 0.75), a group's F segments of ceil(seg / te).
+    constexpr int64_t kElt = sizeof(scalar_t);
+    const int64_t vecs = seg / kVec, room_bytes = room * 1024;
+    auto stage_of = [](int64_t ring_bytes, int64_t n) {
+      return std::min<int64_t>(ring_bytes / n / 128 * 128, kStreamTileBytes);
     };
-    const int64_t q32 = F * ceil_div(seg, kStreamTileBytes / static_cast<int64_t>(sizeof(scalar_t)));
-    const int64_t p32 = cooperative_ctas(kernel, device, kStreamThreads, static_cast<size_t>(room) * 1024);
-    const bool fill = 2 * q32 >= 3 * p32, fine = fill && sizeof(scalar_t) == 4 && q32 >= 2 * p32;
+    auto tile_of = [&](int64_t sb) { return kVec * ceil_div(vecs, ceil_div(seg, sb / kElt)); };
+    // Finer stages only while a group stays within the merger's slots.
+    auto holds = [&](int64_t n) {
+      return F * ceil_div(seg, tile_of(stage_of(room_bytes, n))) <= 32 * kStreamMaxSlotsPerLane;
+    };
+    const int64_t q32 = F * ceil_div(seg, kStreamTileBytes / kElt), filled = ceil_div(room_bytes, kStreamTileBytes);
+    const int64_t p32 = cooperative_ctas(kernel, device, kStreamThreads, static_cast<size_t>(room_bytes));
     int64_t ring_kb = 6 * kStreamTileBytes / 1024, nst = 6;
-    if (fill) {  // finer stages only while a group stays within the merger's 32 * kStreamMaxSlotsPerLane slots
-      ring_kb = room;
-      nst = ceil_div(room * 1024, int64_t{kStreamTileBytes});
-      if (fine) {
-        cut(room * 1024, 8);
-        if (F * Qs <= 32 * kStreamMaxSlotsPerLane) nst = 8;
-      }
-      cut(room * 1024, nst);
-      if (F * Qs > 32 * kStreamMaxSlotsPerLane) ring_kb = 6 * kStreamTileBytes / 1024, nst = 6;
-    }
+    if (sizeof(scalar_t) == 4 && q32 >= 2 * p32 && holds(8)) ring_kb = room, nst = 8;
+    else if (2 * q32 >= 3 * p32 && holds(filled)) ring_kb = room, nst = filled;
     const int64_t ring = std::clamp<int64_t>(env_int("VD_GROUP_NORM_STREAM_RING_KB", ring_kb), 64, room) * 1024;
     const int stages =
         static_cast<int>(std::clamp<int64_t>(env_int("VD_GROUP_NORM_STREAM_STAGES", nst), 2, kStreamMaxStages));
-    const int64_t stage_bytes = cut(ring, stages);
+    const int64_t stage_bytes = stage_of(ring, stages), te = tile_of(stage_bytes), Qs = ceil_div(seg, te);
     const int64_t Q = F * Qs, tiles = s.N * s.G * Q;
     const size_t smem = static_cast<size_t>(stages) * stage_bytes;
     const int P = cooperative_ctas(kernel, device, kStreamThreads, smem);
