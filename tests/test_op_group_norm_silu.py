@@ -536,11 +536,16 @@ def test_version_12_stream(device, dtype):
             assert_same_bits(out, x, groups, w, b, f"{shape}: not repeatable", times=3)
 
 
-def stream_case(shape, frames, dtype, device):
-    """x (contiguous, or frames-major where `frames`; values about -1 with spread 2), a weight and a bias."""
-    x = layout_input(shape, "frames-major" if frames else "contiguous", dtype, device, scale=2, shift=-1)
+def stream_case(shape, frames, dtype, device, scale=2, shift=-1):
+    """x (contiguous, or frames-major where `frames`; values about `shift` with spread `scale`), a weight and a bias."""
+    x = layout_input(shape, "frames-major" if frames else "contiguous", dtype, device, scale=scale, shift=shift)
     C = shape[1]
     return x, torch.randn(C, device=device, dtype=dtype), torch.randn(C, device=device, dtype=dtype)
+
+
+def stream_vectors_fit(shape, frames, dtype):
+    """Whether a channel's run in a segment is whole 16-byte vectors (version 12 takes only those)."""
+    return torch.Size(shape[2 + bool(frames):]).numel() % (16 // dtype.itemsize) == 0
 
 
 @pytest.mark.parametrize("device", CUDA)
@@ -555,8 +560,7 @@ def test_version_12_stream_pinned(device, dtype, monkeypatch):
     for shape, groups, frames in [((2, 64, 16, 16), 32, 0), ((3, 40, 5, 4, 12), 4, 5), ((1, 8, 8, 1), 2, 0),
                                   ((2, 128, 100, 100), 32, 0), ((2, 64, 14, 36, 64), 8, 14)]:
         x, w, b = stream_case(shape, frames, dtype, device)
-        vec = 16 // dtype.itemsize
-        want = torch.Size(shape[2 + bool(frames):]).numel() % vec == 0
+        want = stream_vectors_fit(shape, frames, dtype)
         check_pinned_case("stream_rows_kernel", want, x, groups, w, b, f"{shape} {dtype}")
 
 
@@ -577,6 +581,24 @@ def test_version_12_stream_ring(device, dtype, monkeypatch):
             what = f"{shape} {dtype} ring {ring_kb} KB in {stages}"
             out = check_kernel_serves("stream_rows_kernel", True, x, groups, w, b, what=what)
             assert_same_bits(out, x, groups, w, b, f"{what}: not repeatable", times=2)
+
+
+@pytest.mark.parametrize("device", CUDA)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_version_12_stream_far_mean(device, dtype, monkeypatch):
+    # Values far from 0 against their spread (mean 60, spread 0.5: each scale times the mean ~120): 16-bit input has
+    # the pivot folded into each channel's shift, float subtracts it; both match the reference. The shapes give a
+    # normalizer thread's vectors of a tile one channel, a new channel at every vector (S of 256 and 48 elements,
+    # against 2048 (16-bit) or 1024 elements between a thread's vectors) and frames-major segments.
+    stream_family_ok(device)
+    monkeypatch.setenv("VD_GROUP_NORM_KERNEL", "stream")
+    torch.manual_seed(0)
+    for shape, groups, frames in [((1, 32, 520, 512), 4, 0), ((2, 64, 16, 16), 32, 0), ((3, 40, 5, 4, 12), 4, 5),
+                                  ((1, 32, 6, 90, 100), 4, 6)]:
+        x, w, b = stream_case(shape, frames, dtype, device, scale=0.5, shift=60)
+        want = stream_vectors_fit(shape, frames, dtype)
+        for silu in (True, False):
+            check_kernel_serves("stream_rows_kernel", want, x, groups, w, b, silu, what=f"{shape} {dtype} far mean")
 
 
 @pytest.mark.parametrize("device", CUDA)

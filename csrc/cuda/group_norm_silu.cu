@@ -1906,8 +1906,9 @@ __global__ void __launch_bounds__(kSmemThreads, 2) smem_rows_kernel(const SmemAr
 //   merger (1 warp): at each new group of the CTA's tiles, waits for the group's slots, merges them in a fixed
 //     order about the first tile's pivot (the same bits in every CTA) and fills a channel table (scale, shift) and the
 //     group's statistics (written by the CTA holding the group's first tile);
-//   normalizers (8 warps): y = act((x - pivot) * scale + shift) from the stage, 16-byte stores; the stage goes
-//     back to the producer when they, the reducers and the merger are done with it.
+//   normalizers (8 warps): y = act((x - pivot) * scale + shift) from the stage (16-bit: x * scale + shift, the
+//     pivot in the shift), 16-byte stores; the stage goes back to the producer when they, the reducers and the
+//     merger are done with it.
 // Every thread that reads a stage or a table arrives on its barrier itself (one arrival a warp after __syncwarp
 // left racecheck reporting the reads as racing the next fill). Nothing waits for another CTA's normalizers: a
 // table waits only for reducers, which read stages that are already loaded. Tiles are taken in increasing order,
@@ -1974,6 +1975,19 @@ struct StreamTile {
   int q, o, n;
 };
 
+// Where each role is in the ring: tile k sits in stage k % stages on lap k / stages (the parity its barriers wait
+// for). Stepped rather than divided: the stage count is an argument, and a division a tile sat on every role's path.
+struct RingStep {
+  int s = 0;
+  uint32_t lap = 0;
+  __device__ __forceinline__ void next(int stages) {
+    if (++s == stages) {
+      s = 0;
+      lap ^= 1u;
+    }
+  }
+};
+
 template <typename scalar_t>
 __device__ __forceinline__ StreamTile stream_tile(const StreamArgs<scalar_t>& a, int64_t t) {
   StreamTile tl;
@@ -1988,10 +2002,14 @@ __device__ __forceinline__ StreamTile stream_tile(const StreamArgs<scalar_t>& a,
 }
 
 template <typename scalar_t, bool SILU>
-__global__ void __launch_bounds__(kStreamThreads, 1) stream_rows_kernel(const StreamArgs<scalar_t> a) {
+__device__ __forceinline__ void stream_rows(const StreamArgs<scalar_t>& a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr int VEC = max_vec<scalar_t>();
   constexpr int TV = kStreamTileBytes / 16;  // 16-byte vectors a tile, at most
+  // 16-bit x: the pivot folded into each channel's shift (y = x * scale + shift; the float rounding that adds,
+  // ~2^-24 of |pivot * scale|, is far under x's own) and the normalizers' channel worked out once a run of it.
+  // Float keeps x - pivot and a channel a vector (per run, its VAE row measured 3 % slower).
+  constexpr bool kShift = sizeof(scalar_t) > 2;
   extern __shared__ __align__(128) unsigned char smem[];  // [a.stages][a.stage_bytes]
   __shared__ __align__(8) uint64_t full[kStreamMaxStages], empty[kStreamMaxStages];
   __shared__ __align__(8) uint64_t tfull[kStreamTabs], tempty[kStreamTabs];
@@ -2020,9 +2038,11 @@ __global__ void __launch_bounds__(kStreamThreads, 1) stream_rows_kernel(const St
   if (warp == 0) {  // producer
     if (lane == 0) {
       const uint64_t drop = l2_policies().drop;  // x is read once: keep L2 for the slots and y
+      RingStep ring;
       for (int k = 0;; ++k) {
-        const int s = k % a.stages;
-        if (k >= a.stages) wgmma::mbar_wait(bar(empty[s]), (k / a.stages - 1) & 1);
+        const int s = ring.s;
+        if (k >= a.stages) wgmma::mbar_wait(bar(empty[s]), ring.lap ^ 1u);
+        ring.next(a.stages);
         const int64_t t = atomicAdd(a.counter, 1u);
         if (t >= a.tiles) {
           tinfo[s].g = -1;
@@ -2043,9 +2063,9 @@ __global__ void __launch_bounds__(kStreamThreads, 1) stream_rows_kernel(const St
   if (warp == 1) {  // merger
     int m = -1;
     int64_t gprev = -1;
-    for (int k = 0;; ++k) {
-      const int s = k % a.stages;
-      wgmma::mbar_wait(bar(full[s]), (k / a.stages) & 1);
+    for (RingStep ring;; ring.next(a.stages)) {
+      const int s = ring.s;
+      wgmma::mbar_wait(bar(full[s]), ring.lap);
       const int64_t g = tinfo[s].g;
       const bool first = tinfo[s].q == 0;
       wgmma::mbar_arrive(bar(empty[s]));
@@ -2097,8 +2117,8 @@ __global__ void __launch_bounds__(kStreamThreads, 1) stream_rows_kernel(const St
       for (int i = 0; i < kStreamMaxCpg / 32; ++i) {
         const int c = lane + 32 * i;
         if (c < a.cpg) {
-          const float sc = gam[i] * rstd;
-          ctab[e][c] = make_float2(sc, bet[i] - mo * sc);
+          const float sc = gam[i] * rstd, sh = bet[i] - mo * sc;
+          ctab[e][c] = make_float2(sc, kShift ? sh : fmaf(-pivot, sc, sh));
         }
       }
       if (lane == 0) {
@@ -2113,9 +2133,10 @@ __global__ void __launch_bounds__(kStreamThreads, 1) stream_rows_kernel(const St
   if (warp < 2 + kStreamReduceWarps) {  // reducers
     constexpr int RT = 32 * kStreamReduceWarps;
     const int rt = tid - 64, rw = warp - 2;
-    for (int k = 0;; ++k) {
-      const int s = k % a.stages;
-      wgmma::mbar_wait(bar(full[s]), (k / a.stages) & 1);
+    RingStep ring;
+    for (int k = 0;; ++k, ring.next(a.stages)) {
+      const int s = ring.s;
+      wgmma::mbar_wait(bar(full[s]), ring.lap);
       const StreamTile tl = tinfo[s];
       if (tl.g < 0) break;
       const uint4* st = stage(s);
@@ -2163,9 +2184,9 @@ __global__ void __launch_bounds__(kStreamThreads, 1) stream_rows_kernel(const St
   const float inv_S = 1.f / static_cast<float>(a.S);
   int m = -1, e = 0;
   int64_t gprev = -1;
-  for (int k = 0;; ++k) {
-    const int s = k % a.stages;
-    wgmma::mbar_wait(bar(full[s]), (k / a.stages) & 1);
+  for (RingStep ring;; ring.next(a.stages)) {
+    const int s = ring.s;
+    wgmma::mbar_wait(bar(full[s]), ring.lap);
     const StreamTile tl = tinfo[s];
     if (tl.g < 0) break;
     if (tl.g != gprev) {
@@ -2175,7 +2196,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1) stream_rows_kernel(const St
       e = m % kStreamTabs;
       wgmma::mbar_wait(bar(tfull[e]), (m / kStreamTabs) & 1);
     }
-    const float pivot = tpivot[e];
+    const float pivot = tpivot[e];  // unused for 16-bit x (kShift)
     const uint4* st = stage(s);
     const int nv = tl.n / VEC;
     uint4* y = reinterpret_cast<uint4*>(a.out + tl.first);
@@ -2183,34 +2204,66 @@ __global__ void __launch_bounds__(kStreamThreads, 1) stream_rows_kernel(const St
 #pragma unroll
     for (int i = 0; i < VPT; ++i)
       if (nt + i * NT < nv) r[i] = st[nt + i * NT];
+    // A vector's channel (the host asks S % VEC == 0, so a vector never straddles two): a float estimate of o / S,
+    // corrected once (enough while o / S < cpg <= kStreamMaxCpg: the estimate is off by far less than one).
+    auto channel = [&](int o) {
+      int c = __float2int_rz(__int2float_rz(o) * inv_S);
+      if (c * a.S > o) --c;
+      else if ((c + 1) * a.S <= o) ++c;
+      return c;
+    };
+    auto norm = [&](const uint4& v, float2 ss) {
+      uint4 out;
 #pragma unroll
-    for (int i = 0; i < VPT; ++i) {
-      const int vi = nt + i * NT;
-      if (vi < nv) {
-        // The vector's channel (the host asks S % VEC == 0): a float estimate of o / S, corrected once (enough
-        // while o / S < cpg <= kStreamMaxCpg: the estimate is off by far less than one).
-        const int o = tl.o + vi * VEC;
-        int c = __float2int_rz(__int2float_rz(o) * inv_S);
-        if (c * a.S > o) --c;
-        else if ((c + 1) * a.S <= o) ++c;
-        const float2 ss = ctab[e][c];
-        uint4 out;
-#pragma unroll
-        for (int j = 0; j < VEC; j += 2) {
-          float z0 = fmaf(elt_to_float<scalar_t>(r[i], j) - pivot, ss.x, ss.y);
-          float z1 = fmaf(elt_to_float<scalar_t>(r[i], j + 1) - pivot, ss.x, ss.y);
-          if (SILU) {
-            z0 = silu_fast(z0);
-            z1 = silu_fast(z1);
-          }
-          store_pair<scalar_t>(out, j / 2, z0, z1);
+      for (int j = 0; j < VEC; j += 2) {
+        const float x0 = elt_to_float<scalar_t>(v, j), x1 = elt_to_float<scalar_t>(v, j + 1);
+        float z0 = fmaf(kShift ? x0 - pivot : x0, ss.x, ss.y);
+        float z1 = fmaf(kShift ? x1 - pivot : x1, ss.x, ss.y);
+        if (SILU) {
+          z0 = silu_fast(z0);
+          z1 = silu_fast(z1);
         }
-        __stcs(y + vi, out);
+        store_pair<scalar_t>(out, j / 2, z0, z1);
+      }
+      return out;
+    };
+    if constexpr (kShift) {  // float: each vector's channel on its own
+#pragma unroll
+      for (int i = 0; i < VPT; ++i) {
+        const int vi = nt + i * NT;
+        if (vi < nv) __stcs(y + vi, norm(r[i], ctab[e][channel(tl.o + vi * VEC)]));
+      }
+    } else {
+      // 16-bit: the channel and its (scale, shift) worked out at the thread's first vector and again only where a
+      // vector passes the channel's end (the thread's offsets grow).
+      int next = 0;  // where the next channel starts: 0 until the first vector
+      float2 ss = make_float2(0.f, 0.f);
+#pragma unroll
+      for (int i = 0; i < VPT; ++i) {
+        const int vi = nt + i * NT;
+        if (vi < nv) {
+          const int o = tl.o + vi * VEC;
+          if (o >= next) {
+            const int c = channel(o);
+            next = (c + 1) * a.S;
+            ss = ctab[e][c];
+          }
+          __stcs(y + vi, norm(r[i], ss));
+        }
       }
     }
     wgmma::mbar_arrive(bar(empty[s]));
   }
 #endif
+}
+
+// The arguments stay in the parameter block (__grid_constant__), each role reading those it uses where it uses them.
+// Passed by value, nvcc loaded all of them into registers at the start, for every role (it did so for this block of
+// 128 bytes, not for one of 136): 16-bit x 3-4 % slower (H200, bf16 VAE (14, 128, 576, 1024) 1240 against 1192 us).
+template <typename scalar_t, bool SILU>
+__global__ void __launch_bounds__(kStreamThreads, 1)
+    stream_rows_kernel(const __grid_constant__ StreamArgs<scalar_t> a) {
+  stream_rows<scalar_t, SILU>(a);
 }
 
 // ---------------------------------------------------------------------------------------------
