@@ -588,13 +588,15 @@ def test_version_12_stream_ring(device, dtype, monkeypatch):
 def test_version_12_stream_far_mean(device, dtype, monkeypatch):
     # Values far from 0 against their spread (mean 60, spread 0.5: each scale times the mean ~120): 16-bit input has
     # the pivot folded into each channel's shift, float subtracts it; both match the reference. The shapes give a
-    # normalizer thread's vectors of a tile one channel, a new channel at every vector (S of 256 and 48 elements,
-    # against 2048 (16-bit) or 1024 elements between a thread's vectors) and frames-major segments.
+    # normalizer thread's vectors of a tile one channel ((1, 32, 520, 512)); a new channel at every one of its eight
+    # vectors ((1, 64, 16, 16) in one group: 64 channels of S = 256 against 2048 (16-bit) or 1024 elements between a
+    # thread's vectors); one vector each in short segments ((2, 64, 16, 16), (3, 40, 5, 4, 12)); a channel's end
+    # inside a tile ((1, 32, 6, 90, 100): S = 9000, frames-major segments).
     stream_family_ok(device)
     monkeypatch.setenv("VD_GROUP_NORM_KERNEL", "stream")
     torch.manual_seed(0)
-    for shape, groups, frames in [((1, 32, 520, 512), 4, 0), ((2, 64, 16, 16), 32, 0), ((3, 40, 5, 4, 12), 4, 5),
-                                  ((1, 32, 6, 90, 100), 4, 6)]:
+    for shape, groups, frames in [((1, 32, 520, 512), 4, 0), ((1, 64, 16, 16), 1, 0), ((2, 64, 16, 16), 32, 0),
+                                  ((3, 40, 5, 4, 12), 4, 5), ((1, 32, 6, 90, 100), 4, 6)]:
         x, w, b = stream_case(shape, frames, dtype, device, scale=0.5, shift=60)
         want = stream_vectors_fit(shape, frames, dtype)
         for silu in (True, False):

@@ -2259,7 +2259,7 @@ __device__ __forceinline__ void stream_rows(const StreamArgs<scalar_t>& a) {
 
 // The arguments stay in the parameter block (__grid_constant__), each role reading those it uses where it uses them.
 // Passed by value, nvcc loaded all of them into registers at the start, for every role (it did so for this block of
-// 128 bytes, not for one of 136): 16-bit x 3-4 % slower (H200, bf16 VAE (14, 128, 576, 1024) 1240 against 1192 us).
+// 128 bytes, not for one of 136): 16-bit x 3-5 % slower (H200, bf16 VAE (14, 128, 576, 1024) 1240 against 1192 us).
 template <typename scalar_t, bool SILU>
 __global__ void __launch_bounds__(kStreamThreads, 1)
     stream_rows_kernel(const __grid_constant__ StreamArgs<scalar_t> a) {
