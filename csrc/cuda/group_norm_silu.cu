@@ -2008,7 +2008,8 @@ __device__ __forceinline__ void stream_rows(const StreamArgs<scalar_t>& a) {
   constexpr int TV = kStreamTileBytes / 16;  // 16-byte vectors a tile, at most
   // 16-bit x: the pivot folded into each channel's shift (y = x * scale + shift; the float rounding that adds,
   // ~2^-24 of |pivot * scale|, is far under x's own) and the normalizers' channel worked out once a run of it.
-  // Float keeps x - pivot and a channel a vector (per run, its VAE row measured 3 % slower).
+  // Float keeps x - pivot; its channel is worked out once a tile where the tile lies in one channel, else a vector
+  // (a channel once a run, as 16-bit x has it, measured 3 % slower on its VAE row).
   constexpr bool kShift = sizeof(scalar_t) > 2;
   extern __shared__ __align__(128) unsigned char smem[];  // [a.stages][a.stage_bytes]
   __shared__ __align__(8) uint64_t full[kStreamMaxStages], empty[kStreamMaxStages];
@@ -2227,11 +2228,23 @@ __device__ __forceinline__ void stream_rows(const StreamArgs<scalar_t>& a) {
       }
       return out;
     };
-    if constexpr (kShift) {  // float: each vector's channel on its own
+    if constexpr (kShift) {
+      // Float: a tile within one channel (most of them: a channel of a large group is many tiles) takes one
+      // (scale, shift), the others each vector's own channel.
+      const int c0 = channel(tl.o);
+      if ((c0 + 1) * a.S >= tl.o + tl.n) {
+        const float2 ss = ctab[e][c0];
 #pragma unroll
-      for (int i = 0; i < VPT; ++i) {
-        const int vi = nt + i * NT;
-        if (vi < nv) __stcs(y + vi, norm(r[i], ctab[e][channel(tl.o + vi * VEC)]));
+        for (int i = 0; i < VPT; ++i) {
+          const int vi = nt + i * NT;
+          if (vi < nv) __stcs(y + vi, norm(r[i], ss));
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < VPT; ++i) {
+          const int vi = nt + i * NT;
+          if (vi < nv) __stcs(y + vi, norm(r[i], ctab[e][channel(tl.o + vi * VEC)]));
+        }
       }
     } else {
       // 16-bit: the channel and its (scale, shift) worked out at the thread's first vector and again only where a
