@@ -508,25 +508,26 @@ def test_version_12_stream(device, dtype):
     # Version 12 (sm_90): tiles of up to 32 KB (a stage of the ring: six of 32 KB, or all the shared memory in seven
     # where a group is 1.5 rounds of the grid's tiles or more, eight in float32 from two rounds) taken from a
     # device-wide counter, statistics per tile in global slots, merged per group by every CTA holding a tile of it.
-    # Taken by default for float32 groups over 1.5 MB, 16-bit frames-major groups over 1.5 MB and contiguous 16-bit
-    # groups over 4 MB; pinned ("stream") for smaller groups.
+    # Taken by default for groups over 1.5 MB, and for frames-major groups version 6 would hold in one stage a CTA
+    # (768 KB to 1.5 MB); pinned ("stream") for smaller groups.
     # Pins where it runs, and that its output matches the reference and is the same bit for bit on every call
     # (tiles go to whichever CTA asks first).
     stream_family_ok(device)
     torch.manual_seed(0)
     fp32 = dtype == torch.float32
     for shape, groups, frames, want in [
-        ((2, 64, 256, 256), 8, 0, fp32),          # 2 MB fp32 groups: 64 tiles a group, 16 groups
-        ((1, 32, 6, 90, 100), 4, 6, fp32),        # frames-major, segments of 72000: nine tiles of 8000 each
-        ((1, 64, 512, 512), 16, 0, fp32),         # 4 MB groups (fp32): 128 tiles, more than a round of CTAs
+        ((2, 64, 256, 256), 8, 0, fp32),          # 2 MB fp32 groups: 64 tiles a group, 16 groups (16-bit: version 6)
+        ((1, 32, 6, 90, 100), 4, 6, True),        # frames-major, segments of 72000: nine tiles of 8000 each (864 KB)
+        ((1, 64, 512, 512), 16, 0, True),         # 4 MB groups (fp32; 16-bit 2 MB): 128 tiles, over a round of CTAs
         ((1, 32, 520, 512), 4, 0, True),          # 4.3 MB groups in 16-bit (8.5 MB fp32)
         ((1, 16, 600, 1000), 4, 0, True),         # fp32 9.6 MB groups, 293 tiles of 32 KB: eight stages (16-bit six)
         ((1, 16, 600, 800), 2, 0, True),          # fp32 15.4 MB, 469 tiles: eight stages would cut 541, seven 475
-        ((1, 32, 400, 512), 4, 0, fp32),          # 3.3 MB in 16-bit: two-pass
+        ((1, 32, 400, 512), 4, 0, True),          # 3.3 MB in 16-bit
         ((1, 32, 8, 128, 128), 4, 8, True),       # frames-major, 2 MB groups in 16-bit: past version 6
         ((1, 128, 300, 400), 2, 0, not fp32),     # cpg 64: fp32 30 MB, over 512 tiles: two-pass; 16-bit 475 in 7 stages
         ((1, 256, 256, 256), 2, 0, False),        # cpg 128: two-pass
-        ((2, 320, 72, 128), 32, 0, False),        # 1.2 MB groups: version 6
+        ((2, 320, 72, 128), 32, 0, False),        # 369 KB groups (fp32): version 6, two stages
+        ((4, 960, 72, 128), 32, 0, False),        # 1.1 MB contiguous (fp32) in version 6's one stage stays there
     ]:
         C = shape[1]
         x = layout_input(shape, "frames-major" if frames else "contiguous", dtype, device)
@@ -609,10 +610,11 @@ def test_version_13_stream_cols(device, dtype, monkeypatch):
     # Version 13 (sm_90): version 12's tiles and slots over channels_last blocks of gb groups (a tile: rows of a block,
     # one tensor copy), each group's slots merged once, by a folder warp of the CTA that counts the block's last tile
     # (four folder warps by default, fewer with VD_GROUP_NORM_STREAM_COLS_FOLDERS: the same bits).
-    # It serves the float32 rows version 8 declines that are larger than the L2; VD_GROUP_NORM_STREAM_COLS=0 leaves
-    # them to the two-pass kernels. Pins where it runs, that its output matches the reference, is the same bit for
-    # bit on every call (tiles go to whichever CTA asks first, blocks are folded by whichever CTA counts last) and
-    # with a bulk copy a row instead of the tensor copies (the same tiles).
+    # It serves the float32 rows larger than the L2 that version 8 declines or would hold in one stage at two CTAs an
+    # SM; VD_GROUP_NORM_STREAM_COLS=0 leaves them to the two-pass kernels and version 8. Pins where it runs, that its
+    # output matches the reference, is the same bit for bit on every call (tiles go to whichever CTA asks first,
+    # blocks are folded by whichever CTA counts last) and with a bulk copy a row instead of the tensor copies (the same
+    # tiles).
     stream_family_ok(device)
     monkeypatch.delenv("VD_GROUP_NORM_KERNEL", raising=False)
     monkeypatch.delenv("VD_GROUP_NORM_STREAM_COLS", raising=False)
@@ -620,7 +622,9 @@ def test_version_13_stream_cols(device, dtype, monkeypatch):
     fp32 = dtype == torch.float32
     for shape, want in [((6, 960, 72, 128), fp32),   # gb 4 (120 channels, 480-byte rows), 84 tiles of 110 rows a block
                         ((1, 960, 48, 64), False),   # 11.8 MB (fp32): within the L2, two-pass
-                        ((2, 320, 72, 128), False)]:  # version 8
+                        ((2, 320, 72, 128), False),  # version 8 (fp32 within the L2)
+                        # 71 MB fp32: version 8 would hold 92 KB parts in one stage at two CTAs an SM
+                        ((6, 320, 72, 128), fp32)]:
         C = shape[1]
         x = layout_input(shape, "channels_last", dtype, device)
         w, b = torch.randn(C, device=device, dtype=dtype), torch.randn(C, device=device, dtype=dtype)

@@ -4160,8 +4160,9 @@ bool cluster_ok(Kernel kernel, int K, int device, int threads, size_t smem) {
 
 // Which forward kernels may run. VD_GROUP_NORM_KERNEL=smem|stream|l2|onchip|twopass restricts the choice to one
 // family (benchmarks compare them in one process); unset: as measured (bench/notes/norm_and_elementwise.md),
-// version 6 (version 8 for channels_last) first, then version 12 (NC* groups past version 6: float32, 16-bit
-// frames-major, 16-bit contiguous over 4 MB; version 13 for float32 channels_last past version 8), then
+// version 6 (version 8 for channels_last) first, then version 12 (NC* groups past version 6, and frames-major
+// groups version 6 would hold in one stage a CTA; version 13 for float32 channels_last larger than the L2 past
+// version 8, or where version 8 would hold one stage at two CTAs an SM), then
 // version 4 (for 16-bit NC* x only where x fits the L2), version 3 first for inputs under kSmallBytes, then
 // version 1.
 enum class GNKernels { kAny, kSmem, kStream, kL2, kOnChip, kTwoPass };
@@ -4240,10 +4241,17 @@ bool forward_l2(const GNShape& s, int64_t F, const scalar_t* x, scalar_t* out, c
   }
 }
 
+template <typename scalar_t>
+bool forward_stream(const GNShape& s, int64_t F, const scalar_t* x, scalar_t* out, const scalar_t* w,
+                    const scalar_t* b, double eps, bool silu, bool vec, StatsOut stats, int device,
+                    cudaStream_t stream, bool pinned);
+
 // Runs version 6 when the shape, dtype, alignment and device allow it; false leaves the work to the others.
+// chain (the family not pinned): frames-major groups version 6 would hold in one stage a CTA go to version 12 where
+// it runs them.
 template <typename scalar_t>
 bool forward_smem(const GNShape& s, int64_t F, const scalar_t* x, scalar_t* out, const scalar_t* w, const scalar_t* b,
-                  double eps, bool silu, bool vec, StatsOut stats, int device, cudaStream_t stream) {
+                  double eps, bool silu, bool vec, StatsOut stats, int device, cudaStream_t stream, bool chain) {
   if constexpr (std::is_same_v<scalar_t, double>) {
     return false;
   } else {
@@ -4261,6 +4269,14 @@ bool forward_smem(const GNShape& s, int64_t F, const scalar_t* x, scalar_t* out,
     if (part * 16 > kSmemBigPartBytes || cpg > kSmemMaxCpg) return false;
     const int64_t stage_bytes = ceil_div(part * 16, 128) * 128;
     const int stages = static_cast<int>(std::min<int64_t>(kSmemMaxStages, kSmemDataBytes / stage_bytes));
+    // One stage a CTA (groups of 768 KB to 1.5 MB, clusters of 16): a CTA's next group waits for its stores. For
+    // frames-major groups version 12's ring measured faster; contiguous ones it was not (H200, µs, version 6 /
+    // version 12: frames-major 1.3 MB (2, 1280, 14, 18, 32) fp32 68.5 / 58.5, (2, 640, 14, 36, 64) bf16 66.2 / 61.1,
+    // fp16 68.3 / 60.4; contiguous (28, 960, 72, 128) fp32 543 / 620, (14, 256, 144, 256) fp32 296 / 301,
+    // (14, 512, 144, 256) bf16 316 / 314).
+    if (chain && F > 1 && stages == 1 &&
+        forward_stream<scalar_t>(s, F, x, out, w, b, eps, silu, vec, stats, device, stream, true))
+      return true;
     const size_t smem = stages * stage_bytes + 2 * ceil_div(cpg, 2) * 2 * sizeof(float) + stages * sizeof(uint64_t);
     const int threads = kSmemThreads;
     // Frames-major groups step their output offset across segments; contiguous ones need not.
@@ -4279,10 +4295,9 @@ bool forward_smem(const GNShape& s, int64_t F, const scalar_t* x, scalar_t* out,
   }
 }
 
-// Groups over version 6's largest cluster (16 parts of kSmemBigPartBytes) go to version 12 unless pinned there;
-// contiguous 16-bit groups over 4 MB (forward_stream).
+// Groups over version 6's largest cluster (16 parts of kSmemBigPartBytes) go to version 12 unless pinned there
+// (forward_stream); frames-major ones from 768 KB (forward_smem).
 constexpr int64_t kStreamMinGroupBytes = 16 * kSmemBigPartBytes;
-constexpr int64_t kStream16MinGroupBytes = 4 * 1024 * 1024;
 
 // The CTAs of `kernel` (one an SM's worth, clusters of 1) resident at once; 0 where the device cannot launch
 // cooperatively, as versions 12 and 13 need (a CTA waits for tiles other CTAs hold).
@@ -4448,8 +4463,7 @@ bool forward_stream_cols(const GNShape& s, const at::Tensor& xt, scalar_t* out, 
 }
 
 // Runs version 12 when the shape, dtype, alignment and device allow it; false leaves the work to the others.
-// F: the frames of a frames-major x (its groups are F segments), else 1. pinned: also groups version 6 would take,
-// and 16-bit contiguous groups of up to 4 MB (the rule below).
+// F: the frames of a frames-major x (its groups are F segments), else 1. pinned: also groups version 6 would take.
 template <typename scalar_t>
 bool forward_stream(const GNShape& s, int64_t F, const scalar_t* x, scalar_t* out, const scalar_t* w,
                     const scalar_t* b, double eps, bool silu, bool vec, StatsOut stats, int device,
@@ -4461,13 +4475,11 @@ bool forward_stream(const GNShape& s, int64_t F, const scalar_t* x, scalar_t* ou
     if (s.channels_last || !vec) return false;
     const int64_t cpg = s.C / s.G, S = s.S / F, seg = cpg * S;
     const int64_t group_bytes = F * seg * static_cast<int64_t>(sizeof(scalar_t));
-    // 16-bit input: frames-major groups past version 6, contiguous ones over kStream16MinGroupBytes (H200, bf16, µs,
-    // two-pass / version 12: (14, 256, 576, 1024), 9.4 MB groups, 3078 / 2567; (14, 128, 576, 1024), 4.7 MB, 1553 /
-    // 1453, (4, 128, 576, 1024) 463 / 425; (14, 128, 640, 640), 3.3 MB, 1087 / 1115 (fp16 1056 / 1112); (14, 256, 288,
-    // 512), 2.4 MB, 792 / 804; frames-major (2, 320, 14, 72, 128), 2.6 MB, 146 / 142, (1, 320, 25, 72, 128), 4.6 MB,
-    // 132 / 118).
-    const int64_t min_bytes = sizeof(scalar_t) == 4 || F > 1 ? kStreamMinGroupBytes : kStream16MinGroupBytes;
-    if (!pinned && group_bytes <= min_bytes) return false;
+    // Every dtype past version 6. 16-bit contiguous groups once waited for 4 MB, where version 12 lost to the
+    // two-pass kernels below it ((14, 128, 640, 640), 3.3 MB groups, bf16 1087 / 1115 µs, two-pass / version 12);
+    // since its 16-bit normalizers it wins there (H200, µs: (14, 256, 288, 512), 2.4 MB, bf16 787 / 630, fp16 768 /
+    // 623; (14, 128, 640, 640) bf16 1084 / 883, fp16 1059 / 872).
+    if (!pinned && group_bytes <= kStreamMinGroupBytes) return false;
     // A vector never straddles two channels; segments and tiles start on 16 bytes.
     if (S % kVec != 0 || cpg > kStreamMaxCpg || seg >= (int64_t{1} << 31)) return false;
     auto kernel = silu ? stream_rows_kernel<scalar_t, true> : stream_rows_kernel<scalar_t, false>;
@@ -4896,6 +4908,7 @@ bool forward_smem_cols(const GNShape& s, const at::Tensor& x, scalar_t* out, con
     // them unfolded (e.g. 10 vector columns at 320 channels), leaves room for a third CTA (<= 80 registers) where
     // the device places more clusters that way (sm_90: 228 KB an SM, 1 KB reserved a CTA).
     // VD_GROUP_NORM_THREE_CTAS=0 keeps two.
+    bool three = false;
     if (stages == 1 && three_ctas_allowed()) {
       const bool fold = 32 % TCV == 0;
       const SmemColsLayout lay3(1, static_cast<int>(stage_bytes), ns, static_cast<int>(gb), K, static_cast<int>(W),
@@ -4907,8 +4920,16 @@ bool forward_smem_cols(const GNShape& s, const at::Tensor& x, scalar_t* out, con
         lay = lay3;
         kernel = kernel3;
         clusters = clusters3;
+        three = true;
       }
     }
+    // fp32 parts in one stage at two CTAs an SM: version 13's ring measured faster where it runs (float32 input
+    // larger than the L2; H200, µs, version 8 / version 13: (28, 320, 72, 128) 243 / 226, (28, 640, 72, 128)
+    // 482 / 409, (28, 320, 64, 128) 217 / 202, (8, 320, 72, 128) 82.7 / 74.6). With three CTAs an SM version 8 stays
+    // ahead ((14, 512, 72, 128) 156 / 160).
+    if (two_pass != nullptr && kElt == 4 && stages == 1 && !three &&
+        forward_stream_cols<scalar_t>(s, x, out, w, b, eps, silu, vec, stats, device, stream, false))
+      return true;
     if (clusters == 0) return false;
     // 16-bit parts in one stage with such rows: the two-pass kernels pass version 8 where its clusters walk many
     // rounds of blocks (H200, bf16 / fp16 960 channels, µs, version 8 / two-pass: (32, 960, 64, 96) 333 / 311,
@@ -5166,7 +5187,8 @@ at::Tensor forward_cuda(const at::Tensor& x_in, const GNShape& s, const std::opt
       return s.channels_last
                  ? forward_smem_cols<scalar_t>(s, x, a.out, a.w, a.b, eps, silu, vec, so, x.get_device(), stream,
                                                any ? &two_pass : nullptr)
-                 : forward_smem<scalar_t>(s, a.F, a.x, a.out, a.w, a.b, eps, silu, vec, so, x.get_device(), stream);
+                 : forward_smem<scalar_t>(s, a.F, a.x, a.out, a.w, a.b, eps, silu, vec, so, x.get_device(), stream,
+                                          any);
     };
     if ((any || use == GNKernels::kSmem) && smem()) return;
     auto streamed = [&] {
