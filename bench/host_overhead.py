@@ -1,7 +1,8 @@
 """Host time of one call of vd::group_norm_silu against eager's ops, on the short rows where the call, not the
 kernel, sets the time (ops.py's unet256 / temporal256 rows): microseconds a call with the device never the
 bottleneck (back-to-back calls, one synchronize at the end), the same calls timed one at a time with events (as
-ops.py times "a call"), and the profiler's CPU breakdown of our call.
+ops.py times "a call"; once on one input, once exactly as ops.py, inputs rotated over sets larger than the L2 and the
+op through its overload packet), and the profiler's CPU breakdown of our call.
     python bench/host_overhead.py [--dtype bf16] [--iters 2000]
 """
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import vdcompile  # noqa: F401  (registers torch.ops.vd)
-from bench.common import DTYPES, environment, print_table, time_cuda, write_json
+from bench.common import DTYPES, environment, print_table, rotation_sets, time_cuda, write_json
 
 SHAPES = [("unet256-320", (14, 320, 32, 32), 0), ("temporal256-320", (1, 320, 14, 32, 32), 14)]
 
@@ -88,6 +89,15 @@ def main():
             for k in ("ours", "eager"):
                 r[k + "_events_us"] = 1e3 * time_cuda(lambda i, fn=fns[k]: fn())
             r["x_eager_events"] = r["eager_events_us"] / r["ours_events_us"]
+            # Exactly as ops.py: inputs rotated over sets larger than the L2, the op through its overload packet.
+            n_sets = rotation_sets(x.numel() * x.element_size(), dev)
+            xs = [x.clone(memory_format=torch.preserve_format) for _ in range(n_sets)]
+            r["ours_events_rotated_us"] = 1e3 * time_cuda(
+                lambda i: torch.ops.vd.group_norm_silu(xs[i], 32, w, b, 1e-5, True), n_sets)
+            r["eager_events_rotated_us"] = 1e3 * time_cuda(
+                lambda i: F.silu(F.group_norm(xs[i], 32, w, b, 1e-5)), n_sets)
+            r["x_eager_events_rotated"] = r["eager_events_rotated_us"] / r["ours_events_rotated_us"]
+            del xs
             rows.append(r)
             detail[r["shape"]] = breakdown(fns["ours"])
     print_table(rows, [("shape", "shape", "")] + [(k, k, ".1f") for k in rows[0] if k != "shape"])
