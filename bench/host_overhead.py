@@ -1,6 +1,6 @@
 """Host time of one call of vd::group_norm_silu against eager's ops, on the short rows where the call, not the
-kernel, sets the time (ops.py's unet256 / temporal256 rows): microseconds a call with the device never the
-bottleneck (back-to-back calls, one synchronize at the end), the same calls timed one at a time with events (as
+kernel, sets the time (ops.py's unet256 / temporal256 rows): microseconds a call back to back (one synchronize at
+the end; the host's time a call wherever it outlasts the kernel), the same calls timed one at a time with events (as
 ops.py times "a call"; once on one input, once exactly as ops.py, inputs rotated over sets larger than the L2 and the
 op through its overload packet), and the profiler's CPU breakdown of our call.
     python bench/host_overhead.py [--dtype bf16] [--iters 2000]
@@ -8,13 +8,17 @@ op through its overload packet), and the profiler's CPU breakdown of our call.
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
-import vdcompile  # noqa: F401  (registers torch.ops.vd)
-from bench.common import DTYPES, environment, print_table, rotation_sets, time_cuda, write_json
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import DTYPES, environment, print_table, rotation_sets, time_cuda, write_json  # noqa: E402
+
+import vdcompile  # noqa: E402,F401  (registers torch.ops.vd)
 
 SHAPES = [("unet256-320", (14, 320, 32, 32), 0), ("temporal256-320", (1, 320, 14, 32, 32), 14)]
 

@@ -4333,9 +4333,10 @@ void launch_cooperative(Kernel kernel, int64_t grid, int threads, size_t smem, c
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// Channels_last float32 input larger than the L2 that version 8 declines runs version 13: 12-17 % faster than the
-// two-pass kernels at 960 channels on the H200 (bench/notes/norm_and_elementwise.md). VD_GROUP_NORM_STREAM_COLS=0
-// leaves it to the two-pass kernels. Read on every call.
+// Channels_last float32 input larger than the L2 that version 8 declines, or would hold in one stage at two CTAs an
+// SM, runs version 13: 12-17 % faster than the two-pass kernels at 960 channels on the H200, 7-15 % faster than
+// version 8 at 320 and 640 channels (bench/notes/norm_and_elementwise.md). VD_GROUP_NORM_STREAM_COLS=0 leaves it to
+// those. Read on every call.
 inline bool stream_cols_on() { return env_str("VD_GROUP_NORM_STREAM_COLS") != "0"; }
 
 #if defined(VD_SM90A)
@@ -4343,7 +4344,8 @@ inline bool cols_tensor_map(CUtensorMap* m, const at::Tensor& t, const GNShape& 
 #endif
 
 // Runs version 13 (channels_last, sm_90) when the shape, dtype, alignment and device allow it; false leaves the work
-// to the others. Unpinned it runs only where stream_cols_on() (called only where version 8 declined).
+// to the others. Unpinned it runs only where stream_cols_on() (called where version 8 declined, or by
+// forward_smem_cols in its place).
 template <typename scalar_t>
 bool forward_stream_cols(const GNShape& s, const at::Tensor& xt, scalar_t* out, const scalar_t* w, const scalar_t* b,
                          double eps, bool silu, bool vec, StatsOut stats, int device, cudaStream_t stream,
@@ -4926,8 +4928,8 @@ bool forward_smem_cols(const GNShape& s, const at::Tensor& x, scalar_t* out, con
     // fp32 parts in one stage at two CTAs an SM: version 13's ring measured faster where it runs (float32 input
     // larger than the L2; H200, µs, version 8 / version 13: (28, 320, 72, 128) 243 / 226, (28, 640, 72, 128)
     // 482 / 409, (28, 320, 64, 128) 217 / 202, (8, 320, 72, 128) 82.7 / 74.6). With three CTAs an SM version 8 stays
-    // ahead ((14, 512, 72, 128) 156 / 160).
-    if (two_pass != nullptr && kElt == 4 && stages == 1 && !three &&
+    // ahead ((14, 512, 72, 128) 156 / 160). VD_GROUP_NORM_THREE_CTAS=0 keeps version 8 at two CTAs here too.
+    if (two_pass != nullptr && kElt == 4 && stages == 1 && !three && three_ctas_allowed() &&
         forward_stream_cols<scalar_t>(s, x, out, w, b, eps, silu, vec, stats, device, stream, false))
       return true;
     if (clusters == 0) return false;
