@@ -4366,9 +4366,7 @@ bool forward_stream_cols(const GNShape& s, const at::Tensor& xt, scalar_t* out, 
     // 192 / 200 / 209 KB in 4 stages 716 / 698 / 684 us; 192 KB in 3 / 6 / 8 stages 749 / 733 / 800 us, 209 KB in 5 /
     // 6 stages 682 / 695. VD_GROUP_NORM_STREAM_COLS_RING_KB and VD_GROUP_NORM_STREAM_COLS_STAGES (2-8) set others
     // (benchmarks).
-    cudaFuncAttributes fa{};
-    C10_CUDA_CHECK(cudaFuncGetAttributes(&fa, kernel));
-    const int64_t room = std::min<int64_t>(max_dynamic_smem(fa, device), kStreamColsMaxRing) / 1024;
+    const int64_t room = std::min<int64_t>(kernel_max_dynamic_smem(kernel, device), kStreamColsMaxRing) / 1024;
     if (room < 64) return false;
     const int64_t ring = std::clamp<int64_t>(env_int("VD_GROUP_NORM_STREAM_COLS_RING_KB", room), 64, room) * 1024;
     const int stages = static_cast<int>(std::clamp<int64_t>(
@@ -4495,9 +4493,8 @@ bool forward_stream(const GNShape& s, int64_t F, const scalar_t* x, scalar_t* ou
     //   1.1 rounds (14, 128, 576, 1024) 1324 / 1351 / 1385; under a round (frames-major (2, 320 or 640, 14, ...),
     //   fp32) 6 and 7 within 1 %, 8 slower.
     // VD_GROUP_NORM_STREAM_RING_KB and VD_GROUP_NORM_STREAM_STAGES set others (benchmarks).
-    cudaFuncAttributes fa{};
-    C10_CUDA_CHECK(cudaFuncGetAttributes(&fa, kernel));
-    const int64_t room = std::min<int64_t>(max_dynamic_smem(fa, device), kStreamMaxStages * kStreamTileBytes) / 1024;
+    const int64_t room =
+        std::min<int64_t>(kernel_max_dynamic_smem(kernel, device), kStreamMaxStages * kStreamTileBytes) / 1024;
     if (room < 64) return false;
     // A ring's stages, and the tiles a stage cuts: te elements (whole vectors, as even as they allow: a segment of
     // 2.25 tiles makes three of 0.75), a group's F segments of ceil(seg / te).

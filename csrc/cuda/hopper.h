@@ -12,6 +12,7 @@
 #include <map>
 #include <mutex>
 #include <tuple>
+#include <utility>
 
 #include "launch.h"
 
@@ -68,6 +69,20 @@ inline int max_dynamic_smem(const cudaFuncAttributes& fa, int device) {
   int optin = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   return optin - static_cast<int>(fa.sharedSizeBytes);
+}
+
+// The same for `kernel` on `device`, cached (host code choosing a ring on every call need not ask the driver).
+template <typename Kernel>
+int kernel_max_dynamic_smem(Kernel kernel, int device) {
+  static std::mutex mu;
+  static std::map<std::pair<const void*, int>, int> cache;
+  const auto key = std::make_pair(reinterpret_cast<const void*>(kernel), device);
+  const std::lock_guard<std::mutex> lock(mu);
+  const auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+  cudaFuncAttributes fa{};
+  C10_CUDA_CHECK(cudaFuncGetAttributes(&fa, kernel));
+  return cache.emplace(key, max_dynamic_smem(fa, device)).first->second;
 }
 
 // Clusters of K CTAs (`threads` threads, `smem` bytes of dynamic shared memory) resident on `device` at once:
