@@ -1232,3 +1232,75 @@ def test_autograd_kernel(device, op):
     c = torch.randn(3, device=device, requires_grad=True)
     got = torch.autograd.grad(DropFirst.apply(out, c).sum(), (xg, wg, c), allow_unused=True)
     assert got[0] is None and got[1] is None and torch.equal(got[2], torch.ones_like(c))
+
+
+# Version 14 (backward, NC* and frames-major read in place, given the forward's statistics, sm_90): (shape, groups,
+# frames, taken). Tiles of up to 16 KB of x (and of dy) from a device-wide counter, per-tile sums in global slots;
+# taken where a channel is whole vectors and at least 32 of them, cpg <= 64.
+STREAM_GRAD_CASES = [
+    ((2, 64, 16, 16), 32, 0, True),       # S 256 (16-bit: 32 vectors, the least taken), one tile a group
+    ((2, 320, 72, 128), 32, 0, True),     # tiles inside a channel (S 9216); more tiles a CTA than stages and tables
+    ((2, 1280, 18, 32), 32, 0, True),     # S 576: a tile over 8-15 channels
+    ((3, 96, 40, 60), 32, 0, True),       # S 2400: channel ends inside a tile and inside a warp's run
+    ((1, 32, 6, 90, 100), 4, 6, True),    # frames-major read in place: six segments a group, dx contiguous
+    ((1, 64, 256, 256), 8, 0, True),      # 1-2 MB groups: 64-128 tiles a group
+    ((2, 64, 8, 12), 32, 0, False),       # S 96: fewer than 32 vectors a channel
+    ((1, 256, 32, 32), 2, 0, False),      # cpg 128
+]
+
+
+@pytest.mark.parametrize("device", CUDA)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_version_14_stream_backward(device, dtype, monkeypatch):
+    # Pinned (VD_GROUP_NORM_BACKWARD=stream): dx, grad_weight and grad_bias against the float64 reference with and
+    # without SiLU and affine, which kernel serves each case (only with the forward's statistics), and the same bits
+    # on every call (tiles go to whichever CTA asks first).
+    stream_family_ok(device)
+    monkeypatch.setenv("VD_GROUP_NORM_BACKWARD", "stream")
+    torch.manual_seed(0)
+    bwd = torch.ops.vd.group_norm_silu_backward
+    for shape, groups, frames, want in STREAM_GRAD_CASES:
+        x, w, b = stream_case(shape, frames, dtype, device)
+        g = layout_input(shape, "frames-major" if frames else "contiguous", dtype, device, scale=1, shift=0)
+        for silu, affine in ((True, True), (False, True), (True, False)):
+            wa, ba = (w, b) if affine else (None, None)
+            what = f"{shape} {dtype} silu={silu} affine={affine}"
+            xr = x.double().requires_grad_()
+            wr, br = (t.double().requires_grad_() if t is not None else None for t in (wa, ba))
+            ref = torch.autograd.grad(reference_group_norm_silu(xr, groups, wr, br, 1e-5, silu),
+                                      [t for t in (xr, wr, br) if t is not None], g.double())
+            _, stats = FORWARD_WITH_STATS(x, groups, wa, ba, 1e-5, silu)
+            names = cuda_kernels_run(lambda: bwd(g, x, groups, wa, ba, 1e-5, silu, stats))
+            assert any("stream_grad_rows_kernel" in n for n in names) == want, (what, sorted(set(names)))
+            got = bwd(g, x, groups, wa, ba, 1e-5, silu, stats)
+            assert_close_to(got[0], ref[0], dtype, what=f"dx {what}")
+            if affine:
+                assert_close_to(got[1], ref[1], dtype, factor=4, what=f"dw {what}")
+                assert_close_to(got[2], ref[2], dtype, factor=4, what=f"db {what}")
+            if want:
+                for _ in range(2):
+                    again = bwd(g, x, groups, wa, ba, 1e-5, silu, stats)
+                    assert all(torch.equal(u, v) for u, v in zip(got, again)), f"{what}: not repeatable"
+        # Without the forward's statistics version 14 does not run.
+        names = cuda_kernels_run(lambda: bwd(g, x, groups, w, b, 1e-5, True))
+        assert not any("stream_grad_rows_kernel" in n for n in names), sorted(set(names))
+
+
+@pytest.mark.parametrize("device", CUDA)
+def test_version_14_stream_backward_far_mean(device, monkeypatch):
+    # x - mean kept exact when the mean dwarfs the spread (float32, mean 1000, spread 0.05; the forward's mean as high
+    # and low parts), through autograd as training runs it.
+    stream_family_ok(device)
+    monkeypatch.setenv("VD_GROUP_NORM_BACKWARD", "stream")
+    torch.manual_seed(0)
+    x = torch.randn(2, 320, 72, 128, device=device) * 0.05 + 1000
+    g = torch.randn_like(x)
+    w, b = torch.randn(320, device=device), torch.randn(320, device=device)
+    xr, wr, br = (t.double().requires_grad_() for t in (x, w, b))
+    ref = torch.autograd.grad(reference_group_norm_silu(xr, 32, wr, br), (xr, wr, br), g.double())
+    xa, wa, ba = (t.clone().requires_grad_() for t in (x, w, b))
+    y = group_norm_silu(xa, 32, wa, ba)
+    names = cuda_kernels_run(lambda: torch.autograd.grad(y, (xa, wa, ba), g, retain_graph=True))
+    assert any("stream_grad_rows_kernel" in n for n in names), sorted(set(names))
+    for got, want, name in zip(torch.autograd.grad(y, (xa, wa, ba), g), ref, "xwb"):
+        assert_close_to(got, want, torch.float32, factor=5, what=f"grad {name}")

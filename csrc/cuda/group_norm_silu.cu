@@ -2280,6 +2280,432 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
 }
 
 // ---------------------------------------------------------------------------------------------
+// Version 14 backward ("stream"), NC* and frames-major, given the forward's statistics, sm_90: version 12's ring,
+// tile counter and global slots for the backward, so x and dy are read once and dx written once whatever the group
+// size. Version 7 holds a whole group on a cluster and was latency-bound (two cluster exchanges and five block
+// barriers a group at 16 warps an SM: 54-67 % of the copy figure); version 1 moves five tensors (60 % at most).
+// With the forward's mean and rstd the per-tile work needs nothing from other tiles until dx:
+//   producer (one thread): takes tile numbers from a device-wide counter; bulk-copies the tile of x and of dy into
+//     a stage (x first, dy kStreamGradBytes further on); leaves the tile's place on a barrier of its own (info) so
+//     the table warps work ahead of the data;
+//   table warps (2, groups in turn): at each new group of the CTA's tiles, a channel table (rstd * gamma, beta) and
+//     the group's mean and rstd, read from global memory while the data is still on its way;
+//   reducers (8 warps): dz = dy * silu'(z) (written over dy in the stage, in dy's dtype, as eager's SiLU backward
+//     hands it on), and the tile's sums of rstd * gamma * dz and rstd * gamma * dz * (x - mean), stored relaxed in
+//     the tile's slot, each word nonzero once written (as version 12's);
+//   mergers (4 warps, groups in turn): at each new group, wait for its Q slots and add them in slot order (the same
+//     bits in every CTA): dx = rstd * gamma * dz + B * (x - mean) + C with B = -rstd^2 * T2 / M and C = -T1 / M;
+//   normalizers (8 warps): dx from the stage, and each channel's sums of dz and dz * (x - mean) over the tile (a
+//     warp's 32-vector runs meet at most one channel boundary: S >= 32 vectors), added over warps in order into
+//     the tile's entry of grad_params_kernel's sums ([N * G][F * Tc][cpg]: a channel's pieces in its tiles, the
+//     tile holding a channel's end zeroing the entries past it).
+// Waits: reducers wait for a table warp, which waits only for its own CTA's normalizers of groups kStreamTabs
+// back; a group's dx waits only for reducers of tiles already taken (older groups' tables, by induction), so as in
+// version 12 the resident rings holding more than a group's tiles (the host checks) keeps the grid moving.
+constexpr int kStreamGradBytes = 16 * 1024;  // x's (and dy's) part of a stage: tiles of up to 16 KB of each
+constexpr int kStreamGradTableWarps = 2;
+constexpr int kStreamGradMergeWarps = 4;
+constexpr int kStreamGradReduceWarps = 8;
+constexpr int kStreamGradNormWarps = 8;
+constexpr int kStreamGradThreads =
+    32 * (1 + kStreamGradTableWarps + kStreamGradMergeWarps + kStreamGradReduceWarps + kStreamGradNormWarps);
+constexpr int kStreamGradMaxJ = 40;   // channels a tile touches, at most
+constexpr int kStreamGradNormBar = 2;  // named barrier of the normalizers
+
+template <typename scalar_t>
+struct StreamGradArgs {
+  const scalar_t* x;
+  const scalar_t* dy;
+  scalar_t* dx;
+  const scalar_t* w;    // nullptr: gamma = 1
+  const scalar_t* b;    // nullptr: beta = 0
+  const float* stats;   // the forward's [3][N * G]: mean (high, low parts), rstd
+  int64_t nstride;      // x and dy: elements between samples
+  int64_t fstride;      // x and dy: elements between a group's segments (frames-major), else unused
+  int64_t dnstride;     // dx (contiguous (N, C, F, S)): elements between samples
+  int64_t tiles, NG;    // N * G * Q, N * G
+  int G, cpg, Qs, Q;    // groups a sample, channels a group, tiles a segment, tiles a group
+  int seg, S, F;        // elements of a segment (cpg * S) and of a channel in it; segments a group
+  int te, Tc;           // elements a tile (whole vectors); tiles a channel's piece of a segment can touch
+  int stages;           // the ring: stages * 2 * kStreamGradBytes bytes of dynamic shared memory
+  uint2* slots;         // a slot a tile, zeroed before the launch
+  unsigned* counter;    // the next tile to take, zeroed before the launch
+  float2* sums;         // grad_params_kernel's per-channel sums
+};
+
+struct GradTile {
+  int64_t g, first, dfirst;  // group (-1: no more tiles); x's element at the tile's start; dx's at its segment's
+  int q, o, n, f, qs;        // tile in the group; offset in the segment, elements; segment; tile in the segment
+};
+
+template <typename scalar_t>
+__device__ __forceinline__ GradTile grad_tile(const StreamGradArgs<scalar_t>& a, int64_t t) {
+  GradTile tl;
+  tl.g = t / a.Q;
+  tl.q = static_cast<int>(t - tl.g * a.Q);
+  tl.f = tl.q / a.Qs;
+  tl.qs = tl.q - tl.f * a.Qs;
+  const int64_t n_ = tl.g / a.G, gi = tl.g - n_ * a.G;
+  tl.o = tl.qs * a.te;
+  tl.n = min(a.te, a.seg - tl.o);
+  tl.first = n_ * a.nstride + tl.f * a.fstride + gi * a.seg + tl.o;
+  // dx keeps the op's contiguous (N, C, F, S) layout: channel c of the segment starts at dfirst + c * F * S.
+  tl.dfirst = n_ * a.dnstride + (gi * a.cpg * a.F + tl.f) * static_cast<int64_t>(a.S);
+  return tl;
+}
+
+__device__ __forceinline__ void st_relaxed_v2(uint2* p, const uint2& v) {
+  asm volatile("st.relaxed.gpu.global.v2.b32 [%0], {%1, %2};\n" ::"l"(p), "r"(v.x), "r"(v.y) : "memory");
+}
+__device__ __forceinline__ uint2 ld_relaxed_v2(const uint2* p) {
+  uint2 v;
+  asm volatile("ld.relaxed.gpu.global.v2.b32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "l"(p) : "memory");
+  return v;
+}
+
+template <typename scalar_t, bool SILU>
+__device__ __forceinline__ void stream_grad_rows(const StreamGradArgs<scalar_t>& a) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr int VEC = max_vec<scalar_t>();
+  constexpr int TV = kStreamGradBytes / 16;  // vectors of x (and of dy) a tile, at most; dy's start at TV
+  constexpr int TW = kStreamGradTableWarps, MW = kStreamGradMergeWarps;
+  constexpr int RW = kStreamGradReduceWarps, NW = kStreamGradNormWarps;
+  constexpr int R0 = 1 + TW + MW, N0 = R0 + RW;  // the reducers' and the normalizers' first warps
+  constexpr int kThreadsAll = kStreamGradThreads;
+  extern __shared__ __align__(128) unsigned char smem[];  // [a.stages][2 * kStreamGradBytes]
+  __shared__ __align__(8) uint64_t full[kStreamMaxStages], empty[kStreamMaxStages], info[kStreamMaxStages],
+      dzf[kStreamMaxStages];
+  __shared__ __align__(8) uint64_t pfull[kStreamTabs], tfull[kStreamTabs], tempty[kStreamTabs];
+  __shared__ GradTile tinfo[kStreamMaxStages];
+  __shared__ float2 ptab[kStreamTabs][kStreamMaxCpg];  // (rstd * gamma, beta) a channel
+  __shared__ float4 pst[kStreamTabs];                   // (mean high, mean low, rstd, -)
+  __shared__ float2 gtab[kStreamTabs];                  // (B, C)
+  __shared__ float2 red[2][RW];
+  __shared__ float2 wpart[2][NW][kStreamGradMaxJ];
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  auto bar = [](const uint64_t& b) { return static_cast<uint32_t>(__cvta_generic_to_shared(&b)); };
+  auto stage = [&](int s) { return reinterpret_cast<uint4*>(smem + static_cast<size_t>(s) * 2 * kStreamGradBytes); };
+  if (tid == 0) {
+    for (int s = 0; s < a.stages; ++s) {
+      wgmma::mbar_init(bar(full[s]), 1);
+      wgmma::mbar_init(bar(info[s]), 1);
+      wgmma::mbar_init(bar(empty[s]), kThreadsAll - 32);  // every thread that reads it: all but the producer's
+      wgmma::mbar_init(bar(dzf[s]), 32 * RW);
+    }
+    for (int e = 0; e < kStreamTabs; ++e) {
+      wgmma::mbar_init(bar(pfull[e]), 32);
+      wgmma::mbar_init(bar(tfull[e]), 32);
+      wgmma::mbar_init(bar(tempty[e]), 32 * NW);
+    }
+    wgmma::mbar_init_fence();
+  }
+  __syncthreads();
+  const float inv_S = 1.f / static_cast<float>(a.S);
+  // A segment offset's channel (S % VEC == 0: a vector never straddles two): as version 12's normalizers.
+  auto channel = [&](int o) {
+    int c = __float2int_rz(__int2float_rz(o) * inv_S);
+    if (c * a.S > o) --c;
+    else if ((c + 1) * a.S <= o) ++c;
+    return c;
+  };
+
+  if (warp == 0) {  // producer
+    if (lane == 0) {
+      const uint64_t drop = l2_policies().drop;  // x and dy are read once
+      RingStep ring;
+      for (int k = 0;; ++k) {
+        const int s = ring.s;
+        if (k >= a.stages) wgmma::mbar_wait(bar(empty[s]), ring.lap ^ 1u);
+        ring.next(a.stages);
+        const int64_t t = atomicAdd(a.counter, 1u);
+        if (t >= a.tiles) {
+          tinfo[s].g = -1;
+          wgmma::mbar_arrive(bar(info[s]));
+          wgmma::mbar_arrive(bar(full[s]));
+          break;
+        }
+        const GradTile tl = grad_tile(a, t);
+        tinfo[s] = tl;
+        wgmma::mbar_arrive(bar(info[s]));
+        const uint32_t bytes = static_cast<uint32_t>(tl.n) * sizeof(scalar_t);
+        const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(stage(s)));
+        wgmma::mbar_expect_tx(bar(full[s]), 2 * bytes);
+        wgmma::bulk_load_hint(dst, a.x + tl.first, bytes, bar(full[s]), drop);
+        wgmma::bulk_load_hint(dst + kStreamGradBytes, a.dy + tl.first, bytes, bar(full[s]), drop);
+      }
+    }
+    return;
+  }
+
+  if (warp < 1 + TW) {  // table warps: group m of the CTA's tiles to warp 1 + m % TW
+    const int tw = warp - 1;
+    int m = -1;
+    int64_t gprev = -1;
+    for (RingStep ring;; ring.next(a.stages)) {
+      const int s = ring.s;
+      wgmma::mbar_wait(bar(info[s]), ring.lap);
+      const int64_t g = tinfo[s].g;
+      wgmma::mbar_arrive(bar(empty[s]));
+      if (g < 0) break;
+      if (g == gprev) continue;
+      gprev = g;
+      ++m;
+      if (m % TW != tw) continue;
+      const int e = m % kStreamTabs;
+      if (m >= kStreamTabs) wgmma::mbar_wait(bar(tempty[e]), (m / kStreamTabs - 1) & 1);
+      const float rstd = a.stats[2 * a.NG + g];
+      const int c0 = static_cast<int>(g % a.G) * a.cpg;
+#pragma unroll
+      for (int i = 0; i < kStreamMaxCpg / 32; ++i) {
+        const int c = lane + 32 * i;
+        if (c < a.cpg) {
+          const float gam = a.w ? static_cast<float>(a.w[c0 + c]) : 1.f;
+          const float bet = a.b ? static_cast<float>(a.b[c0 + c]) : 0.f;
+          ptab[e][c] = make_float2(rstd * gam, bet);
+        }
+      }
+      if (lane == 0) pst[e] = make_float4(a.stats[g], a.stats[a.NG + g], rstd, 0.f);
+      wgmma::mbar_arrive(bar(pfull[e]));
+    }
+    return;
+  }
+
+  if (warp < R0) {  // mergers: group m to merger m % MW (a merge waits on other CTAs: several in flight)
+    const int mw = warp - 1 - TW;
+    int m = -1;
+    int64_t gprev = -1;
+    const float inv_M = 1.f / (static_cast<float>(a.F) * static_cast<float>(a.seg));
+    for (RingStep ring;; ring.next(a.stages)) {
+      const int s = ring.s;
+      wgmma::mbar_wait(bar(info[s]), ring.lap);
+      const int64_t g = tinfo[s].g;
+      wgmma::mbar_arrive(bar(empty[s]));
+      if (g < 0) break;
+      if (g == gprev) continue;
+      gprev = g;
+      ++m;
+      if (m % MW != mw) continue;
+      const int e = m % kStreamTabs;
+      const uint2* sl = a.slots + g * a.Q;
+      if (lane == 0) {
+        while (ld_relaxed_v2(sl + a.Q - 1).y == 0u) __nanosleep(128);
+      }
+      __syncwarp();
+      uint2 v[kStreamMaxSlotsPerLane];
+#pragma unroll
+      for (int i = 0; i < kStreamMaxSlotsPerLane; ++i)
+        if (lane + 32 * i < a.Q) v[i] = ld_relaxed_v2(sl + lane + 32 * i);
+#pragma unroll
+      for (int i = 0; i < kStreamMaxSlotsPerLane; ++i)
+        if (lane + 32 * i < a.Q)
+          while (v[i].x == 0u || v[i].y == 0u) {
+            __nanosleep(128);
+            v[i] = ld_relaxed_v2(sl + lane + 32 * i);
+          }
+      float t1 = 0.f, t2 = 0.f;
+#pragma unroll
+      for (int i = 0; i < kStreamMaxSlotsPerLane; ++i)
+        if (lane + 32 * i < a.Q) {
+          t1 += __uint_as_float(v[i].x);
+          t2 += __uint_as_float(v[i].y);
+        }
+      t1 = warp_sum(t1);
+      t2 = warp_sum(t2);
+      wgmma::mbar_wait(bar(pfull[e]), (m / kStreamTabs) & 1);
+      const float rstd = pst[e].z;
+      if (lane == 0) gtab[e] = make_float2(-rstd * rstd * t2 * inv_M, -t1 * inv_M);
+      wgmma::mbar_arrive(bar(tfull[e]));
+    }
+    return;
+  }
+
+  if (warp < N0) {  // reducers
+    constexpr int RT = 32 * RW;
+    const int rt = tid - 32 * R0, rw = warp - R0;
+    int m = -1, e = 0;
+    int64_t gprev = -1;
+    RingStep ring;
+    for (int k = 0;; ++k, ring.next(a.stages)) {
+      const int s = ring.s;
+      wgmma::mbar_wait(bar(full[s]), ring.lap);
+      const GradTile tl = tinfo[s];
+      if (tl.g < 0) {
+        wgmma::mbar_arrive(bar(dzf[s]));  // the normalizers learn of the end from this stage
+        break;
+      }
+      if (tl.g != gprev) {
+        ++m;
+        gprev = tl.g;
+        e = m % kStreamTabs;
+        wgmma::mbar_wait(bar(pfull[e]), (m / kStreamTabs) & 1);
+      }
+      const float hi = pst[e].x, lo = pst[e].y;
+      uint4* st = stage(s);
+      const int nv = tl.n / VEC;
+      float t1 = 0.f, t2 = 0.f;
+#pragma unroll
+      for (int i = 0; i < TV / RT; ++i) {
+        const int vi = rt + i * RT;
+        if (vi < nv) {
+          const float2 ab = ptab[e][channel(tl.o + vi * VEC)];
+          const uint4 xv = st[vi], gv = st[TV + vi];
+          uint4 dzv = gv;
+          float v1 = 0.f, v2 = 0.f;
+#pragma unroll
+          for (int j = 0; j < VEC; j += 2) {
+            const float xm0 = (elt_to_float<scalar_t>(xv, j) - hi) - lo;
+            const float xm1 = (elt_to_float<scalar_t>(xv, j + 1) - hi) - lo;
+            float d0 = elt_to_float<scalar_t>(gv, j), d1 = elt_to_float<scalar_t>(gv, j + 1);
+            if (SILU) {
+              d0 = silu_dz<scalar_t, float>(d0, fmaf(xm0, ab.x, ab.y));
+              d1 = silu_dz<scalar_t, float>(d1, fmaf(xm1, ab.x, ab.y));
+              store_pair<scalar_t>(dzv, j / 2, d0, d1);
+              d0 = elt_to_float<scalar_t>(dzv, j);  // dz as dx will read it (16-bit: rounded)
+              d1 = elt_to_float<scalar_t>(dzv, j + 1);
+            }
+            v1 += d0 + d1;
+            v2 = fmaf(d0, xm0, fmaf(d1, xm1, v2));
+          }
+          if (SILU) st[TV + vi] = dzv;
+          t1 = fmaf(ab.x, v1, t1);
+          t2 = fmaf(ab.x, v2, t2);
+        }
+      }
+      if (SILU) wgmma::fence_proxy_async();  // dz's stores before the copy engine refills the stage
+      wgmma::mbar_arrive(bar(dzf[s]));
+      wgmma::mbar_arrive(bar(empty[s]));
+      t1 = warp_sum(t1);
+      t2 = warp_sum(t2);
+      const int b = k & 1;  // red[] alternates: one barrier a tile
+      if (lane == 0) red[b][rw] = make_float2(t1, t2);
+      wgmma::named_sync(kStreamReduceBar, RT);
+      if (rt == 0) {
+        float2 tw = red[b][0];
+#pragma unroll
+        for (int i = 1; i < RW; ++i) {
+          tw.x += red[b][i].x;
+          tw.y += red[b][i].y;
+        }
+        st_relaxed_v2(a.slots + tl.g * a.Q + tl.q, make_uint2(slot_word(tw.x), slot_word(tw.y)));
+      }
+    }
+    return;
+  }
+
+  // normalizers
+  constexpr int NT = 32 * NW, VPT = TV / NT;
+  static_assert(TV % NT == 0, "a tile is whole vectors of every normalizer thread");
+  const int nt = tid - 32 * N0, nw = nt / 32;
+  const int K = a.F * a.Tc;
+  int m = -1, e = 0;
+  int64_t gprev = -1;
+  RingStep ring;
+  for (int k = 0;; ++k, ring.next(a.stages)) {
+    const int s = ring.s;
+    wgmma::mbar_wait(bar(dzf[s]), ring.lap);
+    const GradTile tl = tinfo[s];
+    if (tl.g < 0) break;
+    if (tl.g != gprev) {
+      if (m >= 0) wgmma::mbar_arrive(bar(tempty[e]));  // done with the last group's tables
+      ++m;
+      gprev = tl.g;
+      e = m % kStreamTabs;
+      wgmma::mbar_wait(bar(tfull[e]), (m / kStreamTabs) & 1);
+    }
+    const float hi = pst[e].x, lo = pst[e].y, rstd = pst[e].z;
+    const float2 bc = gtab[e];
+    const uint4* st = stage(s);
+    const int nv = tl.n / VEC;
+    const int cf = channel(tl.o), jn = channel(tl.o + tl.n - 1) - cf + 1;
+    scalar_t* dxs = a.dx + tl.dfirst;
+    const int64_t cstep = static_cast<int64_t>(a.F - 1) * a.S;  // dx's extra offset a channel (frames-major)
+    float2* wp = wpart[k & 1][nw];
+    int cur = -1;
+    float p1 = 0.f, p2 = 0.f;
+    auto flush = [&](int c) {
+      const float s1 = warp_sum(p1), s2 = warp_sum(p2);
+      if (lane == 0) wp[c] = make_float2(s1, s2);
+    };
+    auto zero = [&](int from, int to) {
+      for (int c = from + lane; c < to; c += 32) wp[c] = make_float2(0.f, 0.f);
+    };
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+      const int c0v = i * NT + nw * 32;
+      if (c0v >= nv) break;  // the warp's runs are in order: the rest are past the tile
+      const int vi = c0v + lane;
+      int j = 0;
+      float q1 = 0.f, q2 = 0.f;
+      if (vi < nv) {
+        const int o = tl.o + vi * VEC;
+        const int c = channel(o);
+        j = c - cf;
+        const float ac = ptab[e][c].x;
+        const uint4 xv = st[vi], zv = st[TV + vi];
+        uint4 out;
+#pragma unroll
+        for (int jj = 0; jj < VEC; jj += 2) {
+          const float xm0 = (elt_to_float<scalar_t>(xv, jj) - hi) - lo;
+          const float xm1 = (elt_to_float<scalar_t>(xv, jj + 1) - hi) - lo;
+          const float d0 = elt_to_float<scalar_t>(zv, jj), d1 = elt_to_float<scalar_t>(zv, jj + 1);
+          store_pair<scalar_t>(out, jj / 2, fmaf(ac, d0, fmaf(bc.x, xm0, bc.y)), fmaf(ac, d1, fmaf(bc.x, xm1, bc.y)));
+          q1 += d0 + d1;
+          q2 = fmaf(d0, xm0, fmaf(d1, xm1, q2));
+        }
+        __stcs(reinterpret_cast<uint4*>(dxs + o + c * cstep), out);
+      }
+      const int last = min(31, nv - 1 - c0v);
+      const int j0 = __shfl_sync(kFullMask, j, 0), jl = __shfl_sync(kFullMask, j, last);
+      if (j0 != cur) {  // the run starts a channel
+        if (cur >= 0) flush(cur);
+        zero(cur + 1, j0);
+        cur = j0;
+        p1 = p2 = 0.f;
+      }
+      if (jl != cur) {  // a channel ends inside the run (at most one: S >= 32 vectors)
+        if (j == cur && vi < nv) {
+          p1 += q1;
+          p2 += q2;
+          q1 = q2 = 0.f;
+        }
+        flush(cur);
+        p1 = q1;
+        p2 = q2;
+        cur = jl;
+      } else {
+        p1 += q1;
+        p2 += q2;
+      }
+    }
+    if (cur >= 0) flush(cur);
+    zero(cur + 1, jn);
+    wgmma::mbar_arrive(bar(empty[s]));
+    wgmma::named_sync(kStreamGradNormBar, NT);
+    if (nt < jn) {  // the tile's sums a channel, warps added in order, into grad_params_kernel's entry
+      float2 acc = wpart[k & 1][0][nt];
+#pragma unroll
+      for (int w = 1; w < NW; ++w) {
+        acc.x += wpart[k & 1][w][nt].x;
+        acc.y += wpart[k & 1][w][nt].y;
+      }
+      const int cl = cf + nt;
+      const int qq = tl.qs - (cl * a.S) / a.te;  // this tile among those holding the channel's piece
+      float2* sp = a.sums + (tl.g * K + tl.f * a.Tc) * a.cpg + cl;
+      sp[static_cast<int64_t>(qq) * a.cpg] = make_float2(acc.x, rstd * acc.y);
+      if ((cl + 1) * a.S <= tl.o + tl.n)  // the piece ends here: no tile writes its later entries
+        for (int z = qq + 1; z < a.Tc; ++z) sp[static_cast<int64_t>(z) * a.cpg] = make_float2(0.f, 0.f);
+    }
+  }
+#endif
+}
+
+template <typename scalar_t, bool SILU>
+__global__ void __launch_bounds__(kStreamGradThreads, 1)
+    stream_grad_rows_kernel(const __grid_constant__ StreamGradArgs<scalar_t> a) {
+  stream_grad_rows<scalar_t, SILU>(a);
+}
+
+// ---------------------------------------------------------------------------------------------
 // Version 13 forward ("stream" on channels_last), sm_90: version 12's ring, tile counter and specialised warps over
 // channels_last blocks, for the rows version 8 cannot hold on chip (float32 960 channels at 72 x 128: 138 KB parts;
 // the two-pass kernels read x twice). A block is gb groups of one sample: rows of W = gb * cpg channels, C apart; a
@@ -4740,6 +5166,84 @@ bool backward_smem(const GNShape& s, const scalar_t* x, const scalar_t* dy, scal
   }
 }
 
+// Version 14 (stream_grad_rows_kernel) runs only where VD_GROUP_NORM_BACKWARD=stream pins it: on the H200 it was
+// slower than versions 7 and 1 on every UNet / VAE row measured (bench/notes/norm_and_elementwise.md). Read on every
+// call.
+inline bool stream_grad_pinned() { return env_str("VD_GROUP_NORM_BACKWARD") == "stream"; }
+
+// Runs version 14 when the forward's statistics are given and the shape, dtype, alignment and device allow it, with
+// grad_weight / grad_bias in the parameters' dtypes; false (nothing launched) leaves the work to the others.
+// F: the frames of a frames-major x read in place (its groups are F segments), else 1.
+template <typename scalar_t>
+bool backward_stream(const GNShape& s, int64_t F, const scalar_t* x, const scalar_t* dy, scalar_t* dx,
+                     const scalar_t* w, const scalar_t* b, bool silu, bool vec, const float* stats,
+                     const at::Tensor& like, at::ScalarType wdtype, at::ScalarType bdtype, cudaStream_t stream,
+                     at::Tensor& dw, at::Tensor& db) {
+#if defined(VD_SM90A)
+  if constexpr (std::is_same_v<scalar_t, double>) {
+    return false;
+  } else {
+    constexpr int kVec = max_vec<scalar_t>();
+    constexpr int64_t kElt = sizeof(scalar_t);
+    if (s.channels_last || !vec || stats == nullptr || grad_backward_choice() == 0) return false;
+    const int64_t cpg = s.C / s.G, S = s.S / F, seg = cpg * S;
+    if (!stream_grad_pinned()) return false;
+    // A vector never straddles two channels, and a normalizer warp's run of 32 vectors meets at most one boundary.
+    if (S % kVec != 0 || S < 32 * kVec || cpg > kStreamMaxCpg || seg >= (int64_t{1} << 31)) return false;
+    const int device = like.get_device();
+    auto kernel = silu ? stream_grad_rows_kernel<scalar_t, true> : stream_grad_rows_kernel<scalar_t, false>;
+    constexpr int64_t kStage = 2 * kStreamGradBytes;
+    const int stages = static_cast<int>(
+        std::min<int64_t>(kStreamMaxStages, kernel_max_dynamic_smem(kernel, device) / kStage));
+    if (stages < 2) return false;
+    const size_t smem = static_cast<size_t>(stages) * kStage;
+    // Tiles of up to kStreamGradBytes of x, as even as whole vectors allow.
+    const int64_t te = kVec * ceil_div(seg / kVec, ceil_div(seg, kStreamGradBytes / kElt));
+    const int64_t Qs = ceil_div(seg, te), Q = F * Qs, tiles = s.N * s.G * Q;
+    const int64_t J = ceil_div(te, S) + 1, Tc = (S - 1) / te + 2;
+    const int P = cooperative_ctas(kernel, device, kStreamGradThreads, smem);
+    // The merger holds a group's slots in registers; the resident rings must hold more than a group's tiles.
+    if (P == 0 || J > kStreamGradMaxJ || Q > 32 * kStreamMaxSlotsPerLane || int64_t{P} * stages <= Q ||
+        tiles + P >= (int64_t{1} << 32))
+      return false;
+    // The tiles' slots and the tile counter, zeroed on the stream (a slot of zeros: not written yet).
+    const at::Tensor ws = zeroed_workspace((tiles + 1) * static_cast<int64_t>(sizeof(uint2)), device, stream);
+    StreamGradArgs<scalar_t> a{};
+    a.x = x;
+    a.dy = dy;
+    a.dx = dx;
+    a.w = w;
+    a.b = b;
+    a.stats = stats;
+    a.nstride = s.C * s.S;
+    a.fstride = s.C * S;
+    a.dnstride = s.C * s.S;
+    a.tiles = tiles;
+    a.NG = s.N * s.G;
+    a.G = static_cast<int>(s.G);
+    a.cpg = static_cast<int>(cpg);
+    a.Qs = static_cast<int>(Qs);
+    a.Q = static_cast<int>(Q);
+    a.seg = static_cast<int>(seg);
+    a.S = static_cast<int>(S);
+    a.F = static_cast<int>(F);
+    a.te = static_cast<int>(te);
+    a.Tc = static_cast<int>(Tc);
+    a.stages = stages;
+    a.slots = reinterpret_cast<uint2*>(ws.mutable_data_ptr());
+    a.counter = reinterpret_cast<unsigned*>(a.slots + tiles);
+    on_chip_param_grads<scalar_t>(s, F * Tc, like, wdtype, bdtype, stream, dw, db, [&](float2* sums) {
+      a.sums = sums;
+      // Cooperative: every CTA resident at once (a CTA waits for groups whose tiles others hold).
+      launch_cooperative(kernel, std::min<int64_t>(P, tiles), kStreamGradThreads, smem, stream, a);
+    });
+    return true;
+  }
+#else
+  return false;
+#endif
+}
+
 // The group block of versions 5 and 8 (channels_last): the fewest whole groups that make whole vectors and a row
 // of >= 128 bytes (as far as kColsMaxTCV vectors allow); 0 where no block makes whole vectors.
 inline int64_t cols_block(const GNShape& s, int vec, int64_t elt) {
@@ -5282,6 +5786,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_silu_backward_cuda(
     const float* stats_f = stats_in.has_value() && std::is_same_v<acc_t, float>
                                ? reinterpret_cast<const float*>(stats_in->const_data_ptr<acc_t>())
                                : nullptr;
+    if (backward_stream<scalar_t>(s, in_place ? a.F : 1, a.x, a.dy, a.out, a.w, a.b, silu, vec, stats_f, x, wdtype,
+                                  bdtype, stream, dw, db))
+      return;
     if (!in_place && backward_smem<scalar_t>(s, a.x, a.dy, a.out, a.w, a.b, eps, silu, vec, stats_f, x, wdtype,
                                              bdtype, stream, dw, db))
       return;
