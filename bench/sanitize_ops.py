@@ -8,8 +8,7 @@ families; default: all. attention_backward (not in the default set) is a small m
 dims 64 and 128 (the default kernels and the deterministic pair), small enough for racecheck (the full
 attention set takes it several minutes). group_norm_silu_three_ctas (not in the default set either) is version 8 at
 three CTAs an SM alone (racecheck over the whole group_norm_silu set runs past ten minutes);
-group_norm_silu_stream is versions 12 and 13 alone, group_norm_silu_stream_grad version 14 alone (both also run with
-group_norm_silu).
+group_norm_silu_stream is versions 12 and 13 alone (also run with group_norm_silu).
 """
 from __future__ import annotations
 
@@ -256,20 +255,6 @@ def main():
                 x = torch.randn(2400, 64, 5, 7, device=dev, dtype=dtype).to(memory_format=torch.channels_last)
                 torch.ops.vd.group_norm_silu_forward(x, 32, None, None, 1e-5, True)
             ran.append("group_norm_silu_stream")
-        if (want("group_norm_silu") or "group_norm_silu_stream_grad" in only) and has_cuda_kernels("group_norm_silu"):
-            # Version 14 pinned (backward given the forward's statistics): one tile a group; tiles over many channels;
-            # more tiles a CTA than stages and tables (both reused); frames-major read in place; without SiLU.
-            with env_var("VD_GROUP_NORM_BACKWARD", "stream"):
-                for shape, groups, silu in [((2, 64, 16, 16), 32, True), ((4, 1280, 18, 32), 32, True),
-                                            ((2, 320, 36, 64), 32, False)]:
-                    x = torch.randn(shape, device=dev, dtype=dtype)
-                    _, st = torch.ops.vd.group_norm_silu_forward(x, groups, None, None, 1e-5, silu)
-                    torch.ops.vd.group_norm_silu_backward(x, x, groups, None, None, 1e-5, silu, st)
-                x = torch.randn(1, 6, 32, 30, 40, device=dev, dtype=dtype).transpose(1, 2)
-                w = torch.randn(32, device=dev, dtype=dtype)
-                _, st = torch.ops.vd.group_norm_silu_forward(x, 4, w, w, 1e-5, True)
-                torch.ops.vd.group_norm_silu_backward(x, x, 4, w, w, 1e-5, True, st)
-            ran.append("group_norm_silu_stream_grad")
         if "group_norm_silu_three_ctas" in only and has_cuda_kernels("group_norm_silu"):
             # Version 8 at three CTAs an SM (one stage of <= ~72 KB, group states folded over warps): a last rank
             # with fewer rows and a box partly past the sample; 64 KB parts in two boxes with more blocks than
