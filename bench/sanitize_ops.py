@@ -8,7 +8,8 @@ families; default: all. attention_backward (not in the default set) is a small m
 dims 64 and 128 (the default kernels and the deterministic pair), small enough for racecheck (the full
 attention set takes it several minutes). group_norm_silu_three_ctas (not in the default set either) is version 8 at
 three CTAs an SM alone (racecheck over the whole group_norm_silu set runs past ten minutes);
-group_norm_silu_stream is versions 12 and 13 alone (also run with group_norm_silu).
+group_norm_silu_stream is versions 12 and 13 alone, group_norm_silu_backward the backward's cases alone (both also
+run with group_norm_silu), group_norm_silu_version_7 those of version 7 (the backward on chip, NC*) alone.
 """
 from __future__ import annotations
 
@@ -42,6 +43,71 @@ def _grad(fn, *inputs):
     out = fn(*inputs)
     out = out[0] if isinstance(out, tuple) else out
     torch.autograd.grad(out, inputs, torch.randn_like(out))
+
+
+def gn_backward_cases(dev, dtype, version_7_only=False):
+    """group_norm_silu's backward kernels: frames-major rows, versions 7 and 10, version 1's channels_last (or
+    version 7 alone)."""
+    if not version_7_only:
+        gn_backward_rows_cases(dev, dtype)
+    # The backward on chip (version 7), as chosen and at two CTAs an SM: one CTA with runs shorter than
+    # 32 and stages reused (three CTAs an SM as chosen), clusters of 2 to 16 each in one stage of 69-92 KB
+    # (parts straddling channels, a short last rank), without SiLU or affine. In 16-bit with SiLU, two CTAs an SM
+    # take 384 threads.
+    for variant in ("", "smem2"):
+        with env_var("VD_GROUP_NORM_BACKWARD", variant):  # "": as chosen
+            for shape, silu in [((40, 256, 9, 16), True), ((4, 640, 36, 64), True), ((2, 320, 70, 100), False),
+                                ((1, 512, 72, 128), True), ((1, 960, 72, 128), True)]:
+                x = torch.randn(shape, device=dev, dtype=dtype)
+                g = torch.randn(shape, device=dev, dtype=dtype)
+                w = torch.randn(shape[1], device=dev, dtype=dtype)
+                torch.ops.vd.group_norm_silu_backward(g, x, 32, w, w, 1e-5, silu)
+                torch.ops.vd.group_norm_silu_backward(g, x, 32, None, None, 1e-5, silu)
+                _, stats = torch.ops.vd.group_norm_silu_forward(x, 32, w, w, 1e-5, silu)  # the forward's
+                torch.ops.vd.group_norm_silu_backward(g, x, 32, w, w, 1e-5, silu, stats)
+    if not version_7_only:
+        gn_backward_cols_cases(dev, dtype)
+
+
+def gn_backward_rows_cases(dev, dtype):
+    # The backward on frames-major x and grad_out, read in place (vector and scalar rows; rows of whole
+    # batches of loads and a rest, two chunks a row).
+    for (B, C, F, H, W) in [(2, 64, 3, 4, 8), (1, 32, 3, 5, 7), (1, 16, 2, 40, 65)]:
+        x = torch.randn(B, F, C, H, W, device=dev, dtype=dtype).transpose(1, 2)
+        g = torch.randn(B, F, C, H, W, device=dev, dtype=dtype).transpose(1, 2)
+        w = torch.randn(C, device=dev, dtype=dtype)
+        torch.ops.vd.group_norm_silu_backward(g, x, 8, w, w, 1e-5, True)
+        _, stats = torch.ops.vd.group_norm_silu_forward(x, 8, w, w, 1e-5, True)
+        torch.ops.vd.group_norm_silu_backward(g, x, 8, w, w, 1e-5, True, stats)
+
+
+def gn_backward_cols_cases(dev, dtype):
+    # The channels_last backward on chip (version 10): K 1 with stages reused, K 16 in one 90 KB stage (gb 4),
+    # K 8 after growing, 64-byte rows (gb 2 / 1), a box past the sample, 5-D; without SiLU or affine.
+    for shape, groups, silu in [((40, 1280, 9, 16), 32, True), ((2, 320, 72, 128), 32, True),
+                                ((2, 1280, 18, 32), 32, False), ((1, 512, 72, 128), 32, True),
+                                ((2, 24, 5, 7), 3, True), ((2, 40, 4, 4, 3), 4, True)]:
+        fmt = torch.channels_last if len(shape) == 4 else torch.channels_last_3d
+        x = torch.randn(shape, device=dev, dtype=dtype).to(memory_format=fmt)
+        g = torch.randn(shape, device=dev, dtype=dtype).to(memory_format=fmt)
+        w = torch.randn(shape[1], device=dev, dtype=dtype)
+        torch.ops.vd.group_norm_silu_backward(g, x, groups, w, w, 1e-5, silu)
+        torch.ops.vd.group_norm_silu_backward(g, x, groups, None, None, 1e-5, silu)
+        _, stats = torch.ops.vd.group_norm_silu_forward(x, groups, w, w, 1e-5, silu)  # the forward's
+        torch.ops.vd.group_norm_silu_backward(g, x, groups, w, w, 1e-5, silu, stats)
+    # Version 1's channels_last backward, one row of x and dy a load and the dtype's batch, 32 and 128 rows a
+    # thread: threads with fewer rows than a batch and a remainder, two column tiles, 5-D.
+    for batch, rows in (("1", "32"), ("0", "32"), ("0", "128")):
+        with env_var("VD_GROUP_NORM_BACKWARD", "twopass"), env_var("VD_GROUP_NORM_BACKWARD_COL_BATCH", batch), \
+                env_var("VD_GROUP_NORM_BACKWARD_COL_ROWS", rows):
+            for shape, groups in [((2, 64, 7, 9), 8), ((1, 320, 33, 17), 32), ((2, 40, 3, 5, 7), 4),
+                                  ((3, 1280, 5, 61), 32)]:
+                fmt = torch.channels_last if len(shape) == 4 else torch.channels_last_3d
+                x = torch.randn(shape, device=dev, dtype=dtype).to(memory_format=fmt)
+                g = torch.randn(shape, device=dev, dtype=dtype).to(memory_format=fmt)
+                w = torch.randn(shape[1], device=dev, dtype=dtype)
+                _, stats = torch.ops.vd.group_norm_silu_forward(x, groups, w, w, 1e-5, True)
+                torch.ops.vd.group_norm_silu_backward(g, x, groups, w, w, 1e-5, True, stats)
 
 
 def main():
@@ -117,55 +183,7 @@ def main():
                                             ((1, 64, 14, 32, 64), 8)]:
                 x = torch.randn(B, F, C, H, W, device=dev, dtype=dtype).transpose(1, 2)
                 torch.ops.vd.group_norm_silu(x, groups, None, None, 1e-5, True)
-            # The backward on frames-major x and grad_out, read in place (vector and scalar rows; rows of whole
-            # batches of loads and a rest, two chunks a row).
-            for (B, C, F, H, W) in [(2, 64, 3, 4, 8), (1, 32, 3, 5, 7), (1, 16, 2, 40, 65)]:
-                x = torch.randn(B, F, C, H, W, device=dev, dtype=dtype).transpose(1, 2)
-                g = torch.randn(B, F, C, H, W, device=dev, dtype=dtype).transpose(1, 2)
-                w = torch.randn(C, device=dev, dtype=dtype)
-                torch.ops.vd.group_norm_silu_backward(g, x, 8, w, w, 1e-5, True)
-                _, stats = torch.ops.vd.group_norm_silu_forward(x, 8, w, w, 1e-5, True)
-                torch.ops.vd.group_norm_silu_backward(g, x, 8, w, w, 1e-5, True, stats)
-            # The backward on chip (version 7), as chosen and at two CTAs an SM: one CTA with runs shorter than
-            # 32 and stages reused (three CTAs an SM as chosen), clusters of 2 to 16 each in one stage of 69-92 KB
-            # (parts straddling channels, a short last rank), without SiLU or affine.
-            for variant in ("", "smem2"):
-                with env_var("VD_GROUP_NORM_BACKWARD", variant):  # "": as chosen
-                    for shape, silu in [((40, 256, 9, 16), True), ((4, 640, 36, 64), True), ((2, 320, 70, 100), False),
-                                        ((1, 512, 72, 128), True), ((1, 960, 72, 128), True)]:
-                        x = torch.randn(shape, device=dev, dtype=dtype)
-                        g = torch.randn(shape, device=dev, dtype=dtype)
-                        w = torch.randn(shape[1], device=dev, dtype=dtype)
-                        torch.ops.vd.group_norm_silu_backward(g, x, 32, w, w, 1e-5, silu)
-                        torch.ops.vd.group_norm_silu_backward(g, x, 32, None, None, 1e-5, silu)
-                        _, stats = torch.ops.vd.group_norm_silu_forward(x, 32, w, w, 1e-5, silu)  # the forward's
-                        torch.ops.vd.group_norm_silu_backward(g, x, 32, w, w, 1e-5, silu, stats)
-            # The channels_last backward on chip (version 10): K 1 with stages reused, K 16 in one 90 KB stage (gb 4),
-            # K 8 after growing, 64-byte rows (gb 2 / 1), a box past the sample, 5-D; without SiLU or affine.
-            for shape, groups, silu in [((40, 1280, 9, 16), 32, True), ((2, 320, 72, 128), 32, True),
-                                        ((2, 1280, 18, 32), 32, False), ((1, 512, 72, 128), 32, True),
-                                        ((2, 24, 5, 7), 3, True), ((2, 40, 4, 4, 3), 4, True)]:
-                fmt = torch.channels_last if len(shape) == 4 else torch.channels_last_3d
-                x = torch.randn(shape, device=dev, dtype=dtype).to(memory_format=fmt)
-                g = torch.randn(shape, device=dev, dtype=dtype).to(memory_format=fmt)
-                w = torch.randn(shape[1], device=dev, dtype=dtype)
-                torch.ops.vd.group_norm_silu_backward(g, x, groups, w, w, 1e-5, silu)
-                torch.ops.vd.group_norm_silu_backward(g, x, groups, None, None, 1e-5, silu)
-                _, stats = torch.ops.vd.group_norm_silu_forward(x, groups, w, w, 1e-5, silu)  # the forward's
-                torch.ops.vd.group_norm_silu_backward(g, x, groups, w, w, 1e-5, silu, stats)
-            # Version 1's channels_last backward, one row of x and dy a load and the dtype's batch, 32 and 128 rows a
-            # thread: threads with fewer rows than a batch and a remainder, two column tiles, 5-D.
-            for batch, rows in (("1", "32"), ("0", "32"), ("0", "128")):
-                with env_var("VD_GROUP_NORM_BACKWARD", "twopass"), env_var("VD_GROUP_NORM_BACKWARD_COL_BATCH", batch), \
-                        env_var("VD_GROUP_NORM_BACKWARD_COL_ROWS", rows):
-                    for shape, groups in [((2, 64, 7, 9), 8), ((1, 320, 33, 17), 32), ((2, 40, 3, 5, 7), 4),
-                                          ((3, 1280, 5, 61), 32)]:
-                        fmt = torch.channels_last if len(shape) == 4 else torch.channels_last_3d
-                        x = torch.randn(shape, device=dev, dtype=dtype).to(memory_format=fmt)
-                        g = torch.randn(shape, device=dev, dtype=dtype).to(memory_format=fmt)
-                        w = torch.randn(shape[1], device=dev, dtype=dtype)
-                        _, stats = torch.ops.vd.group_norm_silu_forward(x, groups, w, w, 1e-5, True)
-                        torch.ops.vd.group_norm_silu_backward(g, x, groups, w, w, 1e-5, True, stats)
+            gn_backward_cases(dev, dtype)
             # channels_last two-pass statistics over two column tiles (a group in both, groups in one only).
             for shape, groups in [((2, 2560, 3, 5), 32), ((1, 2112, 4, 4), 3)]:
                 x = torch.randn(shape, device=dev, dtype=dtype).to(memory_format=torch.channels_last)
@@ -225,6 +243,10 @@ def main():
                         w, b = torch.randn(shape[1], device=dev, dtype=dtype), torch.randn(shape[1], device=dev, dtype=dtype)
                         torch.ops.vd.group_norm_silu_forward(x, groups, w, b, 1e-5, True)
             ran.append("group_norm_silu")
+        for family in ("group_norm_silu_backward", "group_norm_silu_version_7"):
+            if family in only and has_cuda_kernels("group_norm_silu"):
+                gn_backward_cases(dev, dtype, version_7_only=family.endswith("7"))
+                ran.append(family)
         if (want("group_norm_silu") or "group_norm_silu_stream" in only) and has_cuda_kernels("group_norm_silu"):
             # Version 12 pinned: one tile a group; more tiles than the rings hold (float32: stages and channel
             # tables reused); frames-major segments of two tiles (one in 16-bit); without SiLU; statistics written.

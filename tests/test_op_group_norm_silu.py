@@ -854,6 +854,72 @@ def test_backward_on_chip_deterministic_and_precise(device, cl):
             assert_close_to(got, want, torch.float32, factor=5, what=f"grad {name} saved statistics={st is not None}")
 
 
+# The 16-bit backward's lean kernels (on by default; VD_GROUP_NORM_BACKWARD_LEAN=0 keeps the earlier form): (layout,
+# shape, the kernel, the ends of its name lean and not, with SiLU, then without). Version 7 at two CTAs an SM with
+# SiLU takes 384 threads a CTA (VD_GROUP_NORM_BACKWARD_THREADS=256 keeps 256); at three CTAs an SM
+# ((1, 512, 72, 128)) and without SiLU, 256.
+LEAN_CASES = [
+    ("nchw", (2, 320, 72, 128), "smem_grad_kernel", ("2, 1, 384, true>", "2, 1, 384, false>"),
+     ("2, 0, 256, true>", "2, 0, 256, false>")),
+    ("nchw", (1, 512, 72, 128), "smem_grad_kernel", ("3, 1, 256, true>", "3, 1, 256, false>"),
+     ("3, 0, 256, true>", "3, 0, 256, false>")),
+    ("cl", (2, 320, 72, 128), "grad_sums_cols_kernel", ("4, 8, true>", "4, 8, false>"), ("4, 8, true>", "4, 8, false>")),
+    ("fm", (1, 320, 4, 36, 64), "grad_sums_rows_kernel", ("8, true>", "8, false>"), ("8, true>", "8, false>")),
+]
+
+
+def launched(names, kernel, end):
+    """Whether a kernel `kernel<..., end` is among the profiler's names."""
+    short = [n.replace("(anonymous namespace)", "").split("(")[0] for n in names]
+    return any(kernel + "<" in n and n.endswith(end) for n in short)
+
+
+@pytest.mark.parametrize("device", CUDA)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("layout,shape,kernel,ends_silu,ends_plain", LEAN_CASES)
+def test_backward_lean_16bit(device, dtype, layout, shape, kernel, ends_silu, ends_plain, monkeypatch):
+    # The lean kernels fold the group mean into z's shift and dx's constant (sums of dz * x, moved to the mean
+    # afterwards): against the float64 reference they stay within 1.5x the earlier form's error (plus a 16-bit
+    # rounding step), with and without SiLU, on centred input and on input whose mean is 12 spreads out; each form
+    # pinned by its kernel's name.
+    if torch.cuda.get_device_capability(device)[0] < 9:
+        pytest.skip("the pinned kernels need sm_90+")
+    torch.manual_seed(0)
+    if layout == "fm":
+        B, C, F, H, W = shape
+        make = lambda t: frames_major(t.reshape(B, F, C, H, W))  # noqa: E731
+    else:
+        C = shape[1]
+        make = (lambda t: channels_last(t.reshape(shape))) if layout == "cl" else (lambda t: t.reshape(shape))
+    n = torch.Size(shape).numel()
+    w, b = torch.randn(C, device=device, dtype=dtype), torch.randn(C, device=device, dtype=dtype)
+    g = make(torch.randn(n, device=device).to(dtype))
+    eps16 = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11
+    for loc, scale in ((1.0, 3.0), (6.0, 0.5)):
+        x = make((torch.randn(n, device=device) * scale + loc).to(dtype))
+        for silu in (True, False):
+            xr, wr, br = (t.double().requires_grad_() for t in (x, w, b))
+            ref = torch.autograd.grad(reference_group_norm_silu(xr, 32, wr, br, 1e-5, silu), (xr, wr, br), g.double())
+            _, stats = torch.ops.vd.group_norm_silu_forward(x, 32, w, b, 1e-5, silu)
+
+            def run():
+                return torch.ops.vd.group_norm_silu_backward(g, x, 32, w, b, 1e-5, silu, stats)
+            errs = {}
+            for lean, end in zip(("1", "0"), ends_silu if silu else ends_plain):
+                monkeypatch.setenv("VD_GROUP_NORM_BACKWARD_LEAN", lean)
+                names = cuda_kernels_run(run)
+                assert launched(names, kernel, end), (layout, lean, silu, sorted(set(names)))
+                errs[lean] = [((u.double() - r).abs().max() / r.abs().max()).item() for u, r in zip(run(), ref)]
+            what = f"{layout} {tuple(shape)} {dtype} loc={loc} silu={silu}: lean {errs['1']} vs {errs['0']}"
+            for e_lean, e_plain in zip(errs["1"], errs["0"]):
+                assert e_lean <= 1.5 * e_plain + eps16, what
+    if ends_silu[0].endswith("384, true>"):
+        monkeypatch.setenv("VD_GROUP_NORM_BACKWARD_LEAN", "1")
+        monkeypatch.setenv("VD_GROUP_NORM_BACKWARD_THREADS", "256")
+        names = cuda_kernels_run(lambda: torch.ops.vd.group_norm_silu_backward(g, x, 32, w, b, 1e-5, True))
+        assert launched(names, kernel, "2, 1, 256, true>"), sorted(set(names))
+
+
 # Version 10 (channels_last backward on chip, sm_90): (shape, groups, taken in 16-bit, taken in fp32). Comments give
 # the plan in 16-bit (fp32 blocks have half the channels, the same bytes): blocks of gb groups (version 8's, or fewer
 # where x and dy of a block would not fit 16 CTAs), the smallest cluster whose rows fit one stage, larger ones while
@@ -903,7 +969,7 @@ def test_backward_two_pass_channels_last(device, dtype, monkeypatch):
     # float64 reference, and the same bits as one row a load (VD_GROUP_NORM_BACKWARD_COL_BATCH=1: the sums in the
     # same order).
     monkeypatch.setenv("VD_GROUP_NORM_BACKWARD", "twopass")
-    rows_a_load = ", 8>" if dtype.itemsize == 2 else ", 4>"
+    rows_a_load = ", 4, 8, true>" if dtype.itemsize == 2 else ", 4, 4, false>"  # 16-bit: the lean kernels
     torch.manual_seed(0)
     for shape, groups in [((2, 64, 7, 9), 8), ((1, 320, 33, 17), 32), ((2, 40, 3, 5, 7), 4), ((3, 1280, 5, 61), 32)]:
         C = shape[1]

@@ -769,6 +769,16 @@ __device__ __forceinline__ acc_t silu_dz(acc_t dy, acc_t z) {
   else return dy * silu_grad(z);
 }
 
+// The same for 16-bit data in three instructions after the two approximations instead of four:
+// dy * s * (1 + z * (1 - s)) as q = z - z * s, ds = dy * s, ds + ds * q (the lean kernels).
+__device__ __forceinline__ float silu_dz_lean(float dy, float z) {
+  float e, s;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(z * -1.4426950408889634f));
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(s) : "f"(1.f + e));
+  const float q = fmaf(-z, s, z), ds = dy * s;
+  return fmaf(ds, q, ds);
+}
+
 // xc: x - mean (see centered()).
 template <typename scalar_t, typename acc_t>
 __device__ __forceinline__ void grad_terms(acc_t xc, acc_t dy, acc_t rstd, acc_t sc, acc_t beta, bool silu,
@@ -789,9 +799,11 @@ __device__ __forceinline__ void with_silu(bool silu, F&& f) {
 
 // NC*: item w covers chunk p of row (n, c) (frames-major: of row (n, f, c), rows in memory order); partial
 // sums at part[w] = part[row * P + p].
-template <typename scalar_t, typename acc_t, int VEC>
+// LEAN (16-bit input): the mean folded into z's shift, sums of dz * x moved to the mean at the end, silu_dz_lean.
+template <typename scalar_t, typename acc_t, int VEC, bool LEAN = false>
 __global__ void __launch_bounds__(kThreads) grad_sums_rows_kernel(GNArgs<scalar_t, acc_t> a,
                                                                   Sum2<acc_t>* __restrict__ part) {
+  constexpr bool kLean = LEAN && sizeof(scalar_t) == 2 && std::is_same_v<acc_t, float>;
   const int lane = threadIdx.x & 31;
   const int64_t w = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
   if (w >= a.items) return;
@@ -799,13 +811,19 @@ __global__ void __launch_bounds__(kThreads) grad_sums_rows_kernel(GNArgs<scalar_
   const int64_t lo = row * a.S + p * a.CH;
   const int64_t hi = lo + a.CH < (row + 1) * a.S ? lo + a.CH : (row + 1) * a.S;
   const ChannelParams<acc_t> cp(a, row / (a.C * a.F), row % a.C);
-  const acc_t sc = cp.rstd * cp.gamma;
+  const acc_t sc = cp.rstd * cp.gamma, bx = fma(-cp.mean, sc, fma(-cp.mean_lo, sc, cp.beta));
   acc_t sdz = 0, sdzx = 0;
   auto acc = [&](acc_t x, acc_t dy) {
-    acc_t dz, xhat;
-    grad_terms<scalar_t>(centered(x, cp.mean, cp.mean_lo), dy, cp.rstd, sc, cp.beta, a.silu, dz, xhat);
-    sdz += dz;
-    sdzx += dz * xhat;
+    if constexpr (kLean) {  // sums of dz and dz * x
+      const float dz = a.silu ? silu_dz_lean(dy, fmaf(x, sc, bx)) : dy;
+      sdz += dz;
+      sdzx = fmaf(dz, x, sdzx);
+    } else {
+      acc_t dz, xhat;
+      grad_terms<scalar_t>(centered(x, cp.mean, cp.mean_lo), dy, cp.rstd, sc, cp.beta, a.silu, dz, xhat);
+      sdz += dz;
+      sdzx += dz * xhat;
+    }
   };
   auto one = [&](int64_t i) {
     acc_t x[VEC], dy[VEC];
@@ -830,6 +848,7 @@ __global__ void __launch_bounds__(kThreads) grad_sums_rows_kernel(GNArgs<scalar_
       one, single);
   sdz = warp_sum(sdz);
   sdzx = warp_sum(sdzx);
+  if (kLean) sdzx = cp.rstd * fma(-cp.mean_lo, sdz, fma(-cp.mean, sdz, sdzx));  // sum dz * xhat
   if (lane == 0) part[w] = Sum2<acc_t>{sdz, sdzx};
 }
 
@@ -837,9 +856,11 @@ __global__ void __launch_bounds__(kThreads) grad_sums_rows_kernel(GNArgs<scalar_
 // (z = (x - mean) * sc + (beta - lo * sc); the sum of dz * (x - mean) becomes that of dz * xhat at the end),
 // and three blocks an SM (80 registers): at five values and 98 registers (two blocks) the 960-channel pass
 // read at 1.3 TB/s (0.74 ms), now 0.56 ms; at four blocks (64 registers) the spills made it slower again.
-template <typename scalar_t, typename acc_t, int VEC, int U>
+// LEAN (16-bit input): the mean folded into z's shift, sums of dz * x moved to the mean at the end, silu_dz_lean.
+template <typename scalar_t, typename acc_t, int VEC, int U, bool LEAN = false>
 __global__ void __launch_bounds__(kThreads, kGradColsCtas)
     grad_sums_cols_kernel(GNArgs<scalar_t, acc_t> a, Sum2<acc_t>* __restrict__ part) {
+  constexpr bool kLean = LEAN && sizeof(scalar_t) == 2 && std::is_same_v<acc_t, float>;
   __shared__ acc_t sh_dz[kThreads * VEC];
   __shared__ acc_t sh_dzx[kThreads * VEC];
   const ColBlock cb = col_block(a, VEC);
@@ -854,6 +875,7 @@ __global__ void __launch_bounds__(kThreads, kGradColsCtas)
       mu[j] = cp.mean;
       sc[j] = cp.rstd * cp.gamma;
       be[j] = cp.beta - cp.mean_lo * sc[j];
+      if constexpr (kLean) be[j] = fmaf(-mu[j], sc[j], be[j]);  // z = x * sc + be
     }
     const int64_t first = cb.s0 + cb.rowlane, step = static_cast<int64_t>(a.R) * a.C;
     const int64_t off = (cb.n * a.S + first) * a.C + cb.cv * VEC;
@@ -864,11 +886,18 @@ __global__ void __launch_bounds__(kThreads, kGradColsCtas)
                                [&](const Vec<scalar_t, VEC>& xr, const Vec<scalar_t, VEC>& dr) {
 #pragma unroll
                                  for (int j = 0; j < VEC; ++j) {
-                                   const acc_t xm = static_cast<acc_t>(xr.v[j]) - mu[j];
                                    const acc_t dy = static_cast<acc_t>(dr.v[j]);
-                                   const acc_t dz = silu ? silu_dz<scalar_t>(dy, xm * sc[j] + be[j]) : dy;
-                                   sdz[j] += dz;
-                                   sdzx[j] += dz * xm;
+                                   if constexpr (kLean) {
+                                     const float xf = static_cast<float>(xr.v[j]);
+                                     const float dz = silu ? silu_dz_lean(dy, fmaf(xf, sc[j], be[j])) : dy;
+                                     sdz[j] += dz;
+                                     sdzx[j] = fmaf(dz, xf, sdzx[j]);
+                                   } else {
+                                     const acc_t xm = static_cast<acc_t>(xr.v[j]) - mu[j];
+                                     const acc_t dz = silu ? silu_dz<scalar_t>(dy, xm * sc[j] + be[j]) : dy;
+                                     sdz[j] += dz;
+                                     sdzx[j] += dz * xm;
+                                   }
                                  }
                                });
     });
@@ -876,6 +905,7 @@ __global__ void __launch_bounds__(kThreads, kGradColsCtas)
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
       const ChannelParams<acc_t> cp(a, cb.n, cb.cv * VEC + j);
+      if constexpr (kLean) sdzx[j] = fmaf(-cp.mean, sdz[j], sdzx[j]);  // sum dz * x to sum dz * (x - mean)
       sdzx[j] = cp.rstd * (sdzx[j] - cp.mean_lo * sdz[j]);
     }
   }
@@ -968,8 +998,10 @@ __device__ __forceinline__ acc_t dx_of(acc_t xc, acc_t dy, acc_t rstd, acc_t gam
 }
 
 // FM: frames-major x and dy read in place (rows (n, f, c)), dx written to its contiguous rows (n, c, f).
-template <typename scalar_t, typename acc_t, int VEC, bool FM>
+// LEAN (16-bit input): dx = sc * dz + D * x + E and z = x * sc + bx, the mean folded into E and bx; silu_dz_lean.
+template <typename scalar_t, typename acc_t, int VEC, bool FM, bool LEAN = false>
 __global__ void __launch_bounds__(kThreads) dx_rows_kernel(GNArgs<scalar_t, acc_t> a) {
+  constexpr bool kLean = LEAN && sizeof(scalar_t) == 2 && std::is_same_v<acc_t, float>;
   const int lane = threadIdx.x & 31;
   const int64_t w = pass_block(a) * kWarps + threadIdx.x / 32;
   if (w >= a.items) return;
@@ -980,8 +1012,15 @@ __global__ void __launch_bounds__(kThreads) dx_rows_kernel(GNArgs<scalar_t, acc_
   const int64_t shift = FM ? ((n * a.C + c) * a.F + (row / a.C) % a.F - row) * a.S : 0;
   const ChannelParams<acc_t> cp(a, n, c);
   const acc_t sc = cp.rstd * cp.gamma, m1 = a.m1[ng], m2 = a.m2[ng];
+  const acc_t bx = fma(-cp.mean, sc, fma(-cp.mean_lo, sc, cp.beta)), D = -cp.rstd * cp.rstd * m2;
+  const acc_t E = fma(-D, cp.mean, fma(-D, cp.mean_lo, -cp.rstd * m1));
   auto f = [&](acc_t x, acc_t dy) {
-    return dx_of<scalar_t>(centered(x, cp.mean, cp.mean_lo), dy, cp.rstd, cp.gamma, sc, cp.beta, m1, m2, a.silu);
+    if constexpr (kLean) {
+      const float dz = a.silu ? silu_dz_lean(dy, fmaf(x, sc, bx)) : dy;
+      return fmaf(dz, sc, fmaf(x, D, E));
+    } else {
+      return dx_of<scalar_t>(centered(x, cp.mean, cp.mean_lo), dy, cp.rstd, cp.gamma, sc, cp.beta, m1, m2, a.silu);
+    }
   };
   auto one = [&](int64_t i) {
     acc_t x[VEC], dy[VEC];
@@ -1015,8 +1054,10 @@ __global__ void __launch_bounds__(kThreads) dx_rows_kernel(GNArgs<scalar_t, acc_
 // dx = rstd * (dz * gamma - m1 - xhat * m2) with xhat = (x - mean - lo) * rstd, written per channel as
 // sc * dz + B + D * (x - mean) (sc = rstd * gamma, as in z): five values a channel in registers (eight before, 104 registers and two
 // blocks an SM), three blocks an SM (0.75 -> 0.54 ms at (28, 960, 72, 128)).
-template <typename scalar_t, typename acc_t, int VEC, int U>
+template <typename scalar_t, typename acc_t, int VEC, int U, bool LEAN = false>
 __global__ void __launch_bounds__(kThreads, kGradColsCtas) dx_cols_kernel(GNArgs<scalar_t, acc_t> a) {
+  // LEAN (16-bit input): the mean folded into z's shift and dx's constant, silu_dz_lean.
+  constexpr bool kLean = LEAN && sizeof(scalar_t) == 2 && std::is_same_v<acc_t, float>;
   const ColBlock cb = col_block(a, VEC);
   if (!cb.active) return;
   acc_t mu[VEC], sc[VEC], be[VEC], cbb[VEC], cd[VEC];
@@ -1030,6 +1071,10 @@ __global__ void __launch_bounds__(kThreads, kGradColsCtas) dx_cols_kernel(GNArgs
     be[j] = cp.beta - cp.mean_lo * sc[j];
     cd[j] = -cp.rstd * cp.rstd * m2;
     cbb[j] = -cp.rstd * m1 - cd[j] * cp.mean_lo;
+    if constexpr (kLean) {  // z = x * sc + be, dx = sc * dz + cd * x + cbb
+      be[j] = fmaf(-mu[j], sc[j], be[j]);
+      cbb[j] = fmaf(-cd[j], mu[j], cbb[j]);
+    }
   }
   const int64_t first = cb.s0 + cb.rowlane, step = static_cast<int64_t>(a.R) * a.C;
   const int64_t off = (cb.n * a.S + first) * a.C + cb.cv * VEC;
@@ -1043,10 +1088,16 @@ __global__ void __launch_bounds__(kThreads, kGradColsCtas) dx_cols_kernel(GNArgs
                                acc_t v[VEC];
 #pragma unroll
                                for (int j = 0; j < VEC; ++j) {
-                                 const acc_t xm = static_cast<acc_t>(xr.v[j]) - mu[j];
                                  const acc_t dy = static_cast<acc_t>(dr.v[j]);
-                                 const acc_t dz = silu ? silu_dz<scalar_t>(dy, xm * sc[j] + be[j]) : dy;
-                                 v[j] = sc[j] * dz + cbb[j] + cd[j] * xm;
+                                 if constexpr (kLean) {
+                                   const float xf = static_cast<float>(xr.v[j]);
+                                   const float dz = silu ? silu_dz_lean(dy, fmaf(xf, sc[j], be[j])) : dy;
+                                   v[j] = fmaf(sc[j], dz, fmaf(cd[j], xf, cbb[j]));
+                                 } else {
+                                   const acc_t xm = static_cast<acc_t>(xr.v[j]) - mu[j];
+                                   const acc_t dz = silu ? silu_dz<scalar_t>(dy, xm * sc[j] + be[j]) : dy;
+                                   v[j] = sc[j] * dz + cbb[j] + cd[j] * xm;
+                                 }
                                }
                                store_vec<VEC>(op, v);
                                op += step;
@@ -2750,11 +2801,14 @@ __device__ __forceinline__ void store_v4(T* p, const uint4& v) {
 // (14, 512, 72, 128) (not profiled).
 enum GradDz { kDzRecompute = 0, kDzKeep = 1, kDzFlag = 2 };
 
-template <typename scalar_t, bool SILU, int BLOCKS, int DZ>
-__global__ void __launch_bounds__(kSmemThreads, BLOCKS) smem_grad_kernel(const SmemGradArgs<scalar_t> sa) {
+template <typename scalar_t, bool SILU, int BLOCKS, int DZ, int THREADS = kSmemThreads, bool LEAN = false>
+__global__ void __launch_bounds__(THREADS, BLOCKS) smem_grad_kernel(const SmemGradArgs<scalar_t> sa) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  constexpr int THREADS = kSmemThreads, WARPS = THREADS / 32;
+  constexpr int WARPS = THREADS / 32;
   const bool kKeep = SILU && (DZ == kDzKeep || (DZ == kDzFlag && sa.keep_dz));
+  // Lean (16-bit; dz kept, or no SiLU): the pivot folded into z's shift and dx's constant (x itself in the
+  // products; the runs' sums of dz * x moved to the pivot per run), silu_dz_lean.
+  constexpr bool kLean = LEAN && (!SILU || DZ == kDzKeep) && sizeof(scalar_t) == 2;
   constexpr int VEC = max_vec<scalar_t>();
   const FusedArgs<scalar_t>& a = sa.f;
   // [stages][stage_bytes], then gamma_c and beta_c of the group, the runs' sums, the barriers.
@@ -2861,7 +2915,7 @@ __global__ void __launch_bounds__(kSmemThreads, BLOCKS) smem_grad_kernel(const S
 
     // 2. Sums of dz and dz * xd a run.
     for_runs([&](int r, int k, int hi, int c) {
-      const float sc = rstd * sh_gamma[c], bd = fmaf(-md, sc, sh_beta[c]);
+      const float sc = rstd * sh_gamma[c], bd = fmaf(-md, sc, sh_beta[c]), bx = fmaf(-pivot0, sc, bd);
       float sdz = 0.f, sdzx = 0.f;
 #pragma unroll
       for (int v = 0; v < 2; ++v, k += 32) {
@@ -2870,10 +2924,18 @@ __global__ void __launch_bounds__(kSmemThreads, BLOCKS) smem_grad_kernel(const S
           float dz[VEC];
 #pragma unroll
           for (int e = 0; e < VEC; ++e) {
-            const float xd = elt_to_float<scalar_t>(xr, e) - pivot0;
-            dz[e] = dz_of(elt_to_float<scalar_t>(dr, e), fmaf(xd, sc, bd));
-            sdz += dz[e];
-            sdzx = fmaf(dz[e], xd, sdzx);
+            if constexpr (kLean) {  // sums of dz and dz * x
+              const float xf = elt_to_float<scalar_t>(xr, e);
+              const float dyf = elt_to_float<scalar_t>(dr, e);
+              dz[e] = SILU ? silu_dz_lean(dyf, fmaf(xf, sc, bx)) : dyf;
+              sdz += dz[e];
+              sdzx = fmaf(dz[e], xf, sdzx);
+            } else {
+              const float xd = elt_to_float<scalar_t>(xr, e) - pivot0;
+              dz[e] = dz_of(elt_to_float<scalar_t>(dr, e), fmaf(xd, sc, bd));
+              sdz += dz[e];
+              sdzx = fmaf(dz[e], xd, sdzx);
+            }
           }
           if (kKeep) {  // dz in x's dtype, as eager's silu backward hands it on
             uint4 o;
@@ -2884,6 +2946,7 @@ __global__ void __launch_bounds__(kSmemThreads, BLOCKS) smem_grad_kernel(const S
         }
       }
       sum_lanes(sdz, sdzx);
+      if (kLean) sdzx = fmaf(-pivot0, sdz, sdzx);  // the run's sum of dz * (x - pivot0)
       if (lane == 0) sh_runs[r] = make_float2(sdz, sdzx);
     });
     __syncthreads();
@@ -2922,7 +2985,7 @@ __global__ void __launch_bounds__(kSmemThreads, BLOCKS) smem_grad_kernel(const S
     sum_lanes(m1, m2);
     const float inv_m = 1.f / static_cast<float>(a.M);
     // dx = sc_c * dz + B + D * (x - mean) = sc_c * dz + D * xd + (B - D * md)
-    const float D = -rstd * rstd * m2 * inv_m, Bd = fmaf(-D, md, -rstd * m1 * inv_m);
+    const float D = -rstd * rstd * m2 * inv_m, Bd = fmaf(-D, md, -rstd * m1 * inv_m), Bx = fmaf(-D, pivot0, Bd);
 
     // 3. dx: a run at a time where channels are long (sc and bd once a run), else thread-strided vectors.
     auto dx_vec = [&](int k, float sc, float bd) {
@@ -2933,10 +2996,14 @@ __global__ void __launch_bounds__(kSmemThreads, BLOCKS) smem_grad_kernel(const S
         float d[2];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const float xd = elt_to_float<scalar_t>(xr, e + h) - pivot0;
-          const float dz = kKeep ? elt_to_float<scalar_t>(dr, e + h)
-                                 : dz_of(elt_to_float<scalar_t>(dr, e + h), fmaf(xd, sc, bd));
-          d[h] = fmaf(dz, sc, fmaf(xd, D, Bd));
+          if constexpr (kLean) {  // dx = sc * dz + D * x + (Bd - D * pivot0)
+            d[h] = fmaf(elt_to_float<scalar_t>(dr, e + h), sc, fmaf(elt_to_float<scalar_t>(xr, e + h), D, Bx));
+          } else {
+            const float xd = elt_to_float<scalar_t>(xr, e + h) - pivot0;
+            const float dz = kKeep ? elt_to_float<scalar_t>(dr, e + h)
+                                   : dz_of(elt_to_float<scalar_t>(dr, e + h), fmaf(xd, sc, bd));
+            d[h] = fmaf(dz, sc, fmaf(xd, D, Bd));
+          }
         }
         store_pair<scalar_t>(o, e / 2, d[0], d[1]);
       }
@@ -4600,17 +4667,25 @@ struct ColsGradKernels {
   void (*dx)(GNArgs<scalar_t, acc_t>);
 };
 
-template <typename scalar_t, typename acc_t, int VEC, int U>
+template <typename scalar_t, typename acc_t, int VEC, int U, bool LEAN = false>
 ColsGradKernels<scalar_t, acc_t> cols_grad_pair() {
-  return {grad_sums_cols_kernel<scalar_t, acc_t, VEC, U>, dx_cols_kernel<scalar_t, acc_t, VEC, U>};
+  return {grad_sums_cols_kernel<scalar_t, acc_t, VEC, U, LEAN>, dx_cols_kernel<scalar_t, acc_t, VEC, U, LEAN>};
+}
+
+template <typename scalar_t, typename acc_t, bool LEAN>
+ColsGradKernels<scalar_t, acc_t> cols_grad_kernels_of(bool vec) {
+  constexpr int V = grad_col_vec<scalar_t>();
+  if (!vec) return cols_grad_pair<scalar_t, acc_t, 1, 1, LEAN>();
+  if (env_int("VD_GROUP_NORM_BACKWARD_COL_BATCH", 0) == 1) return cols_grad_pair<scalar_t, acc_t, V, 1, LEAN>();
+  return cols_grad_pair<scalar_t, acc_t, V, grad_col_batch<scalar_t>(), LEAN>();
 }
 
 template <typename scalar_t, typename acc_t>
-ColsGradKernels<scalar_t, acc_t> cols_grad_kernels(bool vec) {
-  constexpr int V = grad_col_vec<scalar_t>();
-  if (!vec) return cols_grad_pair<scalar_t, acc_t, 1, 1>();
-  if (env_int("VD_GROUP_NORM_BACKWARD_COL_BATCH", 0) == 1) return cols_grad_pair<scalar_t, acc_t, V, 1>();
-  return cols_grad_pair<scalar_t, acc_t, V, grad_col_batch<scalar_t>()>();
+ColsGradKernels<scalar_t, acc_t> cols_grad_kernels(bool vec, bool lean) {
+  if constexpr (sizeof(scalar_t) == 2 && std::is_same_v<acc_t, float>) {
+    if (lean) return cols_grad_kernels_of<scalar_t, acc_t, true>(vec);
+  }
+  return cols_grad_kernels_of<scalar_t, acc_t, false>(vec);
 }
 
 // Whether version 7 keeps dz = dy * silu'(z) from its sums' pass for dx (in x's dtype, as eager's SiLU backward
@@ -4621,17 +4696,31 @@ bool grad_keep_dz() {
   return e == nullptr || std::string(e) != "recompute";
 }
 
-// Version 7's kernel for SiLU or not, dz kept or not (see GradDz).
-template <typename scalar_t, int BLOCKS>
-auto grad_kernel(bool silu, bool keep) {
+// Version 7's kernel for SiLU or not, dz kept or not (see GradDz); for 16-bit input, lean or not (with SiLU where dz
+// is kept) and, with SiLU and dz kept, THREADS a CTA (256, or 384 at two CTAs an SM).
+template <typename scalar_t, int BLOCKS, int THREADS = kSmemThreads>
+auto grad_kernel(bool silu, bool keep, bool lean) {
   if constexpr (sizeof(scalar_t) > 2) {
     return silu ? smem_grad_kernel<scalar_t, true, BLOCKS, kDzFlag> : smem_grad_kernel<scalar_t, false, BLOCKS, kDzFlag>;
   } else {
-    return !silu ? smem_grad_kernel<scalar_t, false, BLOCKS, kDzRecompute>
-                 : (keep ? smem_grad_kernel<scalar_t, true, BLOCKS, kDzKeep>
-                         : smem_grad_kernel<scalar_t, true, BLOCKS, kDzRecompute>);
+    auto kept = lean ? smem_grad_kernel<scalar_t, true, BLOCKS, kDzKeep, THREADS, true>
+                     : smem_grad_kernel<scalar_t, true, BLOCKS, kDzKeep, THREADS, false>;
+    if constexpr (THREADS != kSmemThreads) {
+      return kept;  // callers take 384 threads only with SiLU and dz kept
+    } else {
+      auto plain = lean ? smem_grad_kernel<scalar_t, false, BLOCKS, kDzRecompute, THREADS, true>
+                        : smem_grad_kernel<scalar_t, false, BLOCKS, kDzRecompute>;
+      return !silu ? plain : (keep ? kept : smem_grad_kernel<scalar_t, true, BLOCKS, kDzRecompute>);
+    }
   }
 }
+
+// The 16-bit backward kernels' lean form (the mean folded into z's shift and dx's constant, silu_dz_lean: 3-4 fewer
+// instructions an element) unless VD_GROUP_NORM_BACKWARD_LEAN=0; version 7 at two CTAs an SM with SiLU and dz kept
+// at 384 threads a CTA unless VD_GROUP_NORM_BACKWARD_THREADS=256 (more warps to hide the per-group passes' latency;
+// at three CTAs an SM, 384 would cap registers at 56). Both read on every call (switches for a same-process A/B).
+inline bool grad_lean() { return env_str("VD_GROUP_NORM_BACKWARD_LEAN") != "0"; }
+inline int grad_threads() { return env_int("VD_GROUP_NORM_BACKWARD_THREADS", 384) == 256 ? kSmemThreads : 384; }
 
 // Version 7's launch plan at BLOCKS CTAs an SM: the smallest cluster (up to 16) whose parts of x and dy fit a
 // stage; K = 0 where none does or the device cannot place it.
@@ -4642,7 +4731,7 @@ struct GradPlan {
 };
 
 template <typename scalar_t, int BLOCKS, typename Kernel>
-GradPlan plan_grad(Kernel kernel, int64_t cpg, int64_t S, int device) {
+GradPlan plan_grad(Kernel kernel, int64_t cpg, int64_t S, int device, int threads = kSmemThreads) {
   constexpr int kVec = max_vec<scalar_t>();
   GradPlan p;
   const int64_t Mv = cpg * S / kVec;
@@ -4663,7 +4752,7 @@ GradPlan plan_grad(Kernel kernel, int64_t cpg, int64_t S, int device) {
   p.stages = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(kGradMaxStages, 2 * grad_stage_bytes<BLOCKS>() / p.stage_bytes)));
   p.max_runs = static_cast<int>(ceil_div(p.part, int64_t{kGradRun}) + ceil_div(p.part, S / kVec) + 2);
   p.smem = p.stages * p.stage_bytes + 2 * cpg * sizeof(float) + p.max_runs * sizeof(float2) + p.stages * sizeof(uint64_t);
-  p.clusters = resident_clusters(kernel, K, device, kSmemThreads, p.smem);
+  p.clusters = resident_clusters(kernel, K, device, threads, p.smem);
   if (p.clusters > 0) p.K = K;
   return p;
 }
@@ -4703,9 +4792,12 @@ bool backward_smem(const GNShape& s, const scalar_t* x, const scalar_t* dy, scal
     if (s.S % kVec != 0 || cpg > kSmemThreads) return false;
     const int device = like.get_device();
     const bool keep = grad_keep_dz();
-    auto kernel = grad_kernel<scalar_t, 2>(silu, keep);
+    const bool lean = grad_lean();
+    auto kernel = grad_kernel<scalar_t, 2>(silu, keep, lean);
     GradPlan p = plan_grad<scalar_t, 2>(kernel, cpg, s.S, device);
     if (p.K == 0) return false;
+    int threads = kSmemThreads;
+    bool three = false;
     // Three CTAs an SM where the cluster stays as small: with 2-4 stages of up to 36 KB where two CTAs an SM would
     // take K = 1 with x and dy of a group within 36 KB (measured when both took parts of <= 48 KB (H200, bf16):
     // (14, 512, 72, 128) 0.209 vs 0.243 ms at K = 16; where K doubled, the exchanges cost more than the extra CTAs
@@ -4713,17 +4805,31 @@ bool backward_smem(const GNShape& s, const scalar_t* x, const scalar_t* dy, scal
     // single stage too (same-process A/B, H200, us: bf16 (28, 960, 72, 128) 493 vs 582, (14, 512, 72, 128) 134 vs
     // 149; fp16 488 vs 578, 132 vs 149).
     if (choice == 3) {
-      auto kernel3 = grad_kernel<scalar_t, 3>(silu, keep);
+      auto kernel3 = grad_kernel<scalar_t, 3>(silu, keep, lean);
       const GradPlan p3 = plan_grad<scalar_t, 3>(kernel3, cpg, s.S, device);
       if (p3.K == p.K && (p3.stages > 1 || p.stages == 1)) {
         p = p3;
         kernel = kernel3;
+        three = true;
+      }
+    }
+    // Two CTAs an SM, 16-bit input with SiLU and dz kept: 384 threads a CTA (grad_threads; same-process A/B, H200,
+    // bf16, us, lean kernels: (28, 320, 72, 128) 162.7 vs 167.6, (28, 640, 36, 64) 89.0 vs 94.7, (28, 1280, 18, 32)
+    // 61.9 vs 63.5). Where three CTAs an SM are taken, 384 threads at two lost: (14, 512, 72, 128) 140.5 vs 130.1,
+    // (28, 960, 72, 128) 538.8 vs 469.9.
+    if (!three && sizeof(scalar_t) == 2 && silu && keep && grad_threads() == 384) {
+      auto kernel384 = grad_kernel<scalar_t, 2, 384>(silu, keep, lean);
+      const GradPlan p384 = plan_grad<scalar_t, 2>(kernel384, cpg, s.S, device, 384);
+      if (p384.K == p.K) {
+        p = p384;
+        kernel = kernel384;
+        threads = 384;
       }
     }
     const int K = p.K;
 
     SmemGradArgs<scalar_t> a{};
-    a.f = fused_args(s, 1, x, dx, w, b, eps, silu, kSmemThreads, K, p.part);
+    a.f = fused_args(s, 1, x, dx, w, b, eps, silu, threads, K, p.part);
     a.dy = dy;
     a.groups = s.N * s.G;
     a.stages = p.stages;
@@ -4734,7 +4840,7 @@ bool backward_smem(const GNShape& s, const scalar_t* x, const scalar_t* dy, scal
     a.stats = stats;
     on_chip_param_grads<scalar_t>(s, K, like, wdtype, bdtype, stream, dw, db, [&](float2* sums) {
       a.sums = sums;
-      launch_clusters(kOp, kernel, a, std::min<int64_t>(a.groups, p.clusters), K, kSmemThreads, p.smem, stream);
+      launch_clusters(kOp, kernel, a, std::min<int64_t>(a.groups, p.clusters), K, threads, p.smem, stream);
     });
     return true;
   }
@@ -5315,10 +5421,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_silu_backward_cuda(
     acc_t* m1 = wp + n_part + n_sums;
     acc_t* m2 = m1 + NG;
     const unsigned blocks = grid_of(s.channels_last ? a.items : ceil_div(a.items, kWarps), kOp);
-    const auto ck = cols_grad_kernels<scalar_t, acc_t>(vec);
+    // The lean kernels for 16-bit input (grad_lean).
+    constexpr bool kCanLean = sizeof(scalar_t) == 2 && std::is_same_v<acc_t, float>;
+    const bool lean = kCanLean && grad_lean();
+    auto with_lean = [&](auto&& f) {
+      if constexpr (kCanLean) {
+        if (lean) return f(std::true_type{});
+      }
+      f(std::false_type{});
+    };
+    const auto ck = cols_grad_kernels<scalar_t, acc_t>(vec, lean);
     if (!s.channels_last) {
-      if (vec) grad_sums_rows_kernel<scalar_t, acc_t, L::kVec><<<blocks, kThreads, 0, stream>>>(a, pp);
-      else grad_sums_rows_kernel<scalar_t, acc_t, 1><<<blocks, kThreads, 0, stream>>>(a, pp);
+      with_lean([&](auto ln) {
+        constexpr bool LN = decltype(ln)::value;
+        if (vec) grad_sums_rows_kernel<scalar_t, acc_t, L::kVec, LN><<<blocks, kThreads, 0, stream>>>(a, pp);
+        else grad_sums_rows_kernel<scalar_t, acc_t, 1, LN><<<blocks, kThreads, 0, stream>>>(a, pp);
+      });
     } else {
       ck.sums<<<blocks, kThreads, 0, stream>>>(a, pp);
     }
@@ -5335,13 +5453,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_silu_backward_cuda(
     a.m2 = m2;
     a.reverse = apply_reversed();
     if (!s.channels_last) {
-      if (in_place) {
-        if (vec) dx_rows_kernel<scalar_t, acc_t, L::kVec, true><<<blocks, kThreads, 0, stream>>>(a);
-        else dx_rows_kernel<scalar_t, acc_t, 1, true><<<blocks, kThreads, 0, stream>>>(a);
-      } else {
-        if (vec) dx_rows_kernel<scalar_t, acc_t, L::kVec, false><<<blocks, kThreads, 0, stream>>>(a);
-        else dx_rows_kernel<scalar_t, acc_t, 1, false><<<blocks, kThreads, 0, stream>>>(a);
-      }
+      with_lean([&](auto ln) {
+        constexpr bool LN = decltype(ln)::value;
+        if (in_place) {
+          if (vec) dx_rows_kernel<scalar_t, acc_t, L::kVec, true, LN><<<blocks, kThreads, 0, stream>>>(a);
+          else dx_rows_kernel<scalar_t, acc_t, 1, true, LN><<<blocks, kThreads, 0, stream>>>(a);
+        } else {
+          if (vec) dx_rows_kernel<scalar_t, acc_t, L::kVec, false, LN><<<blocks, kThreads, 0, stream>>>(a);
+          else dx_rows_kernel<scalar_t, acc_t, 1, false, LN><<<blocks, kThreads, 0, stream>>>(a);
+        }
+      });
     } else {
       ck.dx<<<blocks, kThreads, 0, stream>>>(a);
     }
