@@ -4700,6 +4700,7 @@ bool grad_keep_dz() {
 // is kept) and, with SiLU and dz kept, THREADS a CTA (256, or 384 at two CTAs an SM).
 template <typename scalar_t, int BLOCKS, int THREADS = kSmemThreads>
 auto grad_kernel(bool silu, bool keep, bool lean) {
+  static_assert(THREADS == kSmemThreads || sizeof(scalar_t) == 2, "384 threads: 16-bit input only");
   if constexpr (sizeof(scalar_t) > 2) {
     return silu ? smem_grad_kernel<scalar_t, true, BLOCKS, kDzFlag> : smem_grad_kernel<scalar_t, false, BLOCKS, kDzFlag>;
   } else {
@@ -4817,13 +4818,15 @@ bool backward_smem(const GNShape& s, const scalar_t* x, const scalar_t* dy, scal
     // bf16, us, lean kernels: (28, 320, 72, 128) 162.7 vs 167.6, (28, 640, 36, 64) 89.0 vs 94.7, (28, 1280, 18, 32)
     // 61.9 vs 63.5). Where three CTAs an SM are taken, 384 threads at two lost: (14, 512, 72, 128) 140.5 vs 130.1,
     // (28, 960, 72, 128) 538.8 vs 469.9.
-    if (!three && sizeof(scalar_t) == 2 && silu && keep && grad_threads() == 384) {
-      auto kernel384 = grad_kernel<scalar_t, 2, 384>(silu, keep, lean);
-      const GradPlan p384 = plan_grad<scalar_t, 2>(kernel384, cpg, s.S, device, 384);
-      if (p384.K == p.K) {
-        p = p384;
-        kernel = kernel384;
-        threads = 384;
+    if constexpr (sizeof(scalar_t) == 2) {
+      if (!three && silu && keep && grad_threads() == 384) {
+        auto kernel384 = grad_kernel<scalar_t, 2, 384>(silu, keep, lean);
+        const GradPlan p384 = plan_grad<scalar_t, 2>(kernel384, cpg, s.S, device, 384);
+        if (p384.K == p.K) {
+          p = p384;
+          kernel = kernel384;
+          threads = 384;
+        }
       }
     }
     const int K = p.K;
