@@ -826,6 +826,43 @@ def test_backward_on_chip(device, dtype, variant, monkeypatch):
 
 
 @pytest.mark.parametrize("device", CUDA)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_backward_on_chip_chunks(device, dtype, monkeypatch):
+    # Version 7 lands a CTA's part in chunks, each with its own barrier (VD_GROUP_NORM_BACKWARD_CHUNKS, 2 by
+    # default), and its sums' pass starts on the first; one-stage plans also take dx a chunk at a time and refill
+    # each chunk with the next group's (VD_GROUP_NORM_BACKWARD_EARLY). The sums' runs and their order do not change,
+    # nor dx's formula, so every setting gives the same bits as one chunk without refills; with the forward's
+    # statistics and without, SiLU on and off, one stage at two and three CTAs an SM ((1, 512, 72, 128)), parts
+    # whose last rank is short ((2, 320, 70, 100)), four stages reused ((40, 256, 9, 16)).
+    if torch.cuda.get_device_capability(device)[0] < 9:
+        pytest.skip("version 7 needs the bulk copy engine and clusters (sm_90+)")
+    for name in ("VD_GROUP_NORM_BACKWARD", "VD_GROUP_NORM_BACKWARD_DZ", "VD_GROUP_NORM_BACKWARD_THREADS"):
+        monkeypatch.delenv(name, raising=False)
+    torch.manual_seed(0)
+    for shape in ((2, 320, 72, 128), (2, 320, 70, 100), (20, 640, 36, 64), (40, 256, 9, 16), (1, 512, 72, 128)):
+        C = shape[1]
+        x = (torch.randn(shape, device=device) * 3 + 1).to(dtype)
+        g = torch.randn(shape, device=device, dtype=dtype)
+        w, b = torch.randn(C, device=device, dtype=dtype), torch.randn(C, device=device, dtype=dtype)
+        for silu in (True, False):
+            _, stats = torch.ops.vd.group_norm_silu_forward(x, 32, w, b, 1e-5, silu)
+            for st in (stats, None):
+                def run():
+                    return torch.ops.vd.group_norm_silu_backward(g, x, 32, w, b, 1e-5, silu, st)
+                monkeypatch.setenv("VD_GROUP_NORM_BACKWARD_CHUNKS", "1")
+                monkeypatch.setenv("VD_GROUP_NORM_BACKWARD_EARLY", "0")
+                names = cuda_kernels_run(run)
+                assert any("smem_grad_kernel" in n for n in names), (shape, sorted(set(names)))
+                want = run()
+                for early, chunks in itertools.product(("0", "1"), ("1", "2", "3", "4", "8")):
+                    monkeypatch.setenv("VD_GROUP_NORM_BACKWARD_CHUNKS", chunks)
+                    monkeypatch.setenv("VD_GROUP_NORM_BACKWARD_EARLY", early)
+                    for got, ref, name in zip(run(), want, ("dx", "dw", "db")):
+                        what = f"{name} {shape} {dtype} silu={silu} chunks={chunks} early={early}"
+                        assert torch.equal(got, ref), what
+
+
+@pytest.mark.parametrize("device", CUDA)
 @pytest.mark.parametrize("cl", [False, True])
 def test_backward_on_chip_deterministic_and_precise(device, cl):
     # The same bits on every call (no atomics anywhere in the sums), and x - mean kept exact when the mean

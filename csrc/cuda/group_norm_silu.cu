@@ -1771,10 +1771,11 @@ __device__ __forceinline__ Welford<float> cluster_sums_pivoted(float s1, float s
 struct StageRing {
   int stage = 0;
   uint32_t parity = 0;
+  // bars: a stage's barriers, at bar0 + 8 * (stage * bars + i) (version 7's chunks; one elsewhere).
   template <typename Issue>
-  __device__ __forceinline__ void start(uint32_t bar0, int stages, uint64_t* xbars, Issue&& issue) {
+  __device__ __forceinline__ void start(uint32_t bar0, int stages, uint64_t* xbars, Issue&& issue, int bars = 1) {
     if (threadIdx.x == 0) {
-      for (int s = 0; s < stages; ++s) wgmma::mbar_init(bar0 + 8 * s, 1);
+      for (int s = 0; s < stages * bars; ++s) wgmma::mbar_init(bar0 + 8 * s, 1);
       for (int b = 0; b < 2; ++b) wgmma::mbar_init(static_cast<uint32_t>(__cvta_generic_to_shared(&xbars[b])), 1);
       wgmma::mbar_init_fence();
       for (int s = 0; s < stages; ++s) issue(s, s);
@@ -2763,7 +2764,10 @@ __global__ void __launch_bounds__(kStreamColsThreads, 1)
 //   3. dx = rstd * (dz * gamma - m1 - xhat * m2), 16-byte stores.
 // grad_params_kernel then adds the CTAs' sums over samples and ranks (fixed order). Two CTAs an SM with stages of
 // up to 48 KB (one of up to 96 KB), or three with up to 36 KB (one of up to 72 KB) where that keeps the cluster as
-// small (backward_smem).
+// small (backward_smem). A part lands in chunks (two by default), each completing its own barrier, so the sums'
+// pass starts on the first while the second lands; where a CTA holds a single stage, dx runs a chunk at a time and
+// each chunk is refilled with the CTA's next group as soon as every thread is done with it, so the next load
+// overlaps this group's dx instead of waiting for all of it.
 
 // A stage holds x's part and dy's; stages * stage_bytes <= 2 * grad_stage_bytes<BLOCKS>(), BLOCKS CTAs an SM:
 // 2 with stages of up to 48 KB, 3 with up to 36 KB (registers capped at 85 a thread).
@@ -2772,6 +2776,8 @@ constexpr int64_t grad_stage_bytes() {
   return BLOCKS == 3 ? 36 * 1024 : 48 * 1024;
 }
 constexpr int kGradMaxStages = 4;
+constexpr int kGradMaxChunks = 8;           // barriers a stage (SmemGradArgs::chunks)
+constexpr int kGradMinChunkVectors = 128;   // 2 KB of x and of dy a chunk at least
 constexpr int kGradRun = 32;  // vectors a run at least (a vector a lane); two a lane for channels of >= 128
 
 template <typename scalar_t>
@@ -2786,6 +2792,9 @@ struct SmemGradArgs {
   int max_runs;
   bool keep_dz;           // kDzFlag kernels: SiLU's dz kept (grad_keep_dz)
   const float* stats;     // the forward's statistics (3, groups: norm.h), or nullptr: taken here from x
+  int chunks;             // barriers a stage: a part lands in chunks of chunk_v vectors (of x and of dy), each
+  int chunk_v;            // with its own barrier, so the sums' pass starts on the first while the rest land
+  bool early;             // one stage: dx a chunk at a time, the next group's chunk issued as each is done
 };
 
 // A 16-byte store as one instruction (the compiler split a plain uint4 store into four 4-byte ones here).
@@ -2854,21 +2863,27 @@ __global__ void __launch_bounds__(THREADS, BLOCKS) smem_grad_kernel(const SmemGr
     }
   };
 
-  // Thread 0 hands the copy engine iteration it's parts of x and dy (contiguous: F = 1).
-  auto issue = [&](int64_t it, int stage) {
+  // Thread 0 hands the copy engine iteration it's parts of x and dy (contiguous: F = 1), chunk by chunk: chunk i
+  // (vectors [i * chunk_v, min((i + 1) * chunk_v, nv))) of x and of dy complete barrier (stage, i).
+  const int chunks = sa.chunks, chunk_v = sa.chunk_v;
+  auto issue_chunk = [&](int64_t it, int stage, int i) {
     const int64_t ng = cluster + it * nclusters;
-    if (ng >= sa.groups || nv == 0) return;
-    const int64_t off = (ng / a.G) * a.nstride + (ng % a.G) * a.seg + static_cast<int64_t>(v0) * VEC;
-    const uint32_t bar = bar0 + 8 * stage, dst = smem0 + static_cast<uint32_t>(stage) * sa.stage_bytes;
-    const uint32_t bytes = static_cast<uint32_t>(nv) * 16u;
+    const int k = i * chunk_v;
+    if (ng >= sa.groups || k >= nv) return;
+    const int64_t off = (ng / a.G) * a.nstride + (ng % a.G) * a.seg + static_cast<int64_t>(v0 + k) * VEC;
+    const uint32_t dst = smem0 + static_cast<uint32_t>(stage) * sa.stage_bytes + 16u * k;
+    const uint32_t bar = bar0 + 8 * (stage * chunks + i), bytes = static_cast<uint32_t>(min(chunk_v, nv - k)) * 16u;
     wgmma::mbar_expect_tx(bar, 2 * bytes);
     wgmma::bulk_load(dst, a.x + off, bytes, bar);
     wgmma::bulk_load(dst + sa.dy_off, sa.dy + off, bytes, bar);
   };
+  auto issue = [&](int64_t it, int stage) {
+    for (int i = 0; i * chunk_v < nv; ++i) issue_chunk(it, stage, i);
+  };
 
   const ClusterExchange xch{sh_slots, sh_xbars, K, rank};
   StageRing ring;
-  ring.start(bar0, stages, sh_xbars, issue);
+  ring.start(bar0, stages, sh_xbars, issue, chunks);
 
   auto sum_lanes = [](float& u, float& v) {  // xor butterflies: every lane ends with the same bits
 #pragma unroll
@@ -2896,18 +2911,27 @@ __global__ void __launch_bounds__(THREADS, BLOCKS) smem_grad_kernel(const SmemGr
       sh_gamma[tid] = a.w ? static_cast<float>(a.w[g * a.cpg + tid]) : 1.f;
       sh_beta[tid] = a.b ? static_cast<float>(a.b[g * a.cpg + tid]) : 0.f;
     }
+    // Each thread waits for the chunks it reads itself, in order: landed(k) returns once vector k's chunk (and
+    // every one before it) has landed. Every chunk it waits on was issued (k < nv).
+    int landed_chunks = 0, landed_end = 0;
+    auto landed = [&](int k) {
+      while (k >= landed_end) {
+        wgmma::mbar_wait(bar0 + 8 * (stage * chunks + landed_chunks), ring.parity);
+        ++landed_chunks;
+        landed_end += chunk_v;
+      }
+    };
     // 1. Statistics. Below, xd = x - pivot0 (exact for x near pivot0) and x - mean = xd - md: z = xd * sc + bd
     // with sc = rstd * gamma_c, bd = beta_c - md * sc. The forward's where given (pivot0 the mean's high part,
     // md its low part; exchange 2 it is then never used), else from the stage (exchange 2 it).
     float pivot0, rstd, md;
-    if (sa.stats) {  // loaded ahead of the stage's wait
+    if (sa.stats) {  // loaded ahead of the stage's wait; the sums' pass waits for each run's chunks
       pivot0 = sa.stats[ng];
       md = sa.stats[sa.groups + ng];
       rstd = sa.stats[2 * sa.groups + ng];
-      if (nv > 0) wgmma::mbar_wait(bar0 + 8 * stage, ring.parity);
       __syncthreads();  // gamma and beta written
     } else {
-      if (nv > 0) wgmma::mbar_wait(bar0 + 8 * stage, ring.parity);
+      landed(nv - 1);
       const Welford<float> st = smem_part_stats<scalar_t, THREADS>(xb, nv, xch, 2 * it, sh_warp, sh_sums, pivot0);
       rstd = rsqrtf(__fdividef(st.m2, st.n) + static_cast<float>(a.eps));
       md = st.mean;
@@ -2915,6 +2939,7 @@ __global__ void __launch_bounds__(THREADS, BLOCKS) smem_grad_kernel(const SmemGr
 
     // 2. Sums of dz and dz * xd a run.
     for_runs([&](int r, int k, int hi, int c) {
+      landed(min(hi, k - lane + run_len) - 1);  // the run's last vector (the same in every lane)
       const float sc = rstd * sh_gamma[c], bd = fmaf(-md, sc, sh_beta[c]), bx = fmaf(-pivot0, sc, bd);
       float sdz = 0.f, sdzx = 0.f;
 #pragma unroll
@@ -2986,6 +3011,7 @@ __global__ void __launch_bounds__(THREADS, BLOCKS) smem_grad_kernel(const SmemGr
     const float inv_m = 1.f / static_cast<float>(a.M);
     // dx = sc_c * dz + B + D * (x - mean) = sc_c * dz + D * xd + (B - D * md)
     const float D = -rstd * rstd * m2 * inv_m, Bd = fmaf(-D, md, -rstd * m1 * inv_m), Bx = fmaf(-D, pivot0, Bd);
+    landed(nv - 1);  // dx reads any vector: this thread waits for the chunks it has not (all landed by now)
 
     // 3. dx: a run at a time where channels are long (sc and bd once a run), else thread-strided vectors.
     auto dx_vec = [&](int k, float sc, float bd) {
@@ -3009,6 +3035,23 @@ __global__ void __launch_bounds__(THREADS, BLOCKS) smem_grad_kernel(const SmemGr
       }
       store_v4(a.out + base + static_cast<int64_t>(k) * VEC, o);
     };
+    if (sa.early) {  // one stage: chunk by chunk, each refilled with the next group's once every thread is done
+      for (int i = 0, lo = 0; lo < nv; ++i, lo += chunk_v) {
+        const int hi = min(lo + chunk_v, nv);
+        GroupPos p(static_cast<unsigned>((v0 + lo + tid) * VEC), a);
+        for (int k = lo + tid; k < hi; k += THREADS) {
+          const float sc = rstd * sh_gamma[p.c], bd = fmaf(-md, sc, sh_beta[p.c]);
+          dx_vec(k, sc, bd);
+          p.advance(a);
+        }
+        if (kKeep) wgmma::fence_proxy_async();  // dz's stores before the copy engine refills the chunk
+        __syncthreads();
+        if (tid == 0) issue_chunk(it + 1, stage, i);
+      }
+      if (nv == 0) __syncthreads();
+      ring.advance(stages);
+      continue;
+    }
     if (run_v == 2) {
       for_runs([&](int, int k, int hi, int c) {
         const float sc = rstd * sh_gamma[c], bd = fmaf(-md, sc, sh_beta[c]);
@@ -4721,6 +4764,17 @@ auto grad_kernel(bool silu, bool keep, bool lean) {
 // at 384 threads a CTA unless VD_GROUP_NORM_BACKWARD_THREADS=256 (more warps to hide the per-group passes' latency;
 // at three CTAs an SM, 384 would cap registers at 56). Both read on every call (switches for a same-process A/B).
 inline bool grad_lean() { return env_str("VD_GROUP_NORM_BACKWARD_LEAN") != "0"; }
+// Version 7's chunks a part (SmemGradArgs::chunks), 2 unless VD_GROUP_NORM_BACKWARD_CHUNKS=1..8 (read on every call).
+// Same-process A/B, H200, device us, one chunk without refills / two with / four with (early): fp32 (28, 320, 72,
+// 128) 369.8 / 339.8 / 378.0, (28, 640, 36, 64) 189.1 / 174.6 / 188.7, (14, 512, 72, 128) 282.5 / 268.3 / 283.6;
+// bf16 (28, 320, 72, 128) 163.6 / 160.4 / 170.8, (28, 960, 72, 128) 474.8 / 476.1 / 508.4. Every chunk costs two
+// more bulk copies and a barrier wait a thread: eight took 10-27 % longer than one.
+inline int grad_chunks() {
+  return static_cast<int>(std::clamp<int64_t>(env_int("VD_GROUP_NORM_BACKWARD_CHUNKS", 2), 1, kGradMaxChunks));
+}
+// Version 7's one-stage plans refill each chunk as dx is done with it (SmemGradArgs::early) unless
+// VD_GROUP_NORM_BACKWARD_EARLY=0; read on every call.
+inline bool grad_early() { return env_str("VD_GROUP_NORM_BACKWARD_EARLY") != "0"; }
 inline int grad_threads() { return env_int("VD_GROUP_NORM_BACKWARD_THREADS", 384) == 256 ? kSmemThreads : 384; }
 
 // Version 7's launch plan at BLOCKS CTAs an SM: the smallest cluster (up to 16) whose parts of x and dy fit a
@@ -4752,7 +4806,8 @@ GradPlan plan_grad(Kernel kernel, int64_t cpg, int64_t S, int device, int thread
   if (p.stage_bytes > limit) return p;
   p.stages = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(kGradMaxStages, 2 * grad_stage_bytes<BLOCKS>() / p.stage_bytes)));
   p.max_runs = static_cast<int>(ceil_div(p.part, int64_t{kGradRun}) + ceil_div(p.part, S / kVec) + 2);
-  p.smem = p.stages * p.stage_bytes + 2 * cpg * sizeof(float) + p.max_runs * sizeof(float2) + p.stages * sizeof(uint64_t);
+  p.smem = p.stages * p.stage_bytes + 2 * cpg * sizeof(float) + p.max_runs * sizeof(float2) +
+           p.stages * kGradMaxChunks * sizeof(uint64_t);
   p.clusters = resident_clusters(kernel, K, device, threads, p.smem);
   if (p.clusters > 0) p.K = K;
   return p;
@@ -4841,6 +4896,11 @@ bool backward_smem(const GNShape& s, const scalar_t* x, const scalar_t* dy, scal
     a.max_runs = p.max_runs;
     a.keep_dz = keep;
     a.stats = stats;
+    // Chunks a part (grad_chunks), none under kGradMinChunkVectors vectors.
+    const int64_t chunks = std::clamp<int64_t>(p.part / kGradMinChunkVectors, 1, grad_chunks());
+    a.chunk_v = static_cast<int>(ceil_div(p.part, chunks));
+    a.chunks = static_cast<int>(ceil_div(p.part, int64_t{a.chunk_v}));
+    a.early = p.stages == 1 && grad_early();
     on_chip_param_grads<scalar_t>(s, K, like, wdtype, bdtype, stream, dw, db, [&](float2* sums) {
       a.sums = sums;
       launch_clusters(kOp, kernel, a, std::min<int64_t>(a.groups, p.clusters), K, threads, p.smem, stream);
