@@ -1,10 +1,10 @@
 """A representative set of CUDA calls of every vd op (forward and backward), small enough to run under
 compute-sanitizer (memcheck, racecheck):
 
-    compute-sanitizer --tool memcheck python bench/sanitize_ops.py [FAMILY ...]
+    compute-sanitizer --tool memcheck python bench/sanitize_ops.py [FAMILY ...] [--dtypes=bf16,fp16,fp32]
 
 FAMILY (attention, group_norm_silu, conv_bn_silu, temporal_conv, scheduler_step) limits the run to those
-families; default: all. attention_backward (not in the default set) is a small masked bf16 backward at head
+families; default: all (in bf16 and fp32, or the --dtypes given). attention_backward (not in the default set) is a small masked bf16 backward at head
 dims 64 and 128 (the default kernels and the deterministic pair), small enough for racecheck (the full
 attention set takes it several minutes). group_norm_silu_three_ctas (not in the default set either) is version 8 at
 three CTAs an SM alone (racecheck over the whole group_norm_silu set runs past ten minutes);
@@ -111,7 +111,11 @@ def gn_backward_cols_cases(dev, dtype):
 
 
 def main():
-    only = set(sys.argv[1:])
+    # --dtypes=bf16,fp16,fp32 picks the dtypes (default bf16 and fp32).
+    names = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    picked = [a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--dtypes=")]
+    dtypes = [names[d] for d in picked[-1].split(",")] if picked else [torch.bfloat16, torch.float32]
+    only = {a for a in sys.argv[1:] if not a.startswith("--dtypes=")}
 
     def want(family):
         return (not only or family in only) and has_cuda_kernels("fused_attention" if family == "attention" else family)
@@ -119,7 +123,7 @@ def main():
     dev = "cuda"
     torch.manual_seed(0)
     ran = []
-    for dtype in (torch.bfloat16, torch.float32):
+    for dtype in dtypes:
         if want("attention"):
             for B, H, Lq, Lk, D in [(3, 2, 14, 14, 64), (700, 2, 25, 25, 40), (5, 3, 32, 17, 128), (1, 2, 77, 131, 40), (2, 1, 300, 1, 128), (1, 1, 257, 257, 256),
                                     (1, 2, 200, 300, 128)]:
