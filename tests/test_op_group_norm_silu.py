@@ -832,19 +832,25 @@ def test_backward_on_chip_chunks(device, dtype, monkeypatch):
     # default), and its sums' pass starts on the first; one-stage plans also take dx a chunk at a time and refill
     # each chunk with the next group's (VD_GROUP_NORM_BACKWARD_EARLY). The sums' runs and their order do not change,
     # nor dx's formula, so every setting gives the same bits as one chunk without refills; with the forward's
-    # statistics and without, SiLU on and off, one stage at two and three CTAs an SM ((1, 512, 72, 128)), parts
-    # whose last rank is short ((2, 320, 70, 100)), four stages reused ((40, 256, 9, 16)).
+    # statistics and without, SiLU on and off, dz kept and evaluated again. Plans (16-bit; fp32 parts twice the
+    # vectors): one stage at two CTAs an SM, with several groups a cluster ((20, 640, 36, 64), K 2) and parts whose
+    # last rank is short ((2, 320, 70, 100)); one stage at three CTAs an SM, several groups a cluster ((8, 512, 72,
+    # 128), K 8); two stages of 1440-vector parts in 16-bit ((4, 640, 18, 32); fp32 (4, 320, 18, 32)), so stage 1's
+    # chunk barriers; four stages of short parts ((40, 256, 9, 16): one chunk in 16-bit).
     if torch.cuda.get_device_capability(device)[0] < 9:
         pytest.skip("version 7 needs the bulk copy engine and clusters (sm_90+)")
     for name in ("VD_GROUP_NORM_BACKWARD", "VD_GROUP_NORM_BACKWARD_DZ", "VD_GROUP_NORM_BACKWARD_THREADS"):
         monkeypatch.delenv(name, raising=False)
     torch.manual_seed(0)
-    for shape in ((2, 320, 72, 128), (2, 320, 70, 100), (20, 640, 36, 64), (40, 256, 9, 16), (1, 512, 72, 128)):
+    shapes = [(2, 320, 72, 128), (2, 320, 70, 100), (20, 640, 36, 64), (40, 256, 9, 16), (8, 512, 72, 128),
+              (4, 640, 18, 32), (4, 320, 18, 32)]
+    for shape in shapes:
         C = shape[1]
         x = (torch.randn(shape, device=device) * 3 + 1).to(dtype)
         g = torch.randn(shape, device=device, dtype=dtype)
         w, b = torch.randn(C, device=device, dtype=dtype), torch.randn(C, device=device, dtype=dtype)
-        for silu in (True, False):
+        for silu, dz in ((True, "keep"), (True, "recompute"), (False, "keep")):
+            monkeypatch.setenv("VD_GROUP_NORM_BACKWARD_DZ", dz)
             _, stats = torch.ops.vd.group_norm_silu_forward(x, 32, w, b, 1e-5, silu)
             for st in (stats, None):
                 def run():
@@ -858,7 +864,7 @@ def test_backward_on_chip_chunks(device, dtype, monkeypatch):
                     monkeypatch.setenv("VD_GROUP_NORM_BACKWARD_CHUNKS", chunks)
                     monkeypatch.setenv("VD_GROUP_NORM_BACKWARD_EARLY", early)
                     for got, ref, name in zip(run(), want, ("dx", "dw", "db")):
-                        what = f"{name} {shape} {dtype} silu={silu} chunks={chunks} early={early}"
+                        what = f"{name} {shape} {dtype} silu={silu} dz={dz} chunks={chunks} early={early}"
                         assert torch.equal(got, ref), what
 
 

@@ -2794,7 +2794,7 @@ struct SmemGradArgs {
   const float* stats;     // the forward's statistics (3, groups: norm.h), or nullptr: taken here from x
   int chunks;             // barriers a stage: a part lands in chunks of chunk_v vectors (of x and of dy), each
   int chunk_v;            // with its own barrier, so the sums' pass starts on the first while the rest land
-  bool early;             // one stage: dx a chunk at a time, the next group's chunk issued as each is done
+  bool early;             // dx a chunk at a time, the next group's chunk issued as each is done (one-stage plans)
 };
 
 // A 16-byte store as one instruction (the compiler split a plain uint4 store into four 4-byte ones here).
@@ -3035,7 +3035,9 @@ __global__ void __launch_bounds__(THREADS, BLOCKS) smem_grad_kernel(const SmemGr
       }
       store_v4(a.out + base + static_cast<int64_t>(k) * VEC, o);
     };
-    if (sa.early) {  // one stage: chunk by chunk, each refilled with the next group's once every thread is done
+    // Early refills (the host sets them for one-stage plans only): chunk by chunk, each refilled with this stage's
+    // next item once every thread is done with it.
+    if (sa.early) {
       for (int i = 0, lo = 0; lo < nv; ++i, lo += chunk_v) {
         const int hi = min(lo + chunk_v, nv);
         GroupPos p(static_cast<unsigned>((v0 + lo + tid) * VEC), a);
@@ -3046,7 +3048,7 @@ __global__ void __launch_bounds__(THREADS, BLOCKS) smem_grad_kernel(const SmemGr
         }
         if (kKeep) wgmma::fence_proxy_async();  // dz's stores before the copy engine refills the chunk
         __syncthreads();
-        if (tid == 0) issue_chunk(it + 1, stage, i);
+        if (tid == 0) issue_chunk(it + stages, stage, i);
       }
       if (nv == 0) __syncthreads();
       ring.advance(stages);
