@@ -825,6 +825,12 @@ def test_backward_on_chip(device, dtype, variant, monkeypatch):
     assert not any("smem_grad_kernel" in n for n in names)
 
 
+def clear_backward_switches(monkeypatch):
+    """The backward's kernel switches unset (the test sets those it compares)."""
+    for name in ("VD_GROUP_NORM_BACKWARD", "VD_GROUP_NORM_BACKWARD_DZ", "VD_GROUP_NORM_BACKWARD_THREADS"):
+        monkeypatch.delenv(name, raising=False)
+
+
 @pytest.mark.parametrize("device", CUDA)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_backward_on_chip_chunks(device, dtype, monkeypatch):
@@ -839,8 +845,7 @@ def test_backward_on_chip_chunks(device, dtype, monkeypatch):
     # chunk barriers; four stages of short parts ((40, 256, 9, 16): one chunk in 16-bit).
     if torch.cuda.get_device_capability(device)[0] < 9:
         pytest.skip("version 7 needs the bulk copy engine and clusters (sm_90+)")
-    for name in ("VD_GROUP_NORM_BACKWARD", "VD_GROUP_NORM_BACKWARD_DZ", "VD_GROUP_NORM_BACKWARD_THREADS"):
-        monkeypatch.delenv(name, raising=False)
+    clear_backward_switches(monkeypatch)
     torch.manual_seed(0)
     shapes = [(2, 320, 72, 128), (2, 320, 70, 100), (20, 640, 36, 64), (40, 256, 9, 16), (8, 512, 72, 128),
               (4, 640, 18, 32), (4, 320, 18, 32)]
@@ -927,8 +932,7 @@ def test_backward_lean_16bit(device, dtype, layout, shape, kernel, ends_silu, en
     # out; each form pinned by its kernel's name.
     if layout == "nchw" and torch.cuda.get_device_capability(device)[0] < 9:
         pytest.skip("version 7 needs the bulk copy engine and clusters (sm_90+)")
-    for name in ("VD_GROUP_NORM_BACKWARD", "VD_GROUP_NORM_BACKWARD_DZ", "VD_GROUP_NORM_BACKWARD_THREADS"):
-        monkeypatch.delenv(name, raising=False)  # the kernels as chosen
+    clear_backward_switches(monkeypatch)  # the kernels as chosen
     torch.manual_seed(0)
     if layout == "fm":
         B, C, F, H, W = shape

@@ -769,6 +769,10 @@ __device__ __forceinline__ acc_t silu_dz(acc_t dy, acc_t z) {
   else return dy * silu_grad(z);
 }
 
+// Where the backward's lean kernels apply: 16-bit data summed in float (LEAN template arguments, grad_lean).
+template <typename scalar_t, typename acc_t>
+constexpr bool kCanLean = sizeof(scalar_t) == 2 && std::is_same_v<acc_t, float>;
+
 // The same for 16-bit data in three instructions after the two approximations instead of four:
 // dy * s * (1 + z * (1 - s)) as q = z - z * s, ds = dy * s, ds + ds * q (the lean kernels).
 __device__ __forceinline__ float silu_dz_lean(float dy, float z) {
@@ -803,7 +807,7 @@ __device__ __forceinline__ void with_silu(bool silu, F&& f) {
 template <typename scalar_t, typename acc_t, int VEC, bool LEAN = false>
 __global__ void __launch_bounds__(kThreads) grad_sums_rows_kernel(GNArgs<scalar_t, acc_t> a,
                                                                   Sum2<acc_t>* __restrict__ part) {
-  constexpr bool kLean = LEAN && sizeof(scalar_t) == 2 && std::is_same_v<acc_t, float>;
+  constexpr bool kLean = LEAN && kCanLean<scalar_t, acc_t>;
   const int lane = threadIdx.x & 31;
   const int64_t w = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
   if (w >= a.items) return;
@@ -860,7 +864,7 @@ __global__ void __launch_bounds__(kThreads) grad_sums_rows_kernel(GNArgs<scalar_
 template <typename scalar_t, typename acc_t, int VEC, int U, bool LEAN = false>
 __global__ void __launch_bounds__(kThreads, kGradColsCtas)
     grad_sums_cols_kernel(GNArgs<scalar_t, acc_t> a, Sum2<acc_t>* __restrict__ part) {
-  constexpr bool kLean = LEAN && sizeof(scalar_t) == 2 && std::is_same_v<acc_t, float>;
+  constexpr bool kLean = LEAN && kCanLean<scalar_t, acc_t>;
   __shared__ acc_t sh_dz[kThreads * VEC];
   __shared__ acc_t sh_dzx[kThreads * VEC];
   const ColBlock cb = col_block(a, VEC);
@@ -1001,7 +1005,7 @@ __device__ __forceinline__ acc_t dx_of(acc_t xc, acc_t dy, acc_t rstd, acc_t gam
 // LEAN (16-bit input): dx = sc * dz + D * x + E and z = x * sc + bx, the mean folded into E and bx; silu_dz_lean.
 template <typename scalar_t, typename acc_t, int VEC, bool FM, bool LEAN = false>
 __global__ void __launch_bounds__(kThreads) dx_rows_kernel(GNArgs<scalar_t, acc_t> a) {
-  constexpr bool kLean = LEAN && sizeof(scalar_t) == 2 && std::is_same_v<acc_t, float>;
+  constexpr bool kLean = LEAN && kCanLean<scalar_t, acc_t>;
   const int lane = threadIdx.x & 31;
   const int64_t w = pass_block(a) * kWarps + threadIdx.x / 32;
   if (w >= a.items) return;
@@ -1057,7 +1061,7 @@ __global__ void __launch_bounds__(kThreads) dx_rows_kernel(GNArgs<scalar_t, acc_
 template <typename scalar_t, typename acc_t, int VEC, int U, bool LEAN = false>
 __global__ void __launch_bounds__(kThreads, kGradColsCtas) dx_cols_kernel(GNArgs<scalar_t, acc_t> a) {
   // LEAN (16-bit input): the mean folded into z's shift and dx's constant, silu_dz_lean.
-  constexpr bool kLean = LEAN && sizeof(scalar_t) == 2 && std::is_same_v<acc_t, float>;
+  constexpr bool kLean = LEAN && kCanLean<scalar_t, acc_t>;
   const ColBlock cb = col_block(a, VEC);
   if (!cb.active) return;
   acc_t mu[VEC], sc[VEC], be[VEC], cbb[VEC], cd[VEC];
@@ -3035,17 +3039,20 @@ __global__ void __launch_bounds__(THREADS, BLOCKS) smem_grad_kernel(const SmemGr
       }
       store_v4(a.out + base + static_cast<int64_t>(k) * VEC, o);
     };
+    // dx of vectors lo + tid, lo + tid + THREADS, ... below hi (the channel stepped, not divided out).
+    auto dx_strided = [&](int lo, int hi) {
+      GroupPos p(static_cast<unsigned>((v0 + lo + tid) * VEC), a);
+      for (int k = lo + tid; k < hi; k += THREADS) {
+        const float sc = rstd * sh_gamma[p.c], bd = fmaf(-md, sc, sh_beta[p.c]);
+        dx_vec(k, sc, bd);
+        p.advance(a);
+      }
+    };
     // Early refills (the host sets them for one-stage plans only): chunk by chunk, each refilled with this stage's
     // next item once every thread is done with it.
     if (sa.early) {
       for (int i = 0, lo = 0; lo < nv; ++i, lo += chunk_v) {
-        const int hi = min(lo + chunk_v, nv);
-        GroupPos p(static_cast<unsigned>((v0 + lo + tid) * VEC), a);
-        for (int k = lo + tid; k < hi; k += THREADS) {
-          const float sc = rstd * sh_gamma[p.c], bd = fmaf(-md, sc, sh_beta[p.c]);
-          dx_vec(k, sc, bd);
-          p.advance(a);
-        }
+        dx_strided(lo, min(lo + chunk_v, nv));
         if (kKeep) wgmma::fence_proxy_async();  // dz's stores before the copy engine refills the chunk
         __syncthreads();
         if (tid == 0) issue_chunk(it + stages, stage, i);
@@ -3062,12 +3069,7 @@ __global__ void __launch_bounds__(THREADS, BLOCKS) smem_grad_kernel(const SmemGr
           if (k < hi) dx_vec(k, sc, bd);
       });
     } else {
-      GroupPos p(static_cast<unsigned>((v0 + tid) * VEC), a);
-      for (int k = tid; k < nv; k += THREADS) {
-        const float sc = rstd * sh_gamma[p.c], bd = fmaf(-md, sc, sh_beta[p.c]);
-        dx_vec(k, sc, bd);
-        p.advance(a);
-      }
+      dx_strided(0, nv);
     }
     if (kKeep) wgmma::fence_proxy_async();  // dz's stores before the copy engine refills the stage
     ring.release(it, stages, issue);
@@ -4727,7 +4729,7 @@ ColsGradKernels<scalar_t, acc_t> cols_grad_kernels_of(bool vec) {
 
 template <typename scalar_t, typename acc_t>
 ColsGradKernels<scalar_t, acc_t> cols_grad_kernels(bool vec, bool lean) {
-  if constexpr (sizeof(scalar_t) == 2 && std::is_same_v<acc_t, float>) {
+  if constexpr (kCanLean<scalar_t, acc_t>) {
     if (lean) return cols_grad_kernels_of<scalar_t, acc_t, true>(vec);
   }
   return cols_grad_kernels_of<scalar_t, acc_t, false>(vec);
@@ -5487,10 +5489,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_silu_backward_cuda(
     acc_t* m2 = m1 + NG;
     const unsigned blocks = grid_of(s.channels_last ? a.items : ceil_div(a.items, kWarps), kOp);
     // The lean kernels for 16-bit input (grad_lean).
-    constexpr bool kCanLean = sizeof(scalar_t) == 2 && std::is_same_v<acc_t, float>;
-    const bool lean = kCanLean && grad_lean();
+    const bool lean = kCanLean<scalar_t, acc_t> && grad_lean();
     auto with_lean = [&](auto&& f) {
-      if constexpr (kCanLean) {
+      if constexpr (kCanLean<scalar_t, acc_t>) {
         if (lean) return f(std::true_type{});
       }
       f(std::false_type{});
