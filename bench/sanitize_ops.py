@@ -52,12 +52,13 @@ def gn_backward_cases(dev, dtype, version_7_only=False):
         gn_backward_rows_cases(dev, dtype)
     # The backward on chip (version 7), as chosen and at two CTAs an SM: one CTA with runs shorter than
     # 32 and stages reused (three CTAs an SM as chosen), clusters of 2 to 16 each in one stage of 69-92 KB
-    # (parts straddling channels, a short last rank), without SiLU or affine. In 16-bit with SiLU, two CTAs an SM
-    # take 384 threads.
+    # (parts straddling channels, a short last rank), without SiLU or affine; 64 groups that fill more SMs at three
+    # CTAs an SM and twice the cluster (the round-fill rule, 16-bit). In 16-bit with SiLU, two CTAs an SM take 384
+    # threads.
     for variant in ("", "smem2"):
         with env_var("VD_GROUP_NORM_BACKWARD", variant):  # "": as chosen
             for shape, silu in [((40, 256, 9, 16), True), ((4, 640, 36, 64), True), ((2, 320, 70, 100), False),
-                                ((1, 512, 72, 128), True), ((1, 960, 72, 128), True)]:
+                                ((1, 512, 72, 128), True), ((1, 960, 72, 128), True), ((2, 1280, 18, 32), True)]:
                 x = torch.randn(shape, device=dev, dtype=dtype)
                 g = torch.randn(shape, device=dev, dtype=dtype)
                 w = torch.randn(shape[1], device=dev, dtype=dtype)

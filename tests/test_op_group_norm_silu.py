@@ -769,6 +769,14 @@ def backward_on_chip(shape, groups, dtype):
     return S % vec == 0 and cpg <= 256 and stage <= 96 * 1024
 
 
+def backward_inputs(shape, device, dtype):
+    """x (mean 1, spread 3), grad_out, weight and bias for a backward case."""
+    C = shape[1]
+    x = (torch.randn(shape, device=device) * 3 + 1).to(dtype)
+    g = torch.randn(shape, device=device, dtype=dtype)
+    return x, g, torch.randn(C, device=device, dtype=dtype), torch.randn(C, device=device, dtype=dtype)
+
+
 def check_backward_kernel(kernel, want, g, x, groups, w, b):
     """For SiLU and affine on, SiLU off, affine off, each with the statistics computed by the backward and with the
     forward's (what autograd passes): asserts whether `kernel` serves the backward, and dx, grad_weight, grad_bias
@@ -812,11 +820,8 @@ def test_backward_on_chip(device, dtype, variant, monkeypatch):
         monkeypatch.setenv("VD_GROUP_NORM_BACKWARD", variant)
     torch.manual_seed(0)
     for shape, groups in BACKWARD_ON_CHIP_CASES:
-        C = shape[1]
         want_chip = backward_on_chip(shape, groups, dtype)
-        x = (torch.randn(shape, device=device) * 3 + 1).to(dtype)
-        g = torch.randn(shape, device=device, dtype=dtype)
-        w, b = torch.randn(C, device=device, dtype=dtype), torch.randn(C, device=device, dtype=dtype)
+        x, g, w, b = backward_inputs(shape, device, dtype)
         check_backward_kernel("smem_grad_kernel", want_chip, g, x, groups, w, b)
     assert any(backward_on_chip(s, g, dtype) for s, g in BACKWARD_ON_CHIP_CASES)
     monkeypatch.setenv("VD_GROUP_NORM_BACKWARD", "twopass")
@@ -827,7 +832,8 @@ def test_backward_on_chip(device, dtype, variant, monkeypatch):
 
 def clear_backward_switches(monkeypatch):
     """The backward's kernel switches unset (the test sets those it compares)."""
-    for name in ("VD_GROUP_NORM_BACKWARD", "VD_GROUP_NORM_BACKWARD_DZ", "VD_GROUP_NORM_BACKWARD_THREADS"):
+    for name in ("VD_GROUP_NORM_BACKWARD", "VD_GROUP_NORM_BACKWARD_DZ", "VD_GROUP_NORM_BACKWARD_THREADS",
+                 "VD_GROUP_NORM_BACKWARD_MIN_K", "VD_GROUP_NORM_BACKWARD_FILL"):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -850,10 +856,7 @@ def test_backward_on_chip_chunks(device, dtype, monkeypatch):
     shapes = [(2, 320, 72, 128), (2, 320, 70, 100), (20, 640, 36, 64), (40, 256, 9, 16), (8, 512, 72, 128),
               (4, 640, 18, 32), (4, 320, 18, 32)]
     for shape in shapes:
-        C = shape[1]
-        x = (torch.randn(shape, device=device) * 3 + 1).to(dtype)
-        g = torch.randn(shape, device=device, dtype=dtype)
-        w, b = torch.randn(C, device=device, dtype=dtype), torch.randn(C, device=device, dtype=dtype)
+        x, g, w, b = backward_inputs(shape, device, dtype)
         for silu, dz in ((True, "keep"), (True, "recompute"), (False, "keep")):
             monkeypatch.setenv("VD_GROUP_NORM_BACKWARD_DZ", dz)
             _, stats = torch.ops.vd.group_norm_silu_forward(x, 32, w, b, 1e-5, silu)
@@ -871,6 +874,41 @@ def test_backward_on_chip_chunks(device, dtype, monkeypatch):
                     for got, ref, name in zip(run(), want, ("dx", "dw", "db")):
                         what = f"{name} {shape} {dtype} silu={silu} dz={dz} chunks={chunks} early={early}"
                         assert torch.equal(got, ref), what
+
+
+def on_chip_ctas_an_sm(run):
+    """The CTAs an SM (the BLOCKS argument) of the version 7 kernel one call of run launches."""
+    found = {m.group(1) for n in cuda_kernels_run(run) for m in [re.search(r"smem_grad_kernel<[^,]+, \w+, (\d)", n)] if m}
+    assert len(found) == 1, found
+    return int(found.pop())
+
+
+@pytest.mark.parametrize("device", CUDA)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_backward_on_chip_round_fill(device, dtype, monkeypatch):
+    # Where two CTAs an SM take a group each in one stage and their last round leaves many clusters idle, version 7
+    # takes three CTAs an SM at twice the cluster (half the part); VD_GROUP_NORM_BACKWARD_FILL=0 keeps two. Both
+    # against the float64 reference. (N, 1280, 18, 32) in 16-bit ((N, 1280, 16, 16) in fp32: the same 90 KB and
+    # 80 KB stages) on a 132-SM device: N = 28, 896 groups over 264 CTAs, four rounds, the last 40 % full, against
+    # 396 CTAs in clusters of two, five rounds of half the bytes (costs less); N = 20, 640 groups, three rounds, the
+    # last 42 % full, against four (the same cost, the last round under half full). Other SM counts fill the rounds
+    # otherwise: there only correctness is asserted.
+    if torch.cuda.get_device_capability(device)[0] < 9:
+        pytest.skip("version 7 needs the bulk copy engine and clusters (sm_90+)")
+    clear_backward_switches(monkeypatch)
+    torch.manual_seed(0)
+    for n in (28, 20):
+        shape = (n, 1280, 18, 32) if dtype != torch.float32 else (n, 1280, 16, 16)
+        x, g, w, b = backward_inputs(shape, device, dtype)
+        blocks = {}
+        for fill in ("1", "0"):
+            monkeypatch.setenv("VD_GROUP_NORM_BACKWARD_FILL", fill)
+            check_backward_kernel("smem_grad_kernel", True, g, x, 32, w, b)
+            blocks[fill] = on_chip_ctas_an_sm(
+                lambda: torch.ops.vd.group_norm_silu_backward(g, x, 32, w, b, 1e-5, True))
+        assert blocks["0"] == 2, shape
+        if torch.cuda.get_device_properties(device).multi_processor_count == 132:
+            assert blocks["1"] == 3, shape
 
 
 @pytest.mark.parametrize("device", CUDA)
@@ -932,7 +970,8 @@ def test_backward_lean_16bit(device, dtype, layout, shape, kernel, ends_silu, en
     # out; each form pinned by its kernel's name.
     if layout == "nchw" and torch.cuda.get_device_capability(device)[0] < 9:
         pytest.skip("version 7 needs the bulk copy engine and clusters (sm_90+)")
-    clear_backward_switches(monkeypatch)  # the kernels as chosen
+    clear_backward_switches(monkeypatch)  # the kernels as chosen, but for the round-fill rule, which may take three
+    monkeypatch.setenv("VD_GROUP_NORM_BACKWARD_FILL", "0")  # CTAs an SM for (2, 320, 72, 128)'s 64 groups
     torch.manual_seed(0)
     if layout == "fm":
         B, C, F, H, W = shape

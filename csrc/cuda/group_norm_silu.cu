@@ -4672,12 +4672,13 @@ bool forward_stream(const GNShape& s, int64_t F, const scalar_t* x, scalar_t* ou
 // VD_GROUP_NORM_APPLY_ORDER=memory keeps first to last (benchmarks compare both in one process).
 bool apply_reversed() { return env_str("VD_GROUP_NORM_APPLY_ORDER") != "memory"; }
 
-// Which backward runs: VD_GROUP_NORM_BACKWARD=twopass keeps version 1's kernels, smem2 pins two CTAs an SM
-// (benchmarks compare); unset: version 7 where it applies, three CTAs an SM where the cluster need not grow.
+// Which backward runs: VD_GROUP_NORM_BACKWARD=twopass keeps version 1's kernels, smem2 pins two CTAs an SM, smem3
+// three wherever the cluster need not grow (benchmarks compare); unset: version 7 where it applies, three CTAs an SM
+// where the cluster need not grow and the stages' rule in backward_smem holds.
 int grad_backward_choice() {
   const char* e = std::getenv("VD_GROUP_NORM_BACKWARD");
   const std::string v = e ? e : "";
-  return v == "twopass" ? 0 : v == "smem2" ? 2 : 3;
+  return v == "twopass" ? 0 : v == "smem2" ? 2 : v == "smem3" ? 4 : 3;
 }
 
 // Version 1's channels_last backward (grad_sums_cols_kernel, dx_cols_kernel), H200, 2026-11-29:
@@ -4779,7 +4780,16 @@ inline int grad_chunks() {
 // Version 7's one-stage plans refill each chunk as dx is done with it (SmemGradArgs::early) unless
 // VD_GROUP_NORM_BACKWARD_EARLY=0; read on every call.
 inline bool grad_early() { return env_str("VD_GROUP_NORM_BACKWARD_EARLY") != "0"; }
+// Version 7's choice of three CTAs an SM at twice the cluster where rounds fill better (backward_smem), unless
+// VD_GROUP_NORM_BACKWARD_FILL=0 (benchmarks compare); read on every call.
+inline bool grad_fill_rule() { return env_str("VD_GROUP_NORM_BACKWARD_FILL") != "0"; }
 inline int grad_threads() { return env_int("VD_GROUP_NORM_BACKWARD_THREADS", 384) == 256 ? kSmemThreads : 384; }
+// Version 7's smallest cluster, VD_GROUP_NORM_BACKWARD_MIN_K=1|2|4|8|16 (default 1; benchmarks compare), read on
+// every call.
+inline int grad_min_k() {
+  const int64_t k = env_int("VD_GROUP_NORM_BACKWARD_MIN_K", 1);
+  return k == 2 || k == 4 || k == 8 || k == 16 ? static_cast<int>(k) : 1;
+}
 
 // Version 7's launch plan at BLOCKS CTAs an SM: the smallest cluster (up to 16) whose parts of x and dy fit a
 // stage; K = 0 where none does or the device cannot place it.
@@ -4790,7 +4800,7 @@ struct GradPlan {
 };
 
 template <typename scalar_t, int BLOCKS, typename Kernel>
-GradPlan plan_grad(Kernel kernel, int64_t cpg, int64_t S, int device, int threads = kSmemThreads) {
+GradPlan plan_grad(Kernel kernel, int64_t cpg, int64_t S, int device, int threads = kSmemThreads, int min_k = 1) {
   constexpr int kVec = max_vec<scalar_t>();
   GradPlan p;
   const int64_t Mv = cpg * S / kVec;
@@ -4803,7 +4813,7 @@ GradPlan plan_grad(Kernel kernel, int64_t cpg, int64_t S, int device, int thread
   // 237.3. Three CTAs an SM: one stage of up to 72 KB (backward_smem takes it where two CTAs an SM do not split
   // the group finer).
   const int64_t limit = 2 * grad_stage_bytes<BLOCKS>();
-  int K = 1;
+  int K = min_k;
   while (K < 16 && stage_of(ceil_div(Mv, K)) > limit) K *= 2;
   p.part = ceil_div(Mv, K);
   p.stage_bytes = stage_of(p.part);
@@ -4815,6 +4825,14 @@ GradPlan plan_grad(Kernel kernel, int64_t cpg, int64_t S, int device, int thread
   p.clusters = resident_clusters(kernel, K, device, threads, p.smem);
   if (p.clusters > 0) p.K = K;
   return p;
+}
+
+// A plan's time in units of an SM's time a vector: rounds (a cluster takes a group a round) * vectors a part * the
+// busiest SM's CTAs (the clusters at work, as the device holds them, spread over its SMs). Counts the last round,
+// part empty, as a whole one.
+inline int64_t grad_plan_cost(const GradPlan& p, int64_t groups, int sms) {
+  const int64_t clusters = p.clusters, busy = std::min(groups, clusters) * p.K;
+  return ceil_div(groups, clusters) * p.part * ceil_div(busy, int64_t{sms});
 }
 
 // Versions 7 and 10: one float workspace for the CTAs' per-channel sums ([N * G][K][cpg] float2) and grad_weight /
@@ -4854,7 +4872,8 @@ bool backward_smem(const GNShape& s, const scalar_t* x, const scalar_t* dy, scal
     const bool keep = grad_keep_dz();
     const bool lean = grad_lean();
     auto kernel = grad_kernel<scalar_t, 2>(silu, keep, lean);
-    GradPlan p = plan_grad<scalar_t, 2>(kernel, cpg, s.S, device);
+    const int min_k = grad_min_k();
+    GradPlan p = plan_grad<scalar_t, 2>(kernel, cpg, s.S, device, kSmemThreads, min_k);
     if (p.K == 0) return false;
     int threads = kSmemThreads;
     bool three = false;
@@ -4864,13 +4883,38 @@ bool backward_smem(const GNShape& s, const scalar_t* x, const scalar_t* dy, scal
     // gave: 0.302 vs 0.250 ms at (28, 320, 72, 128)); with one stage of up to 72 KB where two CTAs an SM take a
     // single stage too (same-process A/B, H200, us: bf16 (28, 960, 72, 128) 493 vs 582, (14, 512, 72, 128) 134 vs
     // 149; fp16 488 vs 578, 132 vs 149).
-    if (choice == 3) {
+    if (choice >= 3) {
       auto kernel3 = grad_kernel<scalar_t, 3>(silu, keep, lean);
-      const GradPlan p3 = plan_grad<scalar_t, 3>(kernel3, cpg, s.S, device);
-      if (p3.K == p.K && (p3.stages > 1 || p.stages == 1)) {
+      const GradPlan p3 = plan_grad<scalar_t, 3>(kernel3, cpg, s.S, device, kSmemThreads, min_k);
+      if (p3.K == p.K && (p3.stages > 1 || p.stages == 1 || choice == 4)) {
         p = p3;
         kernel = kernel3;
         three = true;
+      }
+      // A one-stage plan at two CTAs an SM whose last round leaves many clusters idle: three CTAs an SM at twice
+      // the cluster (grad_fill_rule), from K = 1 where that costs 3 % less by grad_plan_cost or no more with two
+      // CTAs' last round under half full (an SM left with one CTA a stage does not keep its loads going; three
+      // CTAs' rounds of half the bytes take time closer to their groups), from K >= 2 where it costs 10 % less
+      // (the larger cluster's exchanges cost what grad_plan_cost leaves out). Same-process A/B, H200, us, two CTAs
+      // / three: bf16 (N, 1280, 18, 32) (K = 1) N = 2 13.2 / 11.7, 16 37.6 / 38.3, 20 49.3 / 44.5, 24 50.4 / 52.0,
+      // 26 55.1 / 54.0, 28 62.7 / 57.1, 32 63.9 / 65.0; fp32 (28, 1280, 16, 16) 58.1 / 49.7; from K = 4, bf16
+      // (2, 320, 72, 128) 23.8 / 21.2, (28, 320, 72, 128) 160.6 / 168.8 (the model's 5 % gain a loss); fp32 from
+      // K = 8, (2, 320, 72, 128) 44.4 / 38.6; from K = 4, (28, 640, 36, 64) 172.4 / 175.5.
+      if (!three && p.stages == 1 && p.K < 16 && grad_fill_rule()) {
+        const GradPlan q = plan_grad<scalar_t, 3>(kernel3, cpg, s.S, device, kSmemThreads, 2 * p.K);
+        if (q.K == 2 * p.K && q.stages == 1) {
+          int sms = 0;
+          C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+          const int64_t groups = s.N * s.G, cp = grad_plan_cost(p, groups, sms), cq = grad_plan_cost(q, groups, sms);
+          const int64_t last = groups % p.clusters;  // groups in two CTAs' last round, 0 where it is full
+          const bool half_empty = last > 0 && 2 * last < p.clusters;
+          const bool k1 = p.K == 1;
+          if (100 * cq < (k1 ? 97 : 90) * cp || (k1 && cq <= cp && half_empty)) {
+            p = q;
+            kernel = kernel3;
+            three = true;
+          }
+        }
       }
     }
     // Two CTAs an SM, 16-bit input with SiLU and dz kept: 384 threads a CTA (grad_threads; same-process A/B, H200,
@@ -4880,7 +4924,7 @@ bool backward_smem(const GNShape& s, const scalar_t* x, const scalar_t* dy, scal
     if constexpr (sizeof(scalar_t) == 2) {
       if (!three && silu && keep && grad_threads() == 384) {
         auto kernel384 = grad_kernel<scalar_t, 2, 384>(silu, keep, lean);
-        const GradPlan p384 = plan_grad<scalar_t, 2>(kernel384, cpg, s.S, device, 384);
+        const GradPlan p384 = plan_grad<scalar_t, 2>(kernel384, cpg, s.S, device, 384, min_k);
         if (p384.K == p.K) {
           p = p384;
           kernel = kernel384;
