@@ -748,7 +748,8 @@ BACKWARD_ON_CHIP_CASES = [
     # parts are small enough).
     ((40, 256, 9, 16), 32),    # M 1152, S 144: K 1, four stages, 1280 groups (stages reused), runs shorter than 32
     ((20, 640, 36, 64), 32),   # K 2 (16-bit), 4 (fp32), one 92 KB stage
-    ((2, 320, 72, 128), 32),   # K 4 (16-bit), 8 (fp32): parts straddle channels
+    ((2, 320, 72, 128), 32),   # K 4 (16-bit; the round-fill rule may take K 8 at three CTAs), 8 (fp32): parts
+                               # straddle channels
     ((2, 320, 70, 100), 32),   # S 7000: K 4 / 8, the last rank holds fewer vectors
     ((1, 512, 72, 128), 32),   # K 8 (16-bit); K 16 (fp32), one 74 KB stage
     ((2, 40, 4, 4, 3), 4),     # 5-D, M 480
@@ -809,11 +810,13 @@ def check_backward_kernel(kernel, want, g, x, groups, w, b):
 @pytest.mark.parametrize("variant", ["", "smem2", "recompute"])
 def test_backward_on_chip(device, dtype, variant, monkeypatch):
     # dx, grad_weight, grad_bias against the float64 reference, with and without SiLU and affine, as chosen
-    # (three CTAs an SM where the cluster need not grow, e.g. (1, 512, 72, 128); dz kept from the sums' pass),
+    # (three CTAs an SM where the cluster need not grow, e.g. (1, 512, 72, 128), or at twice the cluster by the
+    # round-fill rule; dz kept from the sums' pass),
     # pinned to two CTAs an SM, and with dz evaluated again for dx (VD_GROUP_NORM_BACKWARD_DZ=recompute);
     # pins which kernel serves each case, and that VD_GROUP_NORM_BACKWARD=twopass keeps version 1.
     if torch.cuda.get_device_capability(device)[0] < 9:
         pytest.skip("version 7 needs the bulk copy engine and clusters (sm_90+)")
+    clear_backward_switches(monkeypatch)
     if variant == "recompute":
         monkeypatch.setenv("VD_GROUP_NORM_BACKWARD_DZ", variant)
     elif variant:
@@ -878,7 +881,8 @@ def test_backward_on_chip_chunks(device, dtype, monkeypatch):
 
 def on_chip_ctas_an_sm(run):
     """The CTAs an SM (the BLOCKS argument) of the version 7 kernel one call of run launches."""
-    found = {m.group(1) for n in cuda_kernels_run(run) for m in [re.search(r"smem_grad_kernel<[^,]+, \w+, (\d)", n)] if m}
+    pattern = re.compile(r"smem_grad_kernel<[^,]+, \w+, (\d)")
+    found = {m.group(1) for n in cuda_kernels_run(run) for m in [pattern.search(n)] if m}
     assert len(found) == 1, found
     return int(found.pop())
 
@@ -888,8 +892,8 @@ def on_chip_ctas_an_sm(run):
 def test_backward_on_chip_round_fill(device, dtype, monkeypatch):
     # Where two CTAs an SM take a group each in one stage and their last round leaves many clusters idle, version 7
     # takes three CTAs an SM at twice the cluster (half the part); VD_GROUP_NORM_BACKWARD_FILL=0 keeps two. Both
-    # against the float64 reference. (N, 1280, 18, 32) in 16-bit ((N, 1280, 16, 16) in fp32: the same 90 KB and
-    # 80 KB stages) on a 132-SM device: N = 28, 896 groups over 264 CTAs, four rounds, the last 40 % full, against
+    # against the float64 reference. (N, 1280, 18, 32) in 16-bit ((N, 1280, 16, 16) in fp32; stages of 90 KB
+    # (16-bit) and 80 KB (fp32)) on a 132-SM device: N = 28, 896 groups over 264 CTAs, four rounds, the last 40 % full, against
     # 396 CTAs in clusters of two, five rounds of half the bytes (costs less); N = 20, 640 groups, three rounds, the
     # last 42 % full, against four (the same cost, the last round under half full). Other SM counts fill the rounds
     # otherwise: there only correctness is asserted.

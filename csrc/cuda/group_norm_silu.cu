@@ -2768,7 +2768,8 @@ __global__ void __launch_bounds__(kStreamColsThreads, 1)
 //   3. dx = rstd * (dz * gamma - m1 - xhat * m2), 16-byte stores.
 // grad_params_kernel then adds the CTAs' sums over samples and ranks (fixed order). Two CTAs an SM with stages of
 // up to 48 KB (one of up to 96 KB), or three with up to 36 KB (one of up to 72 KB) where that keeps the cluster as
-// small (backward_smem). A part lands in chunks (two by default), each completing its own barrier, so the sums'
+// small, or at twice the cluster where two CTAs' last round of groups would leave the device mostly idle
+// (backward_smem). A part lands in chunks (two by default), each completing its own barrier, so the sums'
 // pass starts on the first while the second lands; where a CTA holds a single stage, dx runs a chunk at a time and
 // each chunk is refilled with the CTA's next group as soon as every thread is done with it, so the next load
 // overlaps this group's dx instead of waiting for all of it.
@@ -4673,8 +4674,9 @@ bool forward_stream(const GNShape& s, int64_t F, const scalar_t* x, scalar_t* ou
 bool apply_reversed() { return env_str("VD_GROUP_NORM_APPLY_ORDER") != "memory"; }
 
 // Which backward runs: VD_GROUP_NORM_BACKWARD=twopass keeps version 1's kernels, smem2 pins two CTAs an SM, smem3
-// three wherever the cluster need not grow (benchmarks compare); unset: version 7 where it applies, three CTAs an SM
-// where the cluster need not grow and the stages' rule in backward_smem holds.
+// takes three wherever the cluster need not grow (benchmarks compare); unset: version 7 where it applies, three CTAs
+// an SM where the cluster need not grow and the stages' rule in backward_smem holds. Unless smem2, backward_smem's
+// round-fill rule may also take three CTAs at twice the cluster (VD_GROUP_NORM_BACKWARD_FILL=0: not).
 int grad_backward_choice() {
   const char* e = std::getenv("VD_GROUP_NORM_BACKWARD");
   const std::string v = e ? e : "";
@@ -4791,8 +4793,8 @@ inline int grad_min_k() {
   return k == 2 || k == 4 || k == 8 || k == 16 ? static_cast<int>(k) : 1;
 }
 
-// Version 7's launch plan at BLOCKS CTAs an SM: the smallest cluster (up to 16) whose parts of x and dy fit a
-// stage; K = 0 where none does or the device cannot place it.
+// Version 7's launch plan at BLOCKS CTAs an SM: the smallest cluster from min_k up to 16 whose parts of x and dy fit
+// a stage; K = 0 where none does or the device cannot place it.
 struct GradPlan {
   int K = 0, stages = 0, max_runs = 0, clusters = 0;
   int64_t part = 0, stage_bytes = 0;
@@ -4811,7 +4813,7 @@ GradPlan plan_grad(Kernel kernel, int64_t cpg, int64_t S, int device, int thread
   // two stages (H200, same-process A/B, us): bf16 (28, 320, 72, 128) 190.5 vs 219.3, (28, 640, 36, 64) 103.8 vs
   // 114.7, (14, 512, 72, 128) 168.8 vs 178.1; fp32 (28, 320, 72, 128) 410.6 vs 499.4, (28, 640, 36, 64) 210.6 vs
   // 237.3. Three CTAs an SM: one stage of up to 72 KB (backward_smem takes it where two CTAs an SM do not split
-  // the group finer).
+  // the group finer, or at twice their cluster by its round-fill rule).
   const int64_t limit = 2 * grad_stage_bytes<BLOCKS>();
   int K = min_k;
   while (K < 16 && stage_of(ceil_div(Mv, K)) > limit) K *= 2;
@@ -4900,13 +4902,15 @@ bool backward_smem(const GNShape& s, const scalar_t* x, const scalar_t* dy, scal
       // 26 55.1 / 54.0, 28 62.7 / 57.1, 32 63.9 / 65.0; fp32 (28, 1280, 16, 16) 58.1 / 49.7; from K = 4, bf16
       // (2, 320, 72, 128) 23.8 / 21.2, (28, 320, 72, 128) 160.6 / 168.8 (the model's 5 % gain a loss); fp32 from
       // K = 8, (2, 320, 72, 128) 44.4 / 38.6; from K = 4, (28, 640, 36, 64) 172.4 / 175.5.
+      // p is the 256-thread plan; 16-bit input with SiLU runs it at 384 threads below, with the same shared memory
+      // and clusters.
       if (!three && p.stages == 1 && p.K < 16 && grad_fill_rule()) {
         const GradPlan q = plan_grad<scalar_t, 3>(kernel3, cpg, s.S, device, kSmemThreads, 2 * p.K);
         if (q.K == 2 * p.K && q.stages == 1) {
           int sms = 0;
           C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
           const int64_t groups = s.N * s.G, cp = grad_plan_cost(p, groups, sms), cq = grad_plan_cost(q, groups, sms);
-          const int64_t last = groups % p.clusters;  // groups in two CTAs' last round, 0 where it is full
+          const int64_t last = groups % p.clusters;  // groups in p's last round, 0 where it is full
           const bool half_empty = last > 0 && 2 * last < p.clusters;
           const bool k1 = p.K == 1;
           if (100 * cq < (k1 ? 97 : 90) * cp || (k1 && cq <= cp && half_empty)) {
