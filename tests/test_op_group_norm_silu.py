@@ -4,6 +4,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import os
 import re
 import pytest
 import torch
@@ -814,9 +815,7 @@ def test_backward_on_chip(device, dtype, variant, monkeypatch):
     # round-fill rule; dz kept from the sums' pass),
     # pinned to two CTAs an SM, and with dz evaluated again for dx (VD_GROUP_NORM_BACKWARD_DZ=recompute);
     # pins which kernel serves each case, and that VD_GROUP_NORM_BACKWARD=twopass keeps version 1.
-    if torch.cuda.get_device_capability(device)[0] < 9:
-        pytest.skip("version 7 needs the bulk copy engine and clusters (sm_90+)")
-    clear_backward_switches(monkeypatch)
+    version_7_as_chosen(device, monkeypatch)
     if variant == "recompute":
         monkeypatch.setenv("VD_GROUP_NORM_BACKWARD_DZ", variant)
     elif variant:
@@ -834,10 +833,16 @@ def test_backward_on_chip(device, dtype, variant, monkeypatch):
 
 
 def clear_backward_switches(monkeypatch):
-    """The backward's kernel switches unset (the test sets those it compares)."""
-    for name in ("VD_GROUP_NORM_BACKWARD", "VD_GROUP_NORM_BACKWARD_DZ", "VD_GROUP_NORM_BACKWARD_THREADS",
-                 "VD_GROUP_NORM_BACKWARD_MIN_K", "VD_GROUP_NORM_BACKWARD_FILL"):
-        monkeypatch.delenv(name, raising=False)
+    """The backward's kernel switches (VD_GROUP_NORM_BACKWARD*) unset (the test sets those it compares)."""
+    for name in [n for n in os.environ if n.startswith("VD_GROUP_NORM_BACKWARD")]:
+        monkeypatch.delenv(name)
+
+
+def version_7_as_chosen(device, monkeypatch):
+    """Skips below sm_90 (version 7 needs the bulk copy engine and clusters), then clears the backward's switches."""
+    if torch.cuda.get_device_capability(device)[0] < 9:
+        pytest.skip("version 7 needs the bulk copy engine and clusters (sm_90+)")
+    clear_backward_switches(monkeypatch)
 
 
 @pytest.mark.parametrize("device", CUDA)
@@ -852,9 +857,7 @@ def test_backward_on_chip_chunks(device, dtype, monkeypatch):
     # last rank is short ((2, 320, 70, 100)); one stage at three CTAs an SM, several groups a cluster ((8, 512, 72,
     # 128), K 8); two stages of 1440-vector parts in 16-bit ((4, 640, 18, 32); fp32 (4, 320, 18, 32)), so stage 1's
     # chunk barriers; four stages of short parts ((40, 256, 9, 16): one chunk in 16-bit).
-    if torch.cuda.get_device_capability(device)[0] < 9:
-        pytest.skip("version 7 needs the bulk copy engine and clusters (sm_90+)")
-    clear_backward_switches(monkeypatch)
+    version_7_as_chosen(device, monkeypatch)
     torch.manual_seed(0)
     shapes = [(2, 320, 72, 128), (2, 320, 70, 100), (20, 640, 36, 64), (40, 256, 9, 16), (8, 512, 72, 128),
               (4, 640, 18, 32), (4, 320, 18, 32)]
@@ -897,9 +900,7 @@ def test_backward_on_chip_round_fill(device, dtype, monkeypatch):
     # 396 CTAs in clusters of two, five rounds of half the bytes (costs less); N = 20, 640 groups, three rounds, the
     # last 42 % full, against four (the same cost, the last round under half full). Other SM counts fill the rounds
     # otherwise: there only correctness is asserted.
-    if torch.cuda.get_device_capability(device)[0] < 9:
-        pytest.skip("version 7 needs the bulk copy engine and clusters (sm_90+)")
-    clear_backward_switches(monkeypatch)
+    version_7_as_chosen(device, monkeypatch)
     torch.manual_seed(0)
     for n in (28, 20):
         shape = (n, 1280, 18, 32) if dtype != torch.float32 else (n, 1280, 16, 16)

@@ -773,6 +773,16 @@ __device__ __forceinline__ acc_t silu_dz(acc_t dy, acc_t z) {
 template <typename scalar_t, typename acc_t>
 constexpr bool kCanLean = sizeof(scalar_t) == 2 && std::is_same_v<acc_t, float>;
 
+// f(std::true_type) where the lean kernels apply and lean is asked for, else f(std::false_type): one dispatch for the
+// LEAN template argument of every backward kernel the host picks.
+template <typename scalar_t, typename acc_t, typename F>
+auto with_lean(bool lean, F&& f) {
+  if constexpr (kCanLean<scalar_t, acc_t>) {
+    if (lean) return f(std::true_type{});
+  }
+  return f(std::false_type{});
+}
+
 // The same for 16-bit data in three instructions after the two approximations instead of four:
 // dy * s * (1 + z * (1 - s)) as q = z - z * s, ds = dy * s, ds + ds * q (the lean kernels).
 __device__ __forceinline__ float silu_dz_lean(float dy, float z) {
@@ -2822,7 +2832,7 @@ __global__ void __launch_bounds__(THREADS, BLOCKS) smem_grad_kernel(const SmemGr
   const bool kKeep = SILU && (DZ == kDzKeep || (DZ == kDzFlag && sa.keep_dz));
   // Lean (16-bit; dz kept, or no SiLU): the pivot folded into z's shift and dx's constant (x itself in the
   // products; the runs' sums of dz * x moved to the pivot per run), silu_dz_lean.
-  constexpr bool kLean = LEAN && (!SILU || DZ == kDzKeep) && sizeof(scalar_t) == 2;
+  constexpr bool kLean = LEAN && (!SILU || DZ == kDzKeep) && kCanLean<scalar_t, float>;
   constexpr int VEC = max_vec<scalar_t>();
   const FusedArgs<scalar_t>& a = sa.f;
   // [stages][stage_bytes], then gamma_c and beta_c of the group, the runs' sums, the barriers.
@@ -4732,10 +4742,8 @@ ColsGradKernels<scalar_t, acc_t> cols_grad_kernels_of(bool vec) {
 
 template <typename scalar_t, typename acc_t>
 ColsGradKernels<scalar_t, acc_t> cols_grad_kernels(bool vec, bool lean) {
-  if constexpr (kCanLean<scalar_t, acc_t>) {
-    if (lean) return cols_grad_kernels_of<scalar_t, acc_t, true>(vec);
-  }
-  return cols_grad_kernels_of<scalar_t, acc_t, false>(vec);
+  return with_lean<scalar_t, acc_t>(
+      lean, [&](auto ln) { return cols_grad_kernels_of<scalar_t, acc_t, decltype(ln)::value>(vec); });
 }
 
 // Whether version 7 keeps dz = dy * silu'(z) from its sums' pass for dx (in x's dtype, as eager's SiLU backward
@@ -4907,8 +4915,7 @@ bool backward_smem(const GNShape& s, const scalar_t* x, const scalar_t* dy, scal
       if (!three && p.stages == 1 && p.K < 16 && grad_fill_rule()) {
         const GradPlan q = plan_grad<scalar_t, 3>(kernel3, cpg, s.S, device, kSmemThreads, 2 * p.K);
         if (q.K == 2 * p.K && q.stages == 1) {
-          int sms = 0;
-          C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+          const int sms = sm_count();  // the current device: the op's guard holds x's
           const int64_t groups = s.N * s.G, cp = grad_plan_cost(p, groups, sms), cq = grad_plan_cost(q, groups, sms);
           const int64_t last = groups % p.clusters;  // groups in p's last round, 0 where it is full
           const bool half_empty = last > 0 && 2 * last < p.clusters;
@@ -5536,17 +5543,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_silu_backward_cuda(
     acc_t* m1 = wp + n_part + n_sums;
     acc_t* m2 = m1 + NG;
     const unsigned blocks = grid_of(s.channels_last ? a.items : ceil_div(a.items, kWarps), kOp);
-    // The lean kernels for 16-bit input (grad_lean).
-    const bool lean = kCanLean<scalar_t, acc_t> && grad_lean();
-    auto with_lean = [&](auto&& f) {
-      if constexpr (kCanLean<scalar_t, acc_t>) {
-        if (lean) return f(std::true_type{});
-      }
-      f(std::false_type{});
-    };
+    const bool lean = grad_lean();  // the lean kernels where they apply (with_lean)
     const auto ck = cols_grad_kernels<scalar_t, acc_t>(vec, lean);
     if (!s.channels_last) {
-      with_lean([&](auto ln) {
+      with_lean<scalar_t, acc_t>(lean, [&](auto ln) {
         constexpr bool LN = decltype(ln)::value;
         if (vec) grad_sums_rows_kernel<scalar_t, acc_t, L::kVec, LN><<<blocks, kThreads, 0, stream>>>(a, pp);
         else grad_sums_rows_kernel<scalar_t, acc_t, 1, LN><<<blocks, kThreads, 0, stream>>>(a, pp);
@@ -5567,7 +5567,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_silu_backward_cuda(
     a.m2 = m2;
     a.reverse = apply_reversed();
     if (!s.channels_last) {
-      with_lean([&](auto ln) {
+      with_lean<scalar_t, acc_t>(lean, [&](auto ln) {
         constexpr bool LN = decltype(ln)::value;
         if (in_place) {
           if (vec) dx_rows_kernel<scalar_t, acc_t, L::kVec, true, LN><<<blocks, kThreads, 0, stream>>>(a);
