@@ -2793,7 +2793,8 @@ constexpr int64_t grad_stage_bytes() {
 constexpr int kGradMaxStages = 4;
 constexpr int kGradMaxChunks = 8;           // barriers a stage (SmemGradArgs::chunks)
 constexpr int kGradMinChunkVectors = 128;   // 2 KB of x and of dy a chunk at least
-constexpr int kGradRun = 32;  // vectors a run at least (a vector a lane); two a lane for channels of >= 128
+constexpr int kGradRun = 32;     // vectors a run at least (a vector a lane)
+constexpr int kGradMaxRunV = 4;  // vectors a lane a run at most (SmemGradArgs::run_v)
 
 template <typename scalar_t>
 struct SmemGradArgs {
@@ -2810,6 +2811,7 @@ struct SmemGradArgs {
   int chunks;             // barriers a stage: a part lands in chunks of chunk_v vectors (of x and of dy), each
   int chunk_v;            // with its own barrier, so the sums' pass starts on the first while the rest land
   bool early;             // dx a chunk at a time, the next group's chunk issued as each is done (one-stage plans)
+  int run_v;              // vectors a lane a run of the sums' pass (1..kGradMaxRunV; grad_run_v)
 };
 
 // A 16-byte store as one instruction (the compiler split a plain uint4 store into four 4-byte ones here).
@@ -2858,7 +2860,7 @@ __global__ void __launch_bounds__(THREADS, BLOCKS) smem_grad_kernel(const SmemGr
 
   // The part's channels: channel c0 + j of the group covers part vectors [seg_lo(j), seg_hi(j)), cut into runs
   // of run_len (run_v vectors a lane) from seg_lo(j); its first run is first_run(j). The same for every group.
-  const int run_v = Sv >= 4 * kGradRun ? 2 : 1, run_len = run_v * 32;
+  const int run_v = sa.run_v, run_len = run_v * 32;
   const int c0 = v0 / Sv;
   const int nseg = nv > 0 ? (v0 + nv - 1) / Sv - c0 + 1 : 0;
   const int len0 = min((c0 + 1) * Sv, v0 + nv) - v0;
@@ -2957,9 +2959,9 @@ __global__ void __launch_bounds__(THREADS, BLOCKS) smem_grad_kernel(const SmemGr
       landed(min(hi, k - lane + run_len) - 1);  // the run's last vector (the same in every lane)
       const float sc = rstd * sh_gamma[c], bd = fmaf(-md, sc, sh_beta[c]), bx = fmaf(-pivot0, sc, bd);
       float sdz = 0.f, sdzx = 0.f;
-#pragma unroll
-      for (int v = 0; v < 2; ++v, k += 32) {
-        if (v < run_v && k < hi) {
+#pragma unroll 2
+      for (int v = 0; v < run_v; ++v, k += 32) {
+        if (k < hi) {
           const uint4 xr = xb[k], dr = db[k];
           float dz[VEC];
 #pragma unroll
@@ -3029,8 +3031,9 @@ __global__ void __launch_bounds__(THREADS, BLOCKS) smem_grad_kernel(const SmemGr
     landed(nv - 1);  // dx reads any vector: this thread waits for the chunks it has not (all landed by now)
 
     // 3. dx: a run at a time where channels are long (sc and bd once a run), else thread-strided vectors.
-    auto dx_vec = [&](int k, float sc, float bd) {
-      const uint4 xr = xb[k], dr = db[k];
+    // dx_vec: one vector's dx from its x and dz (or dy) in the stage, stored at out.
+    auto dx_vec = [&](const uint4* xp, const uint4* dp, scalar_t* out, float sc, float bd) {
+      const uint4 xr = *xp, dr = *dp;
       uint4 o;
 #pragma unroll
       for (int e = 0; e < VEC; e += 2) {
@@ -3048,14 +3051,17 @@ __global__ void __launch_bounds__(THREADS, BLOCKS) smem_grad_kernel(const SmemGr
         }
         store_pair<scalar_t>(o, e / 2, d[0], d[1]);
       }
-      store_v4(a.out + base + static_cast<int64_t>(k) * VEC, o);
+      store_v4(out, o);
     };
-    // dx of vectors lo + tid, lo + tid + THREADS, ... below hi (the channel stepped, not divided out).
+    scalar_t* const out0 = a.out + base;
+    // dx of vectors lo + tid, lo + tid + THREADS, ... below hi (the channel stepped, not divided out). Stepping the
+    // channel and the pointers from the last vector, two vectors a step, took ~10 instructions a vector besides the
+    // arithmetic against ~26 here (SASS, sm_90a, bf16) and measured 0-1 % slower (H200, bf16 and fp32 NCHW rows).
     auto dx_strided = [&](int lo, int hi) {
       GroupPos p(static_cast<unsigned>((v0 + lo + tid) * VEC), a);
       for (int k = lo + tid; k < hi; k += THREADS) {
         const float sc = rstd * sh_gamma[p.c], bd = fmaf(-md, sc, sh_beta[p.c]);
-        dx_vec(k, sc, bd);
+        dx_vec(xb + k, db + k, out0 + static_cast<int64_t>(k) * VEC, sc, bd);
         p.advance(a);
       }
     };
@@ -3072,12 +3078,14 @@ __global__ void __launch_bounds__(THREADS, BLOCKS) smem_grad_kernel(const SmemGr
       ring.advance(stages);
       continue;
     }
-    if (run_v == 2) {
+    if (Sv >= 4 * kGradRun) {  // long channels: dx by the sums' runs (the channel's scale once a run)
       for_runs([&](int, int k, int hi, int c) {
         const float sc = rstd * sh_gamma[c], bd = fmaf(-md, sc, sh_beta[c]);
-#pragma unroll
-        for (int v = 0; v < 2; ++v, k += 32)
-          if (k < hi) dx_vec(k, sc, bd);
+        const uint4 *xp = xb + k, *dp = db + k;
+        scalar_t* out = out0 + static_cast<int64_t>(k) * VEC;
+#pragma unroll 2
+        for (int v = 0; v < run_v; ++v, k += 32, xp += 32, dp += 32, out += 32 * VEC)
+          if (k < hi) dx_vec(xp, dp, out, sc, bd);
       });
     } else {
       dx_strided(0, nv);
@@ -4794,6 +4802,17 @@ inline bool grad_early() { return env_str("VD_GROUP_NORM_BACKWARD_EARLY") != "0"
 // VD_GROUP_NORM_BACKWARD_FILL=0 (benchmarks compare); read on every call.
 inline bool grad_fill_rule() { return env_str("VD_GROUP_NORM_BACKWARD_FILL") != "0"; }
 inline int grad_threads() { return env_int("VD_GROUP_NORM_BACKWARD_THREADS", 384) == 256 ? kSmemThreads : 384; }
+// Version 7's vectors a lane a run of the sums' pass, for channels of Sv vectors: each channel in the fewest runs of
+// up to kGradMaxRunV vectors a lane, of equal length as far as whole vectors a lane allow (each run costs ~70
+// instructions a lane besides its vectors: the wait check, the channel's scale, the butterflies, the store; runs of
+// unequal length dealt to the warps in turn left some warps with the short ones every time: bf16 (28, 640, 36, 64),
+// 288 vectors a channel, as 128 + 128 + 32 over 12 warps, gained nothing). VD_GROUP_NORM_BACKWARD_RUN=2 gives the
+// earlier rule (two a lane for channels of >= 128 vectors, else one; benchmarks compare); read on every call.
+inline int grad_run_v(int64_t Sv) {
+  if (env_str("VD_GROUP_NORM_BACKWARD_RUN") == "2") return Sv >= 4 * kGradRun ? 2 : 1;
+  const int64_t runs = ceil_div(Sv, int64_t{kGradMaxRunV} * kGradRun);
+  return static_cast<int>(std::clamp<int64_t>(ceil_div(Sv, runs * kGradRun), 1, kGradMaxRunV));
+}
 // Version 7's smallest cluster, VD_GROUP_NORM_BACKWARD_MIN_K=1|2|4|8|16 (default 1; benchmarks compare), read on
 // every call.
 inline int grad_min_k() {
@@ -4960,6 +4979,7 @@ bool backward_smem(const GNShape& s, const scalar_t* x, const scalar_t* dy, scal
     a.chunk_v = static_cast<int>(ceil_div(p.part, chunks));
     a.chunks = static_cast<int>(ceil_div(p.part, int64_t{a.chunk_v}));
     a.early = p.stages == 1 && grad_early();
+    a.run_v = grad_run_v(s.S / kVec);
     on_chip_param_grads<scalar_t>(s, K, like, wdtype, bdtype, stream, dw, db, [&](float2* sums) {
       a.sums = sums;
       launch_clusters(kOp, kernel, a, std::min<int64_t>(a.groups, p.clusters), K, threads, p.smem, stream);
