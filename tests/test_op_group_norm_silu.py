@@ -885,19 +885,20 @@ def test_backward_on_chip_chunks(device, dtype, monkeypatch):
 @pytest.mark.parametrize("device", CUDA)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_backward_on_chip_runs(device, dtype, monkeypatch):
-    # Version 7's sums' pass cuts each channel into runs of up to four vectors a lane that cut it evenly
+    # Version 7's sums' pass cuts each channel into runs of up to four vectors a lane that cut a whole channel evenly
     # (VD_GROUP_NORM_BACKWARD_RUN=fewest: the fewest runs alone; =2: the earlier rule, two a lane for channels of
     # >= 128 vectors, else one); dx walks the same runs where channels are long and the part is not refilled chunk by
-    # chunk. Channels of (16-bit vectors; fp32 twice as many): 1152 (nine runs of four a lane; one stage with
-    # refills), 875 (a short last run), 288 (three of three; fp32 576: six of three, or four of four and one of two
-    # at =fewest), 72 (a channel a run, three a lane; two stages), 40 (two a lane), 18 (one); fp32 (4, 320, 18, 32)
-    # two stages of 144 (96 + 48). One-stage plans also without refills
+    # chunk. Channels of (16-bit vectors; fp32 twice as many): 1152 (nine runs of four a lane, a whole channel; one
+    # stage with refills), 875 (a short last run), 800 (no even cut: the fewest runs, 6 × 128 + 32; fp32 1600: 17 of
+    # three), 288 (three of three; fp32 576: six of three, or four of four and one of two at =fewest), 72 (a channel a
+    # run, three a lane; two stages at (4, 640, 18, 32)), 40 (two a lane), 18 (one); fp32 (4, 320, 18, 32) two stages
+    # of 144 (96 + 48). One-stage plans also without refills
     # (VD_GROUP_NORM_BACKWARD_EARLY=0: dx by the runs where channels are long). Every setting against the float64
     # reference, with the kernel pinned; refills or not give the same bits.
     version_7_as_chosen(device, monkeypatch)
     torch.manual_seed(0)
-    shapes = [(2, 320, 72, 128), (2, 320, 70, 100), (20, 640, 36, 64), (4, 640, 18, 32), (4, 256, 16, 20),
-              (40, 256, 9, 16), (4, 320, 18, 32)]
+    shapes = [(2, 320, 72, 128), (2, 320, 70, 100), (2, 320, 80, 80), (20, 640, 36, 64), (4, 640, 18, 32),
+              (4, 256, 16, 20), (40, 256, 9, 16), (4, 320, 18, 32)]
     for shape in shapes:
         x, g, w, b = backward_inputs(shape, device, dtype)
         for run in ("", "fewest", "2"):

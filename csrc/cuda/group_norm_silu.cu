@@ -4804,12 +4804,14 @@ inline bool grad_fill_rule() { return env_str("VD_GROUP_NORM_BACKWARD_FILL") != 
 inline int grad_threads() { return env_int("VD_GROUP_NORM_BACKWARD_THREADS", 384) == 256 ? kSmemThreads : 384; }
 // Version 7's vectors a lane a run of the sums' pass, for channels of Sv vectors. Each run costs ~70 instructions a
 // lane besides its vectors (the wait check, the channel's scale, the butterflies, the store), so runs are long: the
-// most vectors a lane, up to kGradMaxRunV, whose runs cut a channel evenly, i.e. a channel in one run or a last run
-// over half full (1152 → 9 × 128, 288 → 3 × 96, 576 → 6 × 96 rather than 4 × 128 + 64); where none does (144), the
-// fewest runs of equal length in whole vectors a lane (96 + 48). Runs are dealt to the warps in turn, and runs of
-// unequal length gave some warps the short ones every time: bf16 (28, 640, 36, 64), 288 vectors a channel as 128 +
-// 128 + 32 over 12 warps, gained nothing. VD_GROUP_NORM_BACKWARD_RUN=2 gives the earlier rule (two a lane for channels
-// of >= 128 vectors, else one), =fewest the fewest runs alone (benchmarks compare); read on every call.
+// most vectors a lane, up to kGradMaxRunV, whose runs cut a whole channel evenly (one run, or a last run over half
+// full: 1152 → 9 × 128, 288 → 3 × 96, 576 → 6 × 96 rather than 4 × 128 + 64) with at most 1.5 times the fewest runs;
+// where none does (144, 800), the fewest runs, of equal length in whole vectors a lane but the last (96 + 48, 6 × 128
+// + 32; not measured at 800). A part's first and last channels may be cut short by the part's edges. Runs are dealt
+// to the warps in turn, and runs of unequal length gave some warps the short ones every time: bf16 (28, 640, 36, 64),
+// 288 vectors a channel as 128 + 128 + 32 over 12 warps, gained nothing. VD_GROUP_NORM_BACKWARD_RUN=2 gives the
+// earlier rule (two a lane for channels of >= 128 vectors, else one), =fewest the fewest runs alone (benchmarks
+// compare); read on every call.
 inline int grad_run_v(int64_t Sv) {
   const std::string pin = env_str("VD_GROUP_NORM_BACKWARD_RUN");
   if (pin == "2") return Sv >= 4 * kGradRun ? 2 : 1;
@@ -4817,12 +4819,14 @@ inline int grad_run_v(int64_t Sv) {
     return ceil_div(Sv, ceil_div(Sv, rv * kGradRun) * kGradRun);
   };
   if (pin != "fewest") {
+    const int64_t least = ceil_div(Sv, int64_t{kGradMaxRunV} * kGradRun);
     for (int64_t rv = kGradMaxRunV; rv >= 1; --rv) {
       const int64_t v = fewest(rv), runs = ceil_div(Sv, v * kGradRun), last = Sv - (runs - 1) * v * kGradRun;
+      if (2 * runs > 3 * least) break;
       if (runs == 1 || 2 * last > v * kGradRun) return static_cast<int>(v);
     }
   }
-  return static_cast<int>(std::clamp<int64_t>(fewest(kGradMaxRunV), 1, kGradMaxRunV));
+  return static_cast<int>(fewest(kGradMaxRunV));
 }
 // Version 7's smallest cluster, VD_GROUP_NORM_BACKWARD_MIN_K=1|2|4|8|16 (default 1; benchmarks compare), read on
 // every call.
