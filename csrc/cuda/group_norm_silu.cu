@@ -5023,8 +5023,8 @@ bool backward_smem(const GNShape& s, const scalar_t* x, const scalar_t* dy, scal
       // 26 55.1 / 54.0, 28 62.7 / 57.1, 32 63.9 / 65.0; fp32 (28, 1280, 16, 16) 58.1 / 49.7; from K = 4, bf16
       // (2, 320, 72, 128) 23.8 / 21.2, (28, 320, 72, 128) 160.6 / 168.8 (the model's 5 % gain a loss); fp32 from
       // K = 8, (2, 320, 72, 128) 44.4 / 38.6; from K = 4, (28, 640, 36, 64) 172.4 / 175.5.
-      // p is the 256-thread plan; 16-bit input with SiLU runs it at 384 threads below, with the same shared memory
-      // and clusters.
+      // p is the 256-thread plan; 16-bit input with SiLU runs it at 384 threads below, with the same clusters (its
+      // shared memory also holds the second buffer of gamma and beta: grad_prefetch_compiled).
       if (!three && p.stages == 1 && p.K < 16 && grad_fill_rule()) {
         const GradPlan q = plan_grad<scalar_t, 3>(kernel3, cpg, s.S, device, kSmemThreads, 2 * p.K);
         if (q.K == 2 * p.K && q.stages == 1) {
