@@ -3004,7 +3004,7 @@ __global__ void __launch_bounds__(THREADS, BLOCKS) smem_grad_kernel(const SmemGr
     };
     // 1. Statistics. Below, xd = x - pivot0 (exact for x near pivot0) and x - mean = xd - md: z = xd * sc + bd
     // with sc = rstd * gamma_c, bd = beta_c - md * sc. The forward's where given (pivot0 the mean's high part,
-    // md its low part; exchange 2 it is then never used), else from the stage (exchange 2 it).
+    // md its low part; one exchange a group), else from the stage (exchange 2 it).
     float pivot0, rstd, md;
     if (prefetch) {
       const float4 st = sh_gstat[buf];
@@ -3094,7 +3094,10 @@ __global__ void __launch_bounds__(THREADS, BLOCKS) smem_grad_kernel(const SmemGr
     // The next group's parameters: loaded after thread 0's send, stored after the exchange's wait (which hides the
     // loads), before this group's last block barrier; the other buffer's last reads were the previous group's.
     Params next;
-    const float4 rv = cluster_exchange(xch, make_float4(t.x, t.y, 0.f, 0.f), 2 * it + 1, [&] {  // thread 0's is sent
+    // Exchange indices alternate buffers: a CTA sends index e + 2 only after every CTA sent e + 1, i.e. read e's
+    // slots. Given the statistics there is one exchange a group, so its index is it (2 it + 1 would reuse one buffer).
+    const int64_t xe = sa.stats ? it : 2 * it + 1;
+    const float4 rv = cluster_exchange(xch, make_float4(t.x, t.y, 0.f, 0.f), xe, [&] {  // thread 0's is sent
       if (prefetch) next = load_params(ng + nclusters, g + g_step < a.G ? g + g_step : g + g_step - a.G);
     });
     if (prefetch) store_params(next, buf ^ 1);
@@ -3819,7 +3822,8 @@ __global__ void __launch_bounds__(kSmemColsThreads, CTAS)
 //      change), then over the CTA's thread rows through shared memory in a fixed order (a thread a channel and
 //      slice of rows, then a thread a channel). That thread writes the CTA's sums to the workspace (version 7's
 //      layout: grad_params_kernel adds them) and its gamma-weighted shares of m1 and m2; a warp a group adds the
-//      group's and sends them to every rank (exchange 2 it + 1), and every CTA adds the ranks' in order;
+//      group's and sends them to every rank (exchange 2 it + 1; it given the statistics), and every CTA adds the
+//      ranks' in order;
 //   3. dx = sc_c * dz + D * (x - pivot0) + Bd (dz evaluated again), 16-byte stores.
 template <typename scalar_t>
 struct SmemColsGradArgs {
@@ -3931,8 +3935,8 @@ __global__ void __launch_bounds__(kSmemColsThreads, 2)
     if (valid > 0) wgmma::mbar_wait(bar0 + 8 * stage, ring.parity);
 
     // 1. Statistics: a warp a group writes its channels' sc_c, bd_c and its (rstd, md, pivot0), x - mean = (x -
-    // pivot0) - md. The forward's where given (pivot0 the mean's high part, md its low part; exchange 2 it is then
-    // never used), else version 8's from the stage (exchange 2 it).
+    // pivot0) - md. The forward's where given (pivot0 the mean's high part, md its low part; one exchange a group),
+    // else version 8's from the stage (exchange 2 it).
     float piv[VEC];
     auto group = [&](int q, float rstd, float md, float pivot0) {
       for (int c = q * a.cpg + lane; c < (q + 1) * a.cpg; c += 32) {
@@ -4031,7 +4035,7 @@ __global__ void __launch_bounds__(kSmemColsThreads, 2)
     // A warp a group sends the group's shares to every rank; then every rank's, added in rank order, give m1, m2
     // and dx = sc_c * dz + D * xd + Bd, D = -rstd^2 * m2 / M, Bd = -D * md - rstd * m1 / M.
     {
-      const int64_t e = 2 * it + 1;
+      const int64_t e = ga.stats ? it : 2 * it + 1;  // alternating buffers, as version 7's exchange
       const int b = static_cast<int>(e & 1);
       const uint32_t xbar = static_cast<uint32_t>(__cvta_generic_to_shared(&xbars[b]));
       if (tid == 0 && K > 1) wgmma::mbar_expect_tx(xbar, static_cast<uint32_t>(K * a.gb) * 16u);
