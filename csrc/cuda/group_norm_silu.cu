@@ -1677,15 +1677,12 @@ struct ClusterExchange {
   int K, rank;
 };
 
-// Returns, in lane l < K of every warp, rank l's value of iteration it (zeros in the other lanes). `between` runs
-// after thread 0's sends, before the wait.
-template <typename F>
-__device__ __forceinline__ float4 cluster_exchange(const ClusterExchange& x, float4 v, int64_t it, F&& between) {
+// Returns, in lane l < K of every warp, rank l's value of iteration it (zeros in the other lanes).
+__device__ __forceinline__ float4 cluster_exchange(const ClusterExchange& x, float4 v, int64_t it) {
   const int b = static_cast<int>(it & 1);
   const int lane = threadIdx.x & 31;
   if (x.K == 1) {  // no cluster (st.async needs a cluster of two or more): a shared slot and a block barrier
     if (threadIdx.x == 0) x.slots[b][0] = v;
-    between();
     __syncthreads();
     return lane == 0 ? x.slots[b][0] : make_float4(0.f, 0.f, 0.f, 0.f);
   }
@@ -1699,12 +1696,8 @@ __device__ __forceinline__ float4 cluster_exchange(const ClusterExchange& x, flo
                    : "r"(cluster_map(slot, r)), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w), "r"(cluster_map(bar, r))
                    : "memory");
   }
-  between();
   wgmma::mbar_wait(bar, static_cast<uint32_t>(it >> 1) & 1u);
   return lane < x.K ? x.slots[b][lane] : make_float4(0.f, 0.f, 0.f, 0.f);
-}
-__device__ __forceinline__ float4 cluster_exchange(const ClusterExchange& x, float4 v, int64_t it) {
-  return cluster_exchange(x, v, it, [] {});
 }
 
 // The merge over a cluster's ranks, lane r < K holding rank r's r = (mean of x - pivot_r, m2, n, pivot_r) (zeros in
@@ -2789,9 +2782,7 @@ __global__ void __launch_bounds__(kStreamColsThreads, 1)
 // (backward_smem). A part lands in chunks (two by default), each completing its own barrier, so the sums'
 // pass starts on the first while the second lands; where a CTA holds a single stage, dx runs a chunk at a time and
 // each chunk is refilled with the CTA's next group as soon as every thread is done with it, so the next load
-// overlaps this group's dx instead of waiting for all of it. Given the forward's statistics, the 384-thread kernels
-// write a group's gamma, beta and statistics to shared memory during the group before (SmemGradArgs::prefetch), so
-// no block barrier waits on their loads at a group's start.
+// overlaps this group's dx instead of waiting for all of it.
 
 // A stage holds x's part and dy's; stages * stage_bytes <= 2 * grad_stage_bytes<BLOCKS>(), BLOCKS CTAs an SM:
 // 2 with stages of up to 48 KB, 3 with up to 36 KB (registers capped at 85 a thread).
@@ -2821,15 +2812,7 @@ struct SmemGradArgs {
   int chunk_v;            // with its own barrier, so the sums' pass starts on the first while the rest land
   bool early;             // dx a chunk at a time, the next group's chunk issued as each is done (one-stage plans)
   int run_v;              // vectors a lane a run of the sums' pass (1..kGradMaxRunV; grad_run_v)
-  bool prefetch;          // with stats: the next group's gamma, beta and statistics written during this group
 };
-
-// The next group's parameters written during a group (SmemGradArgs::prefetch) are compiled into the 384-thread
-// kernels only (16-bit, two CTAs an SM), where they measured faster. The 256-thread kernels (three CTAs an SM, and
-// float) built with them ran slower than before with the switch on or off (bf16 (28, 1280, 18, 32): 54.9-55.4 us
-// against 52.0); without them their code is as before. Only the 384-thread kernels' shared memory holds two buffers
-// of gamma and beta (plan_grad).
-constexpr bool grad_prefetch_compiled(int threads) { return threads == 384; }
 
 // A 16-byte store as one instruction (the compiler split a plain uint4 store into four 4-byte ones here).
 template <typename T>
@@ -2853,21 +2836,17 @@ __global__ void __launch_bounds__(THREADS, BLOCKS) smem_grad_kernel(const SmemGr
   // products; the runs' sums of dz * x moved to the pivot per run), silu_dz_lean.
   constexpr bool kLean = LEAN && (!SILU || DZ == kDzKeep) && kCanLean<scalar_t, float>;
   constexpr int VEC = max_vec<scalar_t>();
-  constexpr bool kPrefetch = grad_prefetch_compiled(THREADS);
   const FusedArgs<scalar_t>& a = sa.f;
-  // [stages][stage_bytes], then gamma_c and beta_c of the group (kPrefetch: two such buffers, the group's and the
-  // next's), the runs' sums, the barriers.
+  // [stages][stage_bytes], then gamma_c and beta_c of the group, the runs' sums, the barriers.
   extern __shared__ __align__(128) unsigned char smem[];
-  float* const sh_par = reinterpret_cast<float*>(smem + static_cast<size_t>(sa.stages) * sa.stage_bytes);
-  float* const sh_gamma0 = sh_par;  // the group's (the first buffer with kPrefetch)
-  float* const sh_beta0 = sh_par + a.cpg;
-  float2* sh_runs = reinterpret_cast<float2*>(sh_par + (kPrefetch ? 4 : 2) * a.cpg);
+  float* sh_gamma = reinterpret_cast<float*>(smem + static_cast<size_t>(sa.stages) * sa.stage_bytes);
+  float* sh_beta = sh_gamma + a.cpg;
+  float2* sh_runs = reinterpret_cast<float2*>(sh_gamma + 2 * a.cpg);
   uint64_t* full = reinterpret_cast<uint64_t*>(sh_runs + sa.max_runs);
   __shared__ Welford<float> sh_warp[WARPS];
   __shared__ float2 sh_sums[WARPS];
   __shared__ float4 sh_slots[2][16];
   __shared__ uint64_t sh_xbars[2];
-  __shared__ float4 sh_gstat[2];  // sa.prefetch: (pivot0, md, rstd) of the group and of the next
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid / 32, K = a.K;
   const int rank = static_cast<int>(blockIdx.x % K);
@@ -2919,48 +2898,9 @@ __global__ void __launch_bounds__(THREADS, BLOCKS) smem_grad_kernel(const SmemGr
     for (int i = 0; i * chunk_v < nv; ++i) issue_chunk(it, stage, i);
   };
 
-  // Given the forward's statistics, group ng's gamma and beta (threads below cpg) and statistics (thread 0) are
-  // loaded into registers early and written to buffer (it & 1) during the group before (prefetch), so a group
-  // starts without a block barrier behind the loads of its parameters (ncu, bf16 (28, 320, 72, 128): 6 % of the
-  // warps' stall samples were at that barrier).
-  const bool prefetch = kPrefetch && sa.prefetch && sa.stats != nullptr;
-  struct Params {  // a thread's share of a group's parameters, in registers from load to store only
-    float w = 1.f, b = 0.f;
-    float4 st = make_float4(0.f, 0.f, 0.f, 0.f);
-  };
-  // Group ng's parameters, g = ng % G stepped from group to group (a 64-bit remainder a group measured ~4 % more
-  // instructions); only the warps holding a channel (thread 0's among them) take part, by a warp-uniform branch.
-  const int64_t g_step = nclusters % a.G;
-  const bool param_warp = warp * 32 < a.cpg || warp == 0;
-  auto load_params = [&](int64_t ng, int64_t g) {
-    Params p;
-    if (param_warp && ng < sa.groups) {
-      if (tid < a.cpg) {
-        if (a.w) p.w = static_cast<float>(a.w[g * a.cpg + tid]);
-        if (a.b) p.b = static_cast<float>(a.b[g * a.cpg + tid]);
-      }
-      if (tid == 0) p.st = make_float4(sa.stats[ng], sa.stats[sa.groups + ng], sa.stats[2 * sa.groups + ng], 0.f);
-    }
-    return p;
-  };
-  auto store_params = [&](const Params& p, int buf) {
-    if (!param_warp) return;
-    if (tid < a.cpg) {
-      sh_par[buf * 2 * a.cpg + tid] = p.w;
-      sh_par[buf * 2 * a.cpg + a.cpg + tid] = p.b;
-    }
-    if (tid == 0) sh_gstat[buf] = p.st;
-  };
-  // The first group's: loaded before the first copies are issued, stored after (not to hold them up).
-  const Params first = prefetch ? load_params(cluster, cluster % a.G) : Params{};
-
   const ClusterExchange xch{sh_slots, sh_xbars, K, rank};
   StageRing ring;
   ring.start(bar0, stages, sh_xbars, issue, chunks);
-  if (prefetch) {
-    store_params(first, 0);
-    __syncthreads();
-  }
 
   auto sum_lanes = [](float& u, float& v) {  // xor butterflies: every lane ends with the same bits
 #pragma unroll
@@ -2982,15 +2922,11 @@ __global__ void __launch_bounds__(THREADS, BLOCKS) smem_grad_kernel(const SmemGr
     const int64_t base = (ng / a.G) * a.nstride + g * a.seg + static_cast<int64_t>(v0) * VEC;
     const uint4* xb = reinterpret_cast<const uint4*>(smem + static_cast<size_t>(stage) * sa.stage_bytes);
     uint4* db = reinterpret_cast<uint4*>(smem + static_cast<size_t>(stage) * sa.stage_bytes + sa.dy_off);
-    const int buf = prefetch ? static_cast<int>(it & 1) : 0;
-    const float* sh_gamma = kPrefetch ? sh_par + buf * 2 * a.cpg : sh_gamma0;
-    const float* sh_beta = kPrefetch ? sh_gamma + a.cpg : sh_beta0;
-    // Without prefetch: this group's gamma and beta, a thread a channel (the statistics' block barrier orders the
-    // writes before every read). Holding them in registers an iteration ahead measured 1 % slower on all four
-    // UNet / VAE shapes (before the chunked stage).
-    if (!prefetch && tid < a.cpg) {
-      sh_gamma0[tid] = a.w ? static_cast<float>(a.w[g * a.cpg + tid]) : 1.f;
-      sh_beta0[tid] = a.b ? static_cast<float>(a.b[g * a.cpg + tid]) : 0.f;
+    // This group's gamma and beta, a thread a channel (the statistics' block barrier orders the writes before
+    // every read). Loading them an iteration ahead measured 1 % slower on all four UNet / VAE shapes.
+    if (tid < a.cpg) {
+      sh_gamma[tid] = a.w ? static_cast<float>(a.w[g * a.cpg + tid]) : 1.f;
+      sh_beta[tid] = a.b ? static_cast<float>(a.b[g * a.cpg + tid]) : 0.f;
     }
     // Each thread waits for the chunks it reads itself, in order: landed(k) returns once vector k's chunk (and
     // every one before it) has landed. Every chunk it waits on was issued (k < nv).
@@ -3006,12 +2942,7 @@ __global__ void __launch_bounds__(THREADS, BLOCKS) smem_grad_kernel(const SmemGr
     // with sc = rstd * gamma_c, bd = beta_c - md * sc. The forward's where given (pivot0 the mean's high part,
     // md its low part; one exchange a group), else from the stage (exchange 2 it).
     float pivot0, rstd, md;
-    if (prefetch) {
-      const float4 st = sh_gstat[buf];
-      pivot0 = st.x;
-      md = st.y;
-      rstd = st.z;
-    } else if (sa.stats) {  // loaded ahead of the stage's wait; the sums' pass waits for each run's chunks
+    if (sa.stats) {  // loaded ahead of the stage's wait; the sums' pass waits for each run's chunks
       pivot0 = sa.stats[ng];
       md = sa.stats[sa.groups + ng];
       rstd = sa.stats[2 * sa.groups + ng];
@@ -3091,16 +3022,10 @@ __global__ void __launch_bounds__(THREADS, BLOCKS) smem_grad_kernel(const SmemGr
       if (lane < WARPS) t = sh_sums[lane];
       sum_lanes(t.x, t.y);
     }
-    // The next group's parameters: loaded after thread 0's send, stored after the exchange's wait (which hides the
-    // loads), before this group's last block barrier; the other buffer's last reads were the previous group's.
-    Params next;
     // Exchange indices alternate buffers: a CTA sends index e + 2 only after every CTA sent e + 1, i.e. read e's
     // slots. Given the statistics there is one exchange a group, so its index is it (2 it + 1 would reuse one buffer).
     const int64_t xe = sa.stats ? it : 2 * it + 1;
-    const float4 rv = cluster_exchange(xch, make_float4(t.x, t.y, 0.f, 0.f), xe, [&] {  // thread 0's is sent
-      if (prefetch) next = load_params(ng + nclusters, g + g_step < a.G ? g + g_step : g + g_step - a.G);
-    });
-    if (prefetch) store_params(next, buf ^ 1);
+    const float4 rv = cluster_exchange(xch, make_float4(t.x, t.y, 0.f, 0.f), xe);  // thread 0's is sent
     float m1 = rv.x, m2 = rv.y;  // zeros in lanes >= K
     sum_lanes(m1, m2);
     const float inv_m = 1.f / static_cast<float>(a.M);
@@ -4877,9 +4802,6 @@ inline int grad_chunks() {
 // Version 7's one-stage plans refill each chunk as dx is done with it (SmemGradArgs::early) unless
 // VD_GROUP_NORM_BACKWARD_EARLY=0; read on every call.
 inline bool grad_early() { return env_str("VD_GROUP_NORM_BACKWARD_EARLY") != "0"; }
-// Version 7 given the forward's statistics writes the next group's parameters during a group (SmemGradArgs::prefetch)
-// unless VD_GROUP_NORM_BACKWARD_PREFETCH=0; read on every call.
-inline bool grad_prefetch() { return env_str("VD_GROUP_NORM_BACKWARD_PREFETCH") != "0"; }
 // Version 7's choice of three CTAs an SM at twice the cluster where rounds fill better (backward_smem), unless
 // VD_GROUP_NORM_BACKWARD_FILL=0 (benchmarks compare); read on every call.
 inline bool grad_fill_rule() { return env_str("VD_GROUP_NORM_BACKWARD_FILL") != "0"; }
@@ -4946,8 +4868,7 @@ GradPlan plan_grad(Kernel kernel, int64_t cpg, int64_t S, int device, int thread
   if (p.stage_bytes > limit) return p;
   p.stages = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(kGradMaxStages, 2 * grad_stage_bytes<BLOCKS>() / p.stage_bytes)));
   p.max_runs = static_cast<int>(ceil_div(p.part, int64_t{kGradRun}) + ceil_div(p.part, S / kVec) + 2);
-  p.smem = p.stages * p.stage_bytes + (grad_prefetch_compiled(threads) ? 4 : 2) * cpg * sizeof(float) +
-           p.max_runs * sizeof(float2) +
+  p.smem = p.stages * p.stage_bytes + 2 * cpg * sizeof(float) + p.max_runs * sizeof(float2) +
            p.stages * kGradMaxChunks * sizeof(uint64_t);
   p.clusters = resident_clusters(kernel, K, device, threads, p.smem);
   if (p.clusters > 0) p.K = K;
@@ -5027,8 +4948,8 @@ bool backward_smem(const GNShape& s, const scalar_t* x, const scalar_t* dy, scal
       // 26 55.1 / 54.0, 28 62.7 / 57.1, 32 63.9 / 65.0; fp32 (28, 1280, 16, 16) 58.1 / 49.7; from K = 4, bf16
       // (2, 320, 72, 128) 23.8 / 21.2, (28, 320, 72, 128) 160.6 / 168.8 (the model's 5 % gain a loss); fp32 from
       // K = 8, (2, 320, 72, 128) 44.4 / 38.6; from K = 4, (28, 640, 36, 64) 172.4 / 175.5.
-      // p is the 256-thread plan; 16-bit input with SiLU runs it at 384 threads below, with the same clusters (its
-      // shared memory also holds the second buffer of gamma and beta: grad_prefetch_compiled).
+      // p is the 256-thread plan; 16-bit input with SiLU runs it at 384 threads below, with the same shared memory
+      // and clusters.
       if (!three && p.stages == 1 && p.K < 16 && grad_fill_rule()) {
         const GradPlan q = plan_grad<scalar_t, 3>(kernel3, cpg, s.S, device, kSmemThreads, 2 * p.K);
         if (q.K == 2 * p.K && q.stages == 1) {
@@ -5078,7 +4999,6 @@ bool backward_smem(const GNShape& s, const scalar_t* x, const scalar_t* dy, scal
     a.chunks = static_cast<int>(ceil_div(p.part, int64_t{a.chunk_v}));
     a.early = p.stages == 1 && grad_early();
     a.run_v = grad_run_v(s.S / kVec);
-    a.prefetch = grad_prefetch();
     on_chip_param_grads<scalar_t>(s, K, like, wdtype, bdtype, stream, dw, db, [&](float2* sums) {
       a.sums = sums;
       launch_clusters(kOp, kernel, a, std::min<int64_t>(a.groups, p.clusters), K, threads, p.smem, stream);
