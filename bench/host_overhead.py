@@ -4,6 +4,10 @@ the end; the host's time a call wherever it outlasts the kernel), the same calls
 ops.py times "a call"; once on one input, once exactly as ops.py, inputs rotated over sets larger than the L2 and the
 op through its overload packet), and the profiler's CPU breakdown of our call.
     python bench/host_overhead.py [--dtype bf16] [--iters 2000]
+
+--backward: the backward through autograd (torch.autograd.grad on a kept graph, as ops.py and gn_env_ab.py time "a
+call"), ours against eager on the UNet rows whose backward kernel is shorter than a call's host time, beside the
+backward op called alone and autograd.grad through x * 2 on 64 floats (the engine's own cost a call).
 """
 from __future__ import annotations
 
@@ -55,12 +59,58 @@ def breakdown(fn, top=12):
              "calls": e.count / n} for e in rows]
 
 
+BACKWARD_SHAPES = [("unet-640", (28, 640, 36, 64), False), ("unet-1280", (28, 1280, 18, 32), False),
+                   ("unet-1280-cl", (28, 1280, 18, 32), True), ("tiny", (2, 64, 4, 4), False)]
+
+
+def backward_rows(dtype, dev, iters):
+    """Host µs a backward call back to back, ours and eager through autograd, the op alone, and the engine's own."""
+    def grad_of(fn, ins, dy):  # autograd.grad on a kept graph: the backward alone a call
+        y = fn(*ins)
+        return lambda: torch.autograd.grad(y, ins, dy, retain_graph=True)
+
+    t = torch.randn(64, device=dev, requires_grad=True)
+    trivial = host_us(grad_of(lambda a: a * 2, (t,), torch.ones_like(t)), iters)
+    rows = []
+    for name, shape, cl in BACKWARD_SHAPES:
+        x = torch.randn(shape, device=dev, dtype=dtype)
+        if cl:
+            x = x.to(memory_format=torch.channels_last)
+        C = shape[1]
+        w, b = torch.randn(C, device=dev, dtype=dtype), torch.randn(C, device=dev, dtype=dtype)
+        dy = torch.randn_like(x)
+        ins = tuple(v.detach().requires_grad_() for v in (x, w, b))
+        _, stats = torch.ops.vd.group_norm_silu_forward(x, 32, w, b, 1e-5, True)
+        fns = {
+            "ours_autograd": grad_of(lambda x, w, b: torch.ops.vd.group_norm_silu(x, 32, w, b, 1e-5, True), ins, dy),
+            "eager_autograd": grad_of(lambda x, w, b: F.silu(F.group_norm(x, 32, w, b, 1e-5)), ins, dy),
+            "ours_op": lambda: torch.ops.vd.group_norm_silu_backward(dy, x, 32, w, b, 1e-5, True, stats),
+        }
+        r = {"shape": name}
+        for k, fn in fns.items():
+            r[k + "_us"] = host_us(fn, iters)
+        r["engine_x2_us"] = trivial
+        r["x_eager"] = r["eager_autograd_us"] / r["ours_autograd_us"]
+        for k in ("ours_autograd", "eager_autograd"):
+            r[k + "_events_us"] = 1e3 * time_cuda(lambda i, fn=fns[k]: fn())
+        r["x_eager_events"] = r["eager_autograd_events_us"] / r["ours_autograd_events_us"]
+        rows.append(r)
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtype", default="bf16", choices=list(DTYPES))
     ap.add_argument("--iters", type=int, default=2000)
+    ap.add_argument("--backward", action="store_true")
     args = ap.parse_args()
     dtype, dev = DTYPES[args.dtype], torch.device("cuda")
+    if args.backward:
+        rows = backward_rows(dtype, dev, min(args.iters, 500))
+        print_table(rows, [("shape", "shape", "")] + [(k, k, ".1f") for k in rows[0] if k != "shape"])
+        print(write_json(f"host_overhead_backward_{args.dtype}",
+                         {"environment": environment(dev), "dtype": args.dtype, "rows": rows}))
+        return
     rows, detail = [], {}
     for cl in (False, True):
         for name, shape, frames in SHAPES:
