@@ -7,7 +7,8 @@ op through its overload packet), and the profiler's CPU breakdown of our call.
 
 --backward: the backward through autograd (torch.autograd.grad on a kept graph, as ops.py and gn_env_ab.py time "a
 call"), ours against eager on the UNet rows whose backward kernel is shorter than a call's host time, beside the
-backward op called alone and autograd.grad through x * 2 on 64 floats (the engine's own cost a call).
+backward op called alone and autograd.grad through x * 2 on 64 floats (the engine's own cost a call); at most 500
+calls a batch (eager's backward is device-bound there).
 """
 from __future__ import annotations
 

@@ -1677,6 +1677,14 @@ struct ClusterExchange {
   int K, rank;
 };
 
+// The backward's exchange of m1 and m2 for group iteration it (versions 7 and 10). Exchange indices must run
+// consecutively, so that buffers alternate: a CTA sends index e + 2 only after every CTA sent e + 1, i.e. read e's
+// slots. Given the forward's statistics it is the group's only exchange (index it); else the statistics' exchange
+// takes 2 it and this one 2 it + 1.
+__device__ __forceinline__ int64_t grad_exchange_index(bool stats_given, int64_t it) {
+  return stats_given ? it : 2 * it + 1;
+}
+
 // Returns, in lane l < K of every warp, rank l's value of iteration it (zeros in the other lanes).
 __device__ __forceinline__ float4 cluster_exchange(const ClusterExchange& x, float4 v, int64_t it) {
   const int b = static_cast<int>(it & 1);
@@ -3022,9 +3030,7 @@ __global__ void __launch_bounds__(THREADS, BLOCKS) smem_grad_kernel(const SmemGr
       if (lane < WARPS) t = sh_sums[lane];
       sum_lanes(t.x, t.y);
     }
-    // Exchange indices alternate buffers: a CTA sends index e + 2 only after every CTA sent e + 1, i.e. read e's
-    // slots. Given the statistics there is one exchange a group, so its index is it (2 it + 1 would reuse one buffer).
-    const int64_t xe = sa.stats ? it : 2 * it + 1;
+    const int64_t xe = grad_exchange_index(sa.stats != nullptr, it);
     const float4 rv = cluster_exchange(xch, make_float4(t.x, t.y, 0.f, 0.f), xe);  // thread 0's is sent
     float m1 = rv.x, m2 = rv.y;  // zeros in lanes >= K
     sum_lanes(m1, m2);
@@ -3960,7 +3966,7 @@ __global__ void __launch_bounds__(kSmemColsThreads, 2)
     // A warp a group sends the group's shares to every rank; then every rank's, added in rank order, give m1, m2
     // and dx = sc_c * dz + D * xd + Bd, D = -rstd^2 * m2 / M, Bd = -D * md - rstd * m1 / M.
     {
-      const int64_t e = ga.stats ? it : 2 * it + 1;  // alternating buffers, as version 7's exchange
+      const int64_t e = grad_exchange_index(ga.stats != nullptr, it);
       const int b = static_cast<int>(e & 1);
       const uint32_t xbar = static_cast<uint32_t>(__cvta_generic_to_shared(&xbars[b]));
       if (tid == 0 && K > 1) wgmma::mbar_expect_tx(xbar, static_cast<uint32_t>(K * a.gb) * 16u);
